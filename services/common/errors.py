@@ -1,0 +1,57 @@
+"""Typed errors shared by every layer, each naming the status it maps to at the edge.
+
+The mapping to gRPC statuses and HTTP codes happens once, at the servicers and the HTTP
+front (see shared/INTERFACES.md); everything below raises these. Shortage inside the engine
+(no free KV block this step) is not an error: allocation returns None and the scheduler decides.
+"""
+
+
+class MeshError(Exception):
+    """Base of every error meshserve reports to a caller."""
+
+    code = "INTERNAL"  # the gRPC status name this error maps to
+    http_status = 500
+
+
+class InvalidRequest(MeshError):
+    """A malformed or out-of-range field: empty prompt, token id outside the vocabulary, bad sampling value."""
+
+    code = "INVALID_ARGUMENT"
+    http_status = 400
+
+
+class OutOfRange(MeshError):
+    """Prompt plus max_tokens beyond the model's context or the whole KV pool."""
+
+    code = "OUT_OF_RANGE"
+    http_status = 400
+
+
+class NotFound(MeshError):
+    """Unknown model, adapter or request id."""
+
+    code = "NOT_FOUND"
+    http_status = 404
+
+
+class CapacityExhausted(MeshError):
+    """Over a limit or queue full; retry_after_ms says when trying again is sensible."""
+
+    code = "RESOURCE_EXHAUSTED"
+    http_status = 429
+
+    def __init__(self, message: str, retry_after_ms: int = 1000):
+        super().__init__(message)
+        self.retry_after_ms = retry_after_ms
+
+
+class ModelLoadError(MeshError):
+    """A model folder is missing a file or uses something the engine does not support."""
+
+    code = "FAILED_PRECONDITION"
+    http_status = 500
+
+
+def error_dict(err: MeshError) -> dict:
+    """The JSONL/HTTP shape of an error: {"code": ..., "message": ...}."""
+    return {"code": err.code, "message": str(err)}

@@ -1,0 +1,149 @@
+"""Paged attention over a flat mixed batch, and the KV storage it reads and writes.
+
+A batch is a flat run of tokens: a prefill chunk of any length or one decode token per
+sequence. Each step, build_metadata() turns the per-sequence layout into index tensors once;
+every layer then (1) writes its new K/V into the paged pool at their slots and (2) attends.
+
+TorchAttention (CPU) attends group by group, with no Python loop per sequence: sequences are
+sorted by context length and cut into groups of similar length; a group's keys are gathered
+from the pool through its block tables into a padded [B, L] tensor and attended with one
+masked scaled_dot_product_attention call, GQA handled by folding the query-head group into
+the query axis (no K/V repeat). A FlashInfer backend for CUDA can implement the same two
+methods over the same pool layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+class KVCache:
+    """The paged K/V pool: per layer one K and one V tensor of [num_blocks * block_size, kv_heads, head_dim]."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int,
+                 head_dim: int, dtype: torch.dtype):
+        self.block_size = block_size
+        shape = (num_blocks * block_size, kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * block_size * kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
+
+    def read_block(self, block: int) -> torch.Tensor:
+        """One block of every layer: [layers, 2, block_size, kv_heads, head_dim] (a copy)."""
+        s = slice(block * self.block_size, (block + 1) * self.block_size)
+        return torch.stack([torch.stack((k[s], v[s])) for k, v in zip(self.k, self.v)])
+
+    def write_block(self, block: int, data: torch.Tensor) -> None:
+        """Inverse of read_block; data may be flat."""
+        data = data.view(len(self.k), 2, self.block_size, *self.k[0].shape[1:])
+        s = slice(block * self.block_size, (block + 1) * self.block_size)
+        for layer, (k, v) in enumerate(zip(self.k, self.v)):
+            k[s].copy_(data[layer, 0])
+            v[s].copy_(data[layer, 1])
+
+
+@dataclass(frozen=True)
+class SeqLayout:
+    """One sequence's share of a batch."""
+
+    num_computed: int  # tokens already in the KV cache before this step
+    num_new: int  # tokens of this sequence in the batch
+    block_table: list  # KV block ids covering num_computed + num_new tokens
+
+
+@dataclass
+class AttentionGroup:
+    """Sequences of similar context length attended together."""
+
+    q_index: torch.Tensor  # [B, Q] flat token index of each query (padding -> 0)
+    kv_slots: torch.Tensor  # [B, L] pool slot of each key (padding -> 0)
+    mask: torch.Tensor  # [B, 1, Q, L] True where the query may attend the key
+    out_rows: torch.Tensor  # rows of the [B*Q] result that are real queries
+    out_tokens: torch.Tensor  # flat token index of each row in out_rows
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] pool slot where each new token's K/V is written
+    groups: list  # AttentionGroup, covering every token exactly once
+    num_tokens: int  # T
+
+
+class TorchAttention:
+    """The CPU backend (see module doc). group_size bounds how many decode sequences share one padded group."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, group_size: int = 32):
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.block_size, self.group_size = block_size, group_size
+        self.scale = head_dim ** -0.5
+
+    def build_metadata(self, seqs: list[SeqLayout]) -> AttentionMetadata:
+        offsets, slots, starts = [], [], 0
+        for s in seqs:
+            offsets.append(starts)
+            starts += s.num_new
+        bs = self.block_size
+        for s in seqs:
+            pos = torch.arange(s.num_computed, s.num_computed + s.num_new)
+            table = torch.tensor(s.block_table, dtype=torch.long)
+            slots.append(table[pos // bs] * bs + pos % bs)
+        order = sorted(range(len(seqs)), key=lambda i: (seqs[i].num_new > 1, seqs[i].num_computed + seqs[i].num_new))
+        groups = [self._group([seqs[i] for i in idx], [offsets[i] for i in idx]) for idx in self._cut(order, seqs)]
+        return AttentionMetadata(slot_mapping=torch.cat(slots), groups=groups, num_tokens=starts)
+
+    def _cut(self, order: list[int], seqs: list[SeqLayout]) -> list[list[int]]:
+        """Decode sequences in runs of group_size; prefill chunks in runs of similar padded size."""
+        decodes = [i for i in order if seqs[i].num_new == 1]
+        prefills = [i for i in order if seqs[i].num_new > 1]
+        cuts = [decodes[i:i + self.group_size] for i in range(0, len(decodes), self.group_size)]
+        return cuts + [[i] for i in prefills]
+
+    def _group(self, seqs: list[SeqLayout], offsets: list[int]) -> AttentionGroup:
+        bs = self.block_size
+        q_len = max(s.num_new for s in seqs)
+        kv_len = max(s.num_computed + s.num_new for s in seqs)
+        n_blocks = -(-kv_len // bs)
+        tables = torch.tensor([s.block_table[:n_blocks] + [0] * (n_blocks - len(s.block_table[:n_blocks]))
+                               for s in seqs], dtype=torch.long)
+        key_pos = torch.arange(kv_len)
+        kv_slots = tables[:, key_pos // bs] * bs + key_pos % bs
+        computed = torch.tensor([s.num_computed for s in seqs])[:, None]
+        num_new = torch.tensor([s.num_new for s in seqs])[:, None]
+        q_off = torch.arange(q_len)[None, :]
+        q_valid = q_off < num_new
+        q_pos = computed + q_off
+        mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & q_valid[:, :, None]
+        mask[:, :, 0] |= ~q_valid  # padding queries attend key 0 so softmax stays finite
+        q_index = torch.where(q_valid, torch.tensor(offsets)[:, None] + q_off, 0)
+        rows = q_valid.reshape(-1).nonzero().squeeze(1)
+        return AttentionGroup(q_index=q_index, kv_slots=kv_slots, mask=mask[:, None], out_rows=rows,
+                              out_tokens=q_index.reshape(-1)[rows])
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor,
+                v_pool: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, KVH, D] (written into the pool first). Returns [T, H*D]."""
+        k_pool.index_copy_(0, meta.slot_mapping, k)
+        v_pool.index_copy_(0, meta.slot_mapping, v)
+        out = q.new_empty((meta.num_tokens, self.num_heads * self.head_dim))
+        for g in meta.groups:
+            out[g.out_tokens] = self._attend(q, k_pool, v_pool, g)[g.out_rows]
+        return out
+
+    def _attend(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, g: AttentionGroup) -> torch.Tensor:
+        b, q_len = g.q_index.shape
+        kvh, d = self.num_kv_heads, self.head_dim
+        rep = self.num_heads // kvh
+        # [B, Q, KVH, rep, D] -> [B, KVH, Q*rep, D]: the heads sharing a KV head ride the query axis.
+        qg = q[g.q_index].view(b, q_len, kvh, rep, d).permute(0, 2, 1, 3, 4).reshape(b, kvh, q_len * rep, d)
+        keys = k_pool[g.kv_slots].permute(0, 2, 1, 3)  # [B, KVH, L, D]
+        values = v_pool[g.kv_slots].permute(0, 2, 1, 3)
+        mask = g.mask if rep == 1 else g.mask[:, :, :, None, :].expand(-1, -1, -1, rep, -1).reshape(
+            b, 1, q_len * rep, -1)
+        o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=self.scale)
+        return o.view(b, kvh, q_len, rep, d).permute(0, 2, 1, 3, 4).reshape(b * q_len, kvh * rep * d)

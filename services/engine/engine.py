@@ -1,0 +1,248 @@
+"""LLMEngine: the composition root of the engine, and its public API.
+
+add_request() validates and queues; step() runs one iteration (schedule -> forward -> sample ->
+update) and returns per-request deltas; abort() ends a request and frees its blocks at once.
+export_kv()/add_request(kv=...) move a sequence's KV blocks between engines, so a sequence
+prefilled in one engine continues decoding in another with identical output.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from services.common.arbitration import make_policy
+from services.common.errors import CapacityExhausted, InvalidRequest, NotFound, OutOfRange
+from services.engine.attention import KVCache, SeqLayout, TorchAttention
+from services.engine.block_pool import BlockPool
+from services.engine.config import EngineConfig
+from services.engine.kv_manager import KVCacheManager
+from services.engine.kv_transfer import KVExport, decode_block, encode_block
+from services.engine.loader import load_model
+from services.engine.model import LlamaModel
+from services.engine.request import Request, SamplingParams, Status
+from services.engine.sampler import Sampler
+from services.engine.scheduler import Scheduler, SchedulerOutput
+from services.engine.tokenizer import Tokenizer, cut_at_stop
+
+
+@dataclass
+class RequestOutput:
+    req_id: str
+    new_token_ids: list  # tokens sampled this step (zero or one)
+    new_logprobs: list | None  # their logprobs, when asked
+    finished: bool
+    finish_reason: str | None  # stop | length | abort, once finished
+    request: Request  # the engine's record (read only)
+
+
+@dataclass
+class StepStats:
+    num_running: int  # sequences in the batch
+    num_tokens: int  # tokens in the batch
+    forward_s: float  # model call, embeddings to logits
+    step_s: float  # the whole step
+    kv_slots_allocated: int  # token slots in blocks held by running requests
+    kv_slots_filled: int  # of which hold computed tokens
+
+
+@dataclass(frozen=True)
+class RuntimeInfo:
+    num_blocks: int  # KV pool size
+    eos_token_ids: tuple  # ids that end generation unless ignore_eos
+    vocab_size: int  # model vocabulary
+    max_model_len: int  # longest prompt + output
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, clock=time.monotonic):
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.config, self.clock = config, clock
+        loaded = load_model(config.model_dir, config.dtype)
+        mc = self.model_config = loaded.config
+        self.model = LlamaModel(mc, loaded.weights)
+        self.tokenizer = Tokenizer(config.model_dir) if (Path(config.model_dir) / "tokenizer.json").exists() else None
+        cc, sc = config.cache, config.scheduler
+        num_blocks = cc.num_blocks or max(1, cc.kv_cache_bytes // KVCache.bytes_per_block(
+            mc.num_layers, cc.block_size, mc.num_kv_heads, mc.head_dim, self.model.dtype))
+        self.info = RuntimeInfo(num_blocks, loaded.eos_token_ids, mc.vocab_size,
+                                min(mc.max_positions, num_blocks * cc.block_size))
+        self.kv_cache = KVCache(mc.num_layers, num_blocks, cc.block_size, mc.num_kv_heads, mc.head_dim, self.model.dtype)
+        self.kv = KVCacheManager(BlockPool(num_blocks), cc.block_size, cc.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, make_policy(sc.policy), sc.max_num_seqs, sc.max_num_batched_tokens)
+        self.attention = TorchAttention(mc.num_heads, mc.num_kv_heads, mc.head_dim, cc.block_size)
+        self.sampler = Sampler(config.seed)
+        self.requests: dict[str, Request] = {}
+        self._seq = itertools.count()
+        self.last_step: StepStats | None = None
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def add_request(self, req_id: str, prompt_token_ids: list[int] | None = None, params: SamplingParams | None = None,
+                    *, prompt: str | None = None, priority: int = 0, adapter: str = "", cache_salt: str = "",
+                    kv: KVExport | None = None) -> Request:
+        """Validate and queue a request (see module doc for kv). Raises a typed MeshError on bad input."""
+        params = params or SamplingParams()
+        ids = self._prompt_ids(prompt_token_ids, prompt)
+        self._validate(req_id, ids, params, adapter)
+        req = Request(req_id, ids, params, arrival_s=self.clock(), seq_no=next(self._seq), priority=priority,
+                      adapter=adapter, cache_salt=cache_salt)
+        if kv is not None:
+            self._import(req, kv)
+        else:
+            self.scheduler.add(req)
+        self.requests[req_id] = req
+        return req
+
+    def _prompt_ids(self, ids, prompt) -> list[int]:
+        if (ids is None) == (prompt is None):
+            raise InvalidRequest("give exactly one of prompt or prompt_token_ids")
+        if prompt is not None:
+            if self.tokenizer is None:
+                raise InvalidRequest("this model has no tokenizer.json: send prompt_token_ids")
+            ids = self.tokenizer.encode(prompt)
+        return list(ids)
+
+    def _validate(self, req_id: str, ids: list, params: SamplingParams, adapter: str) -> None:
+        if not isinstance(req_id, str) or not req_id:
+            raise InvalidRequest("request id must be a non-empty string")
+        if req_id in self.requests:
+            raise InvalidRequest(f"request id {req_id!r} is already in use")
+        if not ids:
+            raise InvalidRequest("prompt is empty")
+        vocab = self.info.vocab_size
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
+            raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab})")
+        params.validate()
+        if adapter:
+            raise NotFound(f"adapter {adapter!r} is not loaded (this engine serves the base model only)")
+        total = len(ids) + params.max_tokens
+        if total > self.info.max_model_len:
+            raise OutOfRange(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
+                             f"the maximum of {self.info.max_model_len} tokens (model context and KV pool)")
+
+    def abort(self, req_id: str) -> bool:
+        """End a request now and free its KV blocks; False if it is unknown or already finished."""
+        req = self.requests.pop(req_id, None)
+        if req is None:
+            return False
+        self.scheduler.finish(req, "abort")
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    # ---- the iteration ----------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration; returns a delta for every request that sampled or finished."""
+        t0 = time.perf_counter()
+        out = self.scheduler.schedule()
+        if out.empty:
+            return []
+        ids, positions, layouts, logits_index, sampling = self._build_batch(out)
+        meta = self.attention.build_metadata(layouts)
+        t1 = time.perf_counter()
+        logits = self.model.forward(ids, positions, self.attention, meta, self.kv_cache, logits_index)
+        forward_s = time.perf_counter() - t1
+        tokens, logprobs = self.sampler(logits, sampling) if sampling else ([], None)
+        self.scheduler.update(out)
+        results = self._postprocess(sampling, tokens, logprobs)
+        self._record(out, forward_s, time.perf_counter() - t0)
+        return results
+
+    def _build_batch(self, out: SchedulerOutput):
+        ids, positions, layouts, logits_index, sampling = [], [], [], [], []
+        for s in out.seqs:
+            req = s.request
+            end = s.num_computed + s.num_new
+            ids.extend(req.tokens[s.num_computed:end])
+            positions.extend(range(s.num_computed, end))
+            layouts.append(SeqLayout(s.num_computed, s.num_new, self.kv.block_table(req)))
+            if s.sample:
+                logits_index.append(len(ids) - 1)
+                sampling.append(req)
+        return (torch.tensor(ids), torch.tensor(positions), layouts, torch.tensor(logits_index, dtype=torch.long),
+                sampling)
+
+    def _postprocess(self, reqs: list[Request], tokens: list[int], logprobs) -> list[RequestOutput]:
+        results = []
+        for i, (req, tok) in enumerate(zip(reqs, tokens)):
+            req.tokens.append(tok)
+            lp = None
+            if req.params.logprobs:
+                lp = [logprobs[i]]
+                req.logprobs.append(logprobs[i])
+            reason = self._finish_reason(req, tok)
+            if reason:
+                self.scheduler.finish(req, reason)
+                self.requests.pop(req.req_id, None)
+            results.append(RequestOutput(req.req_id, [tok], lp, reason is not None, reason, req))
+        return results
+
+    def _finish_reason(self, req: Request, tok: int) -> str | None:
+        p = req.params
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.info.eos_token_ids):
+            return "stop"
+        if p.stop and self.tokenizer and cut_at_stop(self.tokenizer.decode(req.output_token_ids), p.stop)[1]:
+            return "stop"
+        if req.num_output >= p.max_tokens:
+            return "length"
+        return None
+
+    def _record(self, out: SchedulerOutput, forward_s: float, step_s: float) -> None:
+        bs = self.kv.block_size
+        running = self.scheduler.running
+        self.last_step = StepStats(
+            num_running=len(out.seqs), num_tokens=out.num_tokens, forward_s=forward_s, step_s=step_s,
+            kv_slots_allocated=sum(len(self.kv.block_table(r)) for r in running) * bs,
+            kv_slots_filled=sum(r.num_computed for r in running))
+
+    # ---- KV transfer ------------------------------------------------------------------------
+
+    def export_kv(self, req_id: str) -> KVExport:
+        """The computed KV of a running request, block by block, with what is needed to continue it."""
+        req = self.requests.get(req_id)
+        if req is None or req.status is not Status.RUNNING:
+            raise NotFound(f"request {req_id!r} is not running here")
+        table = self.kv.block_table(req)[: -(-req.num_computed // self.kv.block_size)]
+        return KVExport(
+            token_ids=list(req.tokens), num_prompt=req.num_prompt, num_computed=req.num_computed,
+            block_size=self.kv.block_size, dtype=str(self.model.dtype).removeprefix("torch."),
+            blocks=[encode_block(self.kv_cache.read_block(b)) for b in table],
+            rng_state=bytes(req.generator.get_state().numpy()) if req.generator else None)
+
+    def _import(self, req: Request, kv: KVExport) -> None:
+        if kv.block_size != self.kv.block_size:
+            raise InvalidRequest(f"KV block size {kv.block_size} differs from this engine's {self.kv.block_size}")
+        if kv.token_ids[:kv.num_prompt] != req.prompt_token_ids:
+            raise InvalidRequest("imported KV belongs to a different prompt")
+        if len(self.scheduler.running) >= self.scheduler.max_num_seqs:
+            raise CapacityExhausted("no free sequence slot for imported KV", retry_after_ms=50)
+        req.tokens = list(kv.token_ids)
+        if not self.kv.allocate(req, kv.num_computed):
+            raise CapacityExhausted("not enough free KV blocks for imported KV", retry_after_ms=50)
+        for block, data in zip(self.kv.block_table(req), kv.blocks):
+            self.kv_cache.write_block(block, decode_block(data, self.model.dtype))
+        if kv.rng_state is not None and req.generator is not None:
+            req.generator.set_state(torch.frombuffer(bytearray(kv.rng_state), dtype=torch.uint8))
+        req.num_computed, req.status = kv.num_computed, Status.RUNNING
+        self.kv.commit(req)
+        self.scheduler.running.append(req)
+
+    # ---- introspection ------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        return {"blocks": self.kv.pool.counts(), "running": len(self.scheduler.running),
+                "waiting": len(self.scheduler.waiting)}
+
+    def output_text(self, req: Request) -> str:
+        """Decoded output, cut before the first stop string."""
+        if self.tokenizer is None:
+            return ""
+        return cut_at_stop(self.tokenizer.decode(req.output_token_ids), req.params.stop)[0]

@@ -1,0 +1,104 @@
+"""A Llama-family decoder (Llama, Mistral, Qwen2) over a flat mixed batch and the paged KV pool.
+
+forward() takes the batch's tokens and positions as flat [T] tensors; every linear layer runs
+once over all T tokens (prefill chunks and decode tokens alike); attention is delegated to a
+backend (services.engine.attention). Logits are computed only for the rows that sample.
+q/k/v and gate/up projections are fused into one matmul each. Every projection goes through
+_proj(), the one place where per-token LoRA deltas will be added.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from services.common.errors import ModelLoadError
+from services.engine.config import ModelConfig
+from services.engine.rope import RotaryEmbedding, apply_rotary
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [(H + 2*KVH) * D, hidden]
+    qkv_bias: torch.Tensor | None  # [(H + 2*KVH) * D]
+    o: torch.Tensor  # [hidden, H * D]
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor  # [hidden]
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor  # [hidden, intermediate]
+    down_bias: torch.Tensor | None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _proj(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+class LlamaModel:
+    """Weights as plain tensors; see module doc."""
+
+    def __init__(self, config: ModelConfig, weights: dict):
+        self.config = config
+        get = _Getter(weights)
+        self.embed = get("model.embed_tokens.weight")
+        self.norm = get("model.norm.weight")
+        self.lm_head = self.embed if config.tie_embeddings else get("lm_head.weight")
+        self.layers = [self._layer(get, i) for i in range(config.num_layers)]
+        self.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_positions)
+        self.dtype = self.embed.dtype
+
+    def _layer(self, get, i: int) -> LayerWeights:
+        p, c = f"model.layers.{i}.", self.config
+        attn = [f"{p}self_attn.{n}_proj" for n in ("q", "k", "v")]
+        mlp = [f"{p}mlp.{n}_proj" for n in ("gate", "up")]
+        return LayerWeights(
+            input_norm=get(p + "input_layernorm.weight"),
+            qkv=torch.cat([get(n + ".weight") for n in attn]),
+            qkv_bias=torch.cat([get(n + ".bias") for n in attn]) if c.qkv_bias else None,
+            o=get(p + "self_attn.o_proj.weight"),
+            o_bias=get(p + "self_attn.o_proj.bias") if c.o_bias else None,
+            post_norm=get(p + "post_attention_layernorm.weight"),
+            gate_up=torch.cat([get(n + ".weight") for n in mlp]),
+            gate_up_bias=torch.cat([get(n + ".bias") for n in mlp]) if c.mlp_bias else None,
+            down=get(p + "mlp.down_proj.weight"),
+            down_bias=get(p + "mlp.down_proj.bias") if c.mlp_bias else None)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention, meta, kv_cache,
+                logits_index: torch.Tensor) -> torch.Tensor:
+        """Logits [len(logits_index), vocab] for the selected rows of the flat batch."""
+        c = self.config
+        h = F.embedding(input_ids, self.embed)
+        cos, sin = self.rotary.tables(positions, self.dtype)
+        q_width, kv_width = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        for i, w in enumerate(self.layers):
+            x = rms_norm(h, w.input_norm, c.rms_norm_eps)
+            q, k, v = _proj(x, w.qkv, w.qkv_bias).split((q_width, kv_width, kv_width), dim=-1)
+            q = apply_rotary(q.view(-1, c.num_heads, c.head_dim), cos, sin)
+            k = apply_rotary(k.view(-1, c.num_kv_heads, c.head_dim), cos, sin)
+            v = v.reshape(-1, c.num_kv_heads, c.head_dim)
+            a = attention.forward(q, k, v, kv_cache.k[i], kv_cache.v[i], meta)
+            h = h + _proj(a, w.o, w.o_bias)
+            x = rms_norm(h, w.post_norm, c.rms_norm_eps)
+            gate, up = _proj(x, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
+            h = h + _proj(F.silu(gate) * up, w.down, w.down_bias)
+        h = rms_norm(h[logits_index], self.norm, c.rms_norm_eps)
+        return F.linear(h, self.lm_head).float()
+
+
+class _Getter:
+    def __init__(self, weights: dict):
+        self.weights = weights
+
+    def __call__(self, name: str) -> torch.Tensor:
+        if name not in self.weights:
+            raise ModelLoadError(f"weights: tensor {name!r} not found in the safetensors files")
+        return self.weights[name]

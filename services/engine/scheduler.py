@@ -1,0 +1,124 @@
+"""Iteration-level scheduling: the batch is rebuilt before every forward pass.
+
+One token budget, no phases (as vLLM v1): each request tracks computed vs known tokens, and
+schedule() hands out num_new tokens per request under max_num_batched_tokens and max_num_seqs.
+Running requests come first (decodes take one token, partial prefills the rest of the budget),
+then waiting requests in the arbitration policy's order, their prompts chunked to the budget
+left and reusing cached prefix blocks. When blocks run out, the policy's victim among the
+requests not yet scheduled this step is preempted: its blocks are freed and it recomputes
+later (its sampled tokens are kept, so its output is unchanged). A step that preempted admits
+nobody new.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.common.arbitration import ArbitrationPolicy
+from services.engine.kv_manager import KVCacheManager
+from services.engine.request import Request, Status
+
+
+@dataclass
+class ScheduledSeq:
+    request: Request
+    num_computed: int  # tokens in the KV cache before this step
+    num_new: int  # tokens computed this step
+    sample: bool  # this step reaches the last known token, so a new token is sampled
+
+
+@dataclass
+class SchedulerOutput:
+    seqs: list = field(default_factory=list)  # ScheduledSeq, in batch order
+    preempted: list = field(default_factory=list)  # requests sent back to recompute
+    num_tokens: int = 0  # tokens in the batch
+
+    @property
+    def empty(self) -> bool:
+        return not self.seqs
+
+
+@dataclass
+class Finished:
+    request: Request
+    reason: str  # stop | length | abort
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, policy: ArbitrationPolicy, max_num_seqs: int,
+                 max_num_batched_tokens: int):
+        self.kv, self.policy = kv, policy
+        self.max_num_seqs, self.budget = max_num_seqs, max_num_batched_tokens
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.budget)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        out.num_tokens = sum(s.num_new for s in out.seqs)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        queue = self.policy.order(self.running)
+        while queue and budget > 0:
+            req = queue.pop(0)
+            num_new = min(req.num_tokens - req.num_computed, budget)
+            while not self.kv.allocate(req, req.num_computed + num_new):
+                victim = self.policy.victim(queue + [req])
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+                queue.remove(victim)
+            else:
+                out.seqs.append(ScheduledSeq(req, req.num_computed, num_new, req.num_computed + num_new == req.num_tokens))
+                budget -= num_new
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        for req in self.policy.order(self.waiting):
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
+            prefix = self.kv.cached_prefix(req)
+            num_cached = len(prefix) * self.kv.block_size
+            num_new = min(req.num_tokens - num_cached, budget)
+            if not self.kv.allocate(req, num_cached + num_new, prefix):
+                break
+            if req.num_preemptions == 0:
+                req.num_cached_prompt = num_cached
+            req.num_computed, req.status = num_cached, Status.RUNNING
+            self.waiting.remove(req)
+            self.running.append(req)
+            out.seqs.append(ScheduledSeq(req, num_cached, num_new, num_cached + num_new == req.num_tokens))
+            budget -= num_new
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.kv.free(req)
+        self.running.remove(req)
+        req.num_computed, req.status = 0, Status.WAITING
+        req.num_preemptions += 1
+        self.waiting.append(req)
+        out.preempted.append(req)
+
+    def update(self, out: SchedulerOutput) -> None:
+        """Advance computed counts after the forward pass and register newly full blocks."""
+        for s in out.seqs:
+            s.request.num_computed = s.num_computed + s.num_new
+            self.kv.commit(s.request)
+
+    def finish(self, req: Request, reason: str) -> None:
+        """End a request (finished or aborted): its blocks are freed at once."""
+        if req.status is Status.RUNNING:
+            self.running.remove(req)
+        elif req.status is Status.WAITING:
+            self.waiting.remove(req)
+        req.status, req.finish_reason = Status.FINISHED, reason
+        self.kv.forget(req)
