@@ -1,0 +1,114 @@
+"""Outside references and factories shared by the tests: seeded transformers models and their greedy output."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from services.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from services.engine.engine import LLMEngine
+from services.engine.request import SamplingParams
+
+TIE_GAP = 1e-5  # a greedy mismatch is tolerated only where the reference's top-2 logits are this close
+
+BASE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=128, vocab_size=512, max_position_embeddings=512, rms_norm_eps=1e-6,
+            bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.15)
+
+CONFIGS = {
+    "gqa": ("llama", {}),
+    "mha": ("llama", {"num_key_value_heads": 4}),
+    "tied": ("llama", {"tie_word_embeddings": True}),
+    "qkv_bias": ("qwen2", {}),
+    "llama3_rope": ("llama", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                                  "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                  "original_max_position_embeddings": 64}}),
+}
+
+
+def save_hf_model(out: Path, name: str, seed: int = 0) -> Path:
+    """A seeded random-weight transformers model of one CONFIGS entry, saved as a HF folder."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    kind, extra = CONFIGS[name]
+    torch.manual_seed(seed)
+    if kind == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**{**BASE, **extra}))
+        # Qwen2's init zeroes biases; give them values so the bias path is exercised.
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if n.endswith("proj.bias"):
+                    p.normal_(0, 0.5)
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**{**BASE, **extra}))
+    model.save_pretrained(out)
+    return out
+
+
+@dataclass
+class Reference:
+    tokens: list  # greedy tokens
+    gaps: list  # top-1 minus top-2 logit at each step
+
+
+def hf_greedy(model_dir: Path, prompts: list, max_new: int) -> list[Reference]:
+    """transformers generate, one request at a time, float32, eager attention, greedy, EOS ignored."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager", dtype=torch.float32).eval()
+    refs = []
+    for p in prompts:
+        out = model.generate(torch.tensor([p]), max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False,
+                             eos_token_id=None, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+        gaps = [float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in out.scores]
+        refs.append(Reference(out.sequences[0, len(p):].tolist(), gaps))
+    return refs
+
+
+def random_prompts(n: int, seed: int = 0, lo: int = 1, hi: int = 80, vocab: int = 512, prefix: list = ()) -> list:
+    rng = random.Random(seed)
+    return [list(prefix) + [rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def make_engine(model_dir, *, num_blocks=256, block_size=16, budget=64, max_seqs=64, prefix_caching=True,
+                policy="fcfs") -> LLMEngine:
+    return LLMEngine(EngineConfig(str(model_dir), cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
+                                                                   enable_prefix_caching=prefix_caching),
+                                  scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
+                                                            policy=policy)))
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def run_all(engine: LLMEngine, prompts: list, params: SamplingParams, check=None) -> list:
+    """Add every prompt, step until done; returns output tokens in prompt order. check() runs after each step."""
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    done = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                done[o.req_id] = o.request.output_token_ids
+        if check:
+            check(engine)
+    return [done[f"r{i}"] for i in range(len(prompts))]
+
+
+def assert_matches(outputs: list, refs: list[Reference]) -> list:
+    """Token-identical, except at a reference near-tie (returned for reporting)."""
+    ties = []
+    for i, (got, ref) in enumerate(zip(outputs, refs)):
+        for j, (a, b) in enumerate(zip(got, ref.tokens)):
+            if a != b:
+                assert ref.gaps[j] < TIE_GAP, (f"request {i} differs at token {j}: got {got} want {ref.tokens} "
+                                               f"(reference top-2 gap {ref.gaps[j]:.3g})")
+                ties.append((i, j, ref.gaps[j]))
+                break
+        else:
+            assert len(got) == len(ref.tokens), f"request {i}: {len(got)} tokens, want {len(ref.tokens)}"
+    return ties
