@@ -62,7 +62,7 @@ class AttentionGroup:
     """Sequences of similar context length attended together."""
 
     q_index: torch.Tensor  # [B, Q] flat token index of each query (padding -> 0)
-    kv_slots: torch.Tensor  # [B, L] pool slot of each key (padding -> 0)
+    kv_blocks: torch.Tensor  # [B * n] pool block of each of a sequence's first n blocks (padding -> 0)
     mask: torch.Tensor  # [B, 1, Q, L] True where the query may attend the key
     out_rows: torch.Tensor  # rows of the [B*Q] result that are real queries
     out_tokens: torch.Tensor  # flat token index of each row in out_rows
@@ -111,8 +111,7 @@ class TorchAttention:
         n_blocks = -(-kv_len // bs)
         tables = torch.tensor([s.block_table[:n_blocks] + [0] * (n_blocks - len(s.block_table[:n_blocks]))
                                for s in seqs], dtype=torch.long)
-        key_pos = torch.arange(kv_len)
-        kv_slots = tables[:, key_pos // bs] * bs + key_pos % bs
+        key_pos = torch.arange(n_blocks * bs)
         computed = torch.tensor([s.num_computed for s in seqs])[:, None]
         num_new = torch.tensor([s.num_new for s in seqs])[:, None]
         q_off = torch.arange(q_len)[None, :]
@@ -122,7 +121,7 @@ class TorchAttention:
         mask[:, :, 0] |= ~q_valid  # padding queries attend key 0 so softmax stays finite
         q_index = torch.where(q_valid, torch.tensor(offsets)[:, None] + q_off, 0)
         rows = q_valid.reshape(-1).nonzero().squeeze(1)
-        return AttentionGroup(q_index=q_index, kv_slots=kv_slots, mask=mask[:, None], out_rows=rows,
+        return AttentionGroup(q_index=q_index, kv_blocks=tables.reshape(-1), mask=mask[:, None], out_rows=rows,
                               out_tokens=q_index.reshape(-1)[rows])
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor,
@@ -141,8 +140,10 @@ class TorchAttention:
         rep = self.num_heads // kvh
         # [B, Q, KVH, rep, D] -> [B, KVH, Q*rep, D]: the heads sharing a KV head ride the query axis.
         qg = q[g.q_index].view(b, q_len, kvh, rep, d).permute(0, 2, 1, 3, 4).reshape(b, kvh, q_len * rep, d)
-        keys = k_pool[g.kv_slots].permute(0, 2, 1, 3)  # [B, KVH, L, D]
-        values = v_pool[g.kv_slots].permute(0, 2, 1, 3)
+        # Whole blocks are copied (bs * KVH * D contiguous values each), not single slots.
+        blocks = (-1, self.block_size, kvh, d)
+        keys = k_pool.view(blocks).index_select(0, g.kv_blocks).view(b, -1, kvh, d).permute(0, 2, 1, 3)
+        values = v_pool.view(blocks).index_select(0, g.kv_blocks).view(b, -1, kvh, d).permute(0, 2, 1, 3)
         mask = g.mask if rep == 1 else g.mask[:, :, :, None, :].expand(-1, -1, -1, rep, -1).reshape(
             b, 1, q_len * rep, -1)
         o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=self.scale)

@@ -1,0 +1,75 @@
+"""Shared pieces of the benchmark harness: machine description, workload requests, result files."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import random
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def log(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+def machine() -> dict:
+    import torch
+
+    cpu = ""
+    try:
+        cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "")
+    except OSError:
+        pass
+    return {"cpus": os.cpu_count(), "cpu_model": cpu, "platform": platform.platform(),
+            "python": platform.python_version(), "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
+
+
+def random_requests(n: int, prompt_range: tuple, output_range: tuple, vocab: int, seed: int = 0) -> list[dict]:
+    """Random-token requests in the JSONL format: greedy, EOS ignored."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        p = rng.randint(*prompt_range)
+        out.append({"id": f"req-{i}", "prompt_token_ids": [rng.randrange(3, vocab) for _ in range(p)],
+                    "max_tokens": rng.randint(*output_range), "temperature": 0.0, "ignore_eos": True})
+    return out
+
+
+def default_model(preset: str) -> Path:
+    """The seeded preset model under ~/.cache/meshserve, written on first use."""
+    from services.engine.model_init import write_model
+
+    path = Path(os.environ.get("MESHSERVE_CACHE", Path.home() / ".cache" / "meshserve")) / "models" / preset
+    if not (path / "model.safetensors").exists():
+        log(f"writing the {preset} model to {path}")
+        write_model(path, preset)
+    return path
+
+
+def write_result(result: dict, out: str | None) -> None:
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(result, indent=1) + "\n")
+        log(f"wrote {out}")
+
+
+def print_table(result: dict) -> None:
+    systems = result["systems"]
+    metrics = sorted({m for s in systems.values() for m in s})
+    width = max(len(m) for m in metrics) + 2
+    print(f"{result['workload']}".ljust(width) + "".join(f"{name:>22}" for name in systems))
+    for m in metrics:
+        cells = "".join(f"{_fmt(s.get(m)):>22}" for s in systems.values())
+        print(m.ljust(width) + cells)
+    for k, v in result.get("ratios", {}).items():
+        print(f"{k}: {_fmt(v)}")
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "null"
+    return f"{v:,.4g}" if isinstance(v, float) else str(v)

@@ -1,0 +1,29 @@
+"""`meshserve bench WORKLOAD`: the registry of named workloads and their shared flags."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+from bench import engine_mixed
+
+WORKLOADS = {"engine-mixed": engine_mixed}
+
+
+def add_bench_parser(sub, func) -> None:
+    p = sub.add_parser("bench", help="run a named benchmark workload")
+    p.add_argument("workload", choices=sorted(WORKLOADS))
+    p.add_argument("--out", help="write the result JSON here")
+    p.add_argument("--quick", action="store_true", help="a smaller run for smoke tests")
+    p.add_argument("--model", help="model folder (default: the bench preset, generated on first use)")
+    p.add_argument("--threads", type=int, help="torch threads (default: every core)")
+    p.add_argument("--seed", type=int, default=0)
+    for module in WORKLOADS.values():
+        module.add_flags(p)
+    p.set_defaults(func=func)
+
+
+def run_workload(args: argparse.Namespace) -> int:
+    args.command_line = "meshserve " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    return WORKLOADS[args.workload].run(args)

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Create .venv with meshserve and its pinned dependencies (idempotent).
+# torch is installed first and pinned: an unpinned torch pulls a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras="${1:-}"
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv
+fi
+.venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
+.venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
+.venv/bin/python -m pip install -q --disable-pip-version-check -e ".${extras:+[$extras]}"
+echo "meshserve installed in .venv"
