@@ -4,6 +4,8 @@ A batch is a flat run of tokens: a prefill chunk of any length or one decode tok
 sequence. Each step, build_metadata() turns the per-sequence layout into index tensors once;
 every layer then (1) writes its new K/V into the paged pool at their slots and (2) attends.
 
+Decode tokens go to the compiled paged kernel (services.engine.kernels) when it is available:
+it reads keys and values in place from the pool. Otherwise, and for prefill chunks,
 TorchAttention (CPU) attends group by group, with no Python loop per sequence: sequences are
 sorted by context length and cut into groups of similar length; a group's keys are gathered
 from the pool through its block tables into a padded [B, L] tensor and attended with one
@@ -69,19 +71,31 @@ class AttentionGroup:
 
 
 @dataclass
+class DecodeBatch:
+    """Single-token sequences for the compiled paged kernel (no padding, no gather)."""
+
+    q_index: torch.Tensor  # [B] flat token index of each sequence's query
+    tables: torch.Tensor  # [B, max_blocks] int64 block tables (padding -> 0)
+    lens: torch.Tensor  # [B] int64 context length including the new token
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] pool slot where each new token's K/V is written
-    groups: list  # AttentionGroup, covering every token exactly once
+    groups: list  # AttentionGroup, covering every token not in `decode`
+    decode: DecodeBatch | None  # decode tokens handled by the compiled kernel, if any
     num_tokens: int  # T
 
 
 class TorchAttention:
     """The CPU backend (see module doc). group_size bounds how many decode sequences share one padded group."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, group_size: int = 32):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, group_size: int = 32,
+                 kernel=None):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.block_size, self.group_size = block_size, group_size
         self.scale = head_dim ** -0.5
+        self.kernel = kernel  # services.engine.kernels.paged_attention() module, or None
 
     def build_metadata(self, seqs: list[SeqLayout]) -> AttentionMetadata:
         offsets, slots, starts = [], [], 0
@@ -93,16 +107,23 @@ class TorchAttention:
             pos = torch.arange(s.num_computed, s.num_computed + s.num_new)
             table = torch.tensor(s.block_table, dtype=torch.long)
             slots.append(table[pos // bs] * bs + pos % bs)
-        order = sorted(range(len(seqs)), key=lambda i: (seqs[i].num_new > 1, seqs[i].num_computed + seqs[i].num_new))
-        groups = [self._group([seqs[i] for i in idx], [offsets[i] for i in idx]) for idx in self._cut(order, seqs)]
-        return AttentionMetadata(slot_mapping=torch.cat(slots), groups=groups, num_tokens=starts)
+        decodes = [i for i in range(len(seqs)) if seqs[i].num_new == 1]
+        prefills = [[i] for i in range(len(seqs)) if seqs[i].num_new > 1]
+        decode = None
+        if self.kernel is not None and decodes:
+            decode = self._decode_batch([seqs[i] for i in decodes], [offsets[i] for i in decodes])
+            decodes = []
+        decodes.sort(key=lambda i: seqs[i].num_computed)
+        cuts = [decodes[i:i + self.group_size] for i in range(0, len(decodes), self.group_size)] + prefills
+        groups = [self._group([seqs[i] for i in idx], [offsets[i] for i in idx]) for idx in cuts]
+        return AttentionMetadata(slot_mapping=torch.cat(slots), groups=groups, decode=decode, num_tokens=starts)
 
-    def _cut(self, order: list[int], seqs: list[SeqLayout]) -> list[list[int]]:
-        """Decode sequences in runs of group_size; prefill chunks in runs of similar padded size."""
-        decodes = [i for i in order if seqs[i].num_new == 1]
-        prefills = [i for i in order if seqs[i].num_new > 1]
-        cuts = [decodes[i:i + self.group_size] for i in range(0, len(decodes), self.group_size)]
-        return cuts + [[i] for i in prefills]
+    @staticmethod
+    def _decode_batch(seqs: list[SeqLayout], offsets: list[int]) -> DecodeBatch:
+        width = max(len(s.block_table) for s in seqs)
+        tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], dtype=torch.long)
+        return DecodeBatch(q_index=torch.tensor(offsets), tables=tables,
+                           lens=torch.tensor([s.num_computed + 1 for s in seqs], dtype=torch.long))
 
     def _group(self, seqs: list[SeqLayout], offsets: list[int]) -> AttentionGroup:
         bs = self.block_size
@@ -130,6 +151,11 @@ class TorchAttention:
         k_pool.index_copy_(0, meta.slot_mapping, k)
         v_pool.index_copy_(0, meta.slot_mapping, v)
         out = q.new_empty((meta.num_tokens, self.num_heads * self.head_dim))
+        if meta.decode is not None:
+            d = meta.decode
+            o = self.kernel.paged_decode(q[d.q_index].contiguous(), k_pool, v_pool, d.tables, d.lens, self.block_size,
+                                         self.scale)
+            out[d.q_index] = o.view(len(d.q_index), -1)
         for g in meta.groups:
             out[g.out_tokens] = self._attend(q, k_pool, v_pool, g)[g.out_rows]
         return out

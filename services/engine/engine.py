@@ -20,6 +20,7 @@ from services.common.errors import CapacityExhausted, InvalidRequest, NotFound, 
 from services.engine.attention import KVCache, SeqLayout, TorchAttention
 from services.engine.block_pool import BlockPool
 from services.engine.config import EngineConfig
+from services.engine.kernels import paged_attention
 from services.engine.kv_manager import KVCacheManager
 from services.engine.kv_transfer import KVExport, decode_block, encode_block
 from services.engine.loader import load_model
@@ -75,7 +76,8 @@ class LLMEngine:
         self.kv_cache = KVCache(mc.num_layers, num_blocks, cc.block_size, mc.num_kv_heads, mc.head_dim, self.model.dtype)
         self.kv = KVCacheManager(BlockPool(num_blocks), cc.block_size, cc.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, make_policy(sc.policy), sc.max_num_seqs, sc.max_num_batched_tokens)
-        self.attention = TorchAttention(mc.num_heads, mc.num_kv_heads, mc.head_dim, cc.block_size)
+        kernel = paged_attention() if self.model.dtype == torch.float32 else None
+        self.attention = TorchAttention(mc.num_heads, mc.num_kv_heads, mc.head_dim, cc.block_size, kernel=kernel)
         self.sampler = Sampler(config.seed)
         self.requests: dict[str, Request] = {}
         self._seq = itertools.count()
