@@ -102,11 +102,7 @@ class TorchAttention:
         for s in seqs:
             offsets.append(starts)
             starts += s.num_new
-        bs = self.block_size
-        for s in seqs:
-            pos = torch.arange(s.num_computed, s.num_computed + s.num_new)
-            table = torch.tensor(s.block_table, dtype=torch.long)
-            slots.append(table[pos // bs] * bs + pos % bs)
+            slots.extend(self._slots(s))
         decodes = [i for i in range(len(seqs)) if seqs[i].num_new == 1]
         prefills = [[i] for i in range(len(seqs)) if seqs[i].num_new > 1]
         decode = None
@@ -116,7 +112,12 @@ class TorchAttention:
         decodes.sort(key=lambda i: seqs[i].num_computed)
         cuts = [decodes[i:i + self.group_size] for i in range(0, len(decodes), self.group_size)] + prefills
         groups = [self._group([seqs[i] for i in idx], [offsets[i] for i in idx]) for idx in cuts]
-        return AttentionMetadata(slot_mapping=torch.cat(slots), groups=groups, decode=decode, num_tokens=starts)
+        return AttentionMetadata(slot_mapping=torch.tensor(slots), groups=groups, decode=decode, num_tokens=starts)
+
+    def _slots(self, s: SeqLayout) -> list[int]:
+        """Pool slots of the sequence's new tokens (plain ints: cheaper than tensor ops for a few tokens)."""
+        bs, table = self.block_size, s.block_table
+        return [table[p // bs] * bs + p % bs for p in range(s.num_computed, s.num_computed + s.num_new)]
 
     @staticmethod
     def _decode_batch(seqs: list[SeqLayout], offsets: list[int]) -> DecodeBatch:

@@ -32,7 +32,7 @@ def paged_attention():
         from torch.utils.cpp_extension import load
 
         return load(name="meshserve_paged_attention", sources=[str(SOURCE)],
-                    extra_cflags=["-O3", "-fopenmp", *_cpu_flags()], verbose=False)
+                    extra_cflags=["-O3", "-ffast-math", "-fopenmp", *_cpu_flags()], verbose=False)
     except Exception as e:  # a missing compiler or ninja: fall back to PyTorch, loudly
         log.warning("paged attention kernel unavailable, using PyTorch attention: %s", e)
         return None
