@@ -78,7 +78,7 @@ def engine_for(model_dir: Path, args):
 
 
 def run_meshserve(model_dir: Path, reqs: list, warm: list, args) -> dict:
-    from services.engine.request import SamplingParams
+    from services.common.sampling import SamplingParams
 
     engine = engine_for(model_dir, args)
     log("meshserve: warm-up")
@@ -111,7 +111,7 @@ def run_meshserve(model_dir: Path, reqs: list, warm: list, args) -> dict:
 
 
 def _drain(engine, reqs: list, tag: str) -> None:
-    from services.engine.request import SamplingParams
+    from services.common.sampling import SamplingParams
 
     for r in reqs:
         engine.add_request(tag + r["id"], r["prompt_token_ids"], SamplingParams(max_tokens=r["max_tokens"],

@@ -28,7 +28,7 @@ from services.engine.model import LlamaModel
 from services.engine.request import Request, SamplingParams, Status
 from services.engine.sampler import Sampler
 from services.engine.scheduler import Scheduler, SchedulerOutput
-from services.engine.tokenizer import Tokenizer, cut_at_stop
+from services.common.tokenizer import Tokenizer, cut_at_stop
 
 
 @dataclass
@@ -207,17 +207,28 @@ class LLMEngine:
 
     # ---- KV transfer ------------------------------------------------------------------------
 
-    def export_kv(self, req_id: str) -> KVExport:
-        """The computed KV of a running request, block by block, with what is needed to continue it."""
-        req = self.requests.get(req_id)
-        if req is None or req.status is not Status.RUNNING:
-            raise NotFound(f"request {req_id!r} is not running here")
-        table = self.kv.block_table(req)[: -(-req.num_computed // self.kv.block_size)]
+    def export_kv(self, req_id: str, first_block: int = 0) -> KVExport:
+        """The computed KV of a running request from first_block on, with what is needed to continue it."""
+        req = self._running(req_id)
         return KVExport(
             token_ids=list(req.tokens), num_prompt=req.num_prompt, num_computed=req.num_computed,
             block_size=self.kv.block_size, dtype=str(self.model.dtype).removeprefix("torch."),
-            blocks=[encode_block(self.kv_cache.read_block(b)) for b in table],
+            blocks=self.kv_blocks(req_id, first_block, -(-req.num_computed // self.kv.block_size)),
             rng_state=bytes(req.generator.get_state().numpy()) if req.generator else None)
+
+    def kv_blocks(self, req_id: str, start: int, end: int) -> list[bytes]:
+        """Raw bytes of blocks [start, end) of a running request's table."""
+        table = self.kv.block_table(self._running(req_id))
+        return [encode_block(self.kv_cache.read_block(b)) for b in table[start:end]]
+
+    def num_full_computed_blocks(self, req_id: str) -> int:
+        return self._running(req_id).num_computed // self.kv.block_size
+
+    def _running(self, req_id: str) -> Request:
+        req = self.requests.get(req_id)
+        if req is None or req.status is not Status.RUNNING:
+            raise NotFound(f"request {req_id!r} is not running here")
+        return req
 
     def _import(self, req: Request, kv: KVExport) -> None:
         if kv.block_size != self.kv.block_size:
@@ -229,6 +240,9 @@ class LLMEngine:
         req.tokens = list(kv.token_ids)
         if not self.kv.allocate(req, kv.num_computed):
             raise CapacityExhausted("not enough free KV blocks for imported KV", retry_after_ms=50)
+        if len(kv.blocks) != -(-kv.num_computed // self.kv.block_size):
+            self.kv.free(req)
+            raise InvalidRequest(f"imported KV has {len(kv.blocks)} blocks for {kv.num_computed} tokens")
         for block, data in zip(self.kv.block_table(req), kv.blocks):
             self.kv_cache.write_block(block, decode_block(data, self.model.dtype))
         if kv.rng_state is not None and req.generator is not None:

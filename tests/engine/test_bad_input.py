@@ -3,7 +3,7 @@
 import pytest
 
 from services.common.errors import InvalidRequest, NotFound, OutOfRange
-from services.engine.request import SamplingParams
+from services.common.sampling import SamplingParams
 from tests.support.reference import make_engine
 
 CASES = [

@@ -10,7 +10,7 @@ import torch
 
 from services.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from services.engine.engine import LLMEngine
-from services.engine.request import SamplingParams
+from services.common.sampling import SamplingParams
 
 TIE_GAP = 1e-5  # a greedy mismatch is tolerated only where the reference's top-2 logits are this close
 

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import pytest
 
 from services.common.arbitration import FcfsPolicy, PriorityPolicy, make_policy
-from services.engine.request import SamplingParams
+from services.common.sampling import SamplingParams
 from tests.support.reference import make_engine
 
 

@@ -1,0 +1,43 @@
+"""Sampling parameters of a request: one definition, validated at the edge and used by the engine."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from services.common.errors import InvalidRequest
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16  # new tokens to generate at most
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # nucleus mass kept, in (0, 1]
+    top_k: int = 0  # keep the k most likely tokens; 0 = all
+    seed: int | None = None  # per-request seed: same seed, same tokens, whatever the batch
+    stop: tuple = ()  # stop strings (not included in the output text)
+    stop_token_ids: tuple = ()  # token ids that end generation besides EOS
+    ignore_eos: bool = False  # keep generating past EOS
+    logprobs: bool = False  # report the log-probability of each sampled token
+
+    def validate(self) -> None:
+        _check(isinstance(self.max_tokens, int) and self.max_tokens > 0, f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        _check(_finite(self.temperature) and self.temperature >= 0, f"temperature must be >= 0, got {self.temperature!r}")
+        _check(_finite(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
+        _check(isinstance(self.top_k, int) and self.top_k >= 0, f"top_k must be an integer >= 0, got {self.top_k!r}")
+        _check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63), f"seed must be an integer in [0, 2^63), got {self.seed!r}")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
+        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be integers >= 0")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise InvalidRequest(message)
