@@ -55,3 +55,17 @@ class ModelLoadError(MeshError):
 def error_dict(err: MeshError) -> dict:
     """The JSONL/HTTP shape of an error: {"code": ..., "message": ...}."""
     return {"code": err.code, "message": str(err)}
+
+
+class DeadlineExceeded(MeshError):
+    """The request's deadline passed, or cannot be met."""
+
+    code = "DEADLINE_EXCEEDED"
+    http_status = 504
+
+
+class Unavailable(MeshError):
+    """No worker able to serve, or a dependency down with no fallback."""
+
+    code = "UNAVAILABLE"
+    http_status = 503

@@ -1,0 +1,34 @@
+"""Protobuf <-> domain conversions used by servicers and clients (the only users of generated types)."""
+
+from __future__ import annotations
+
+from services.common.errors import InvalidRequest
+from services.common.pb import meshserve_pb2 as pb
+from services.common.sampling import SamplingParams
+
+
+def utf8(raw: bytes, field: str) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InvalidRequest(f"field {field!r} is not valid UTF-8 ({e.reason} at byte {e.start})") from None
+
+
+def sampling_from_pb(s: pb.Sampling) -> SamplingParams:
+    """Validated SamplingParams (InvalidRequest on any bad value)."""
+    params = SamplingParams(
+        max_tokens=s.max_tokens, temperature=s.temperature if s.HasField("temperature") else 1.0,
+        top_p=s.top_p if s.HasField("top_p") else 1.0, top_k=s.top_k,
+        seed=s.seed if s.HasField("seed") else None, stop=tuple(utf8(b, "stop") for b in s.stop),
+        stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos, logprobs=s.logprobs)
+    params.validate()
+    return params
+
+
+def sampling_to_pb(p: SamplingParams) -> pb.Sampling:
+    s = pb.Sampling(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+                    stop=[x.encode() for x in p.stop], stop_token_ids=list(p.stop_token_ids),
+                    ignore_eos=p.ignore_eos, logprobs=p.logprobs)
+    if p.seed is not None:
+        s.seed = p.seed
+    return s

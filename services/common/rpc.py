@@ -1,0 +1,110 @@
+"""gRPC plumbing shared by every service: server set-up, health, reflection, error mapping, shutdown.
+
+Errors map once, here: a MeshError becomes its status (RESOURCE_EXHAUSTED carries trailing
+metadata retry-after-ms); anything else is INTERNAL, logged with the request id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import signal
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from services.common.errors import CapacityExhausted, MeshError
+from services.common.pb import meshserve_pb2
+
+log = logging.getLogger("meshserve.rpc")
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+
+
+def status_of(err: MeshError) -> grpc.StatusCode:
+    return getattr(grpc.StatusCode, err.code, grpc.StatusCode.INTERNAL)
+
+
+async def abort(context: grpc.aio.ServicerContext, err: MeshError) -> None:
+    if isinstance(err, CapacityExhausted):
+        context.set_trailing_metadata((("retry-after-ms", str(err.retry_after_ms)),))
+    await context.abort(status_of(err), str(err))
+
+
+def mapped(method):
+    """Servicer decorator (unary and server-streaming): typed errors -> statuses, bugs -> INTERNAL."""
+    if asyncio.iscoroutinefunction(method):
+        @functools.wraps(method)
+        async def unary(self, request, context):
+            try:
+                return await method(self, request, context)
+            except MeshError as e:
+                await abort(context, e)
+            except (asyncio.CancelledError, grpc.aio.AbortError):
+                raise
+            except Exception:
+                log.exception("bug in %s (request %s)", method.__name__, getattr(request, "request_id", "?"))
+                await context.abort(grpc.StatusCode.INTERNAL, "internal error")
+        return unary
+
+    @functools.wraps(method)
+    async def streaming(self, request, context):
+        try:
+            async for item in method(self, request, context):
+                yield item
+        except MeshError as e:
+            await abort(context, e)
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception:
+            log.exception("bug in %s (request %s)", method.__name__, getattr(request, "request_id", "?"))
+            await context.abort(grpc.StatusCode.INTERNAL, "internal error")
+    return streaming
+
+
+def forward_rpc_error(e: grpc.aio.AioRpcError) -> MeshError:
+    """A downstream failure as a MeshError with the same status, for the caller to see."""
+    err = MeshError(e.details() or e.code().name)
+    err.code = e.code().name
+    return err
+
+
+class Server:
+    """A grpc.aio server with health, reflection, explicit message sizes and graceful SIGTERM."""
+
+    def __init__(self, service_names: list[str], port: int, host: str = "127.0.0.1"):
+        self.server = grpc.aio.server(options=CHANNEL_OPTIONS)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        names = [meshserve_pb2.DESCRIPTOR.services_by_name[n].full_name for n in service_names]
+        reflection.enable_server_reflection(names + [reflection.SERVICE_NAME, health.SERVICE_NAME], self.server)
+        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        self.address = f"{host}:{self.port}"
+        self.stopping = asyncio.Event()
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        await self.health.set("", status)
+
+    async def run(self, grace_s: float = 10.0, on_stop=None) -> None:
+        """Serve until SIGTERM/SIGINT; then stop taking work and give in-flight calls grace_s to finish."""
+        await self.server.start()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stopping.set)
+        await self.stopping.wait()
+        await self.set_serving(False)
+        if on_stop:
+            await on_stop()
+        await self.server.stop(grace_s)
+
+
+def channel(address: str) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
+def setup_logging(name: str) -> None:
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s")

@@ -1,0 +1,37 @@
+"""OpenTelemetry set-up: traces exported over OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set.
+
+Every service calls setup_tracing(name) once at start; gRPC servers and clients are then
+instrumented (W3C trace context travels in gRPC metadata), so one request is one trace across
+gateway, router, prefill, kvstore and decode.
+"""
+
+from __future__ import annotations
+
+import os
+
+from opentelemetry import trace
+
+
+def setup_tracing(service_name: str) -> None:
+    if not os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+        return
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    from opentelemetry.instrumentation.grpc import GrpcAioInstrumentorClient, GrpcAioInstrumentorServer
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(insecure=True), schedule_delay_millis=200))
+    trace.set_tracer_provider(provider)
+    GrpcAioInstrumentorServer().instrument()
+    GrpcAioInstrumentorClient().instrument()
+
+
+def shutdown_tracing() -> None:
+    provider = trace.get_tracer_provider()
+    if hasattr(provider, "shutdown"):
+        provider.shutdown()
+
+
+tracer = trace.get_tracer("meshserve")

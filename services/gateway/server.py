@@ -1,0 +1,235 @@
+"""The gateway's Generation servicer: validate, route, drive prefill and decode, stream tokens.
+
+Disaggregated: the prefill and decode calls start together; the first token comes from the
+prefill worker and goes to the client at once, the rest from the decode worker. Unified: one
+call to a unified worker. The client's deadline (gRPC deadline and deadline_ms, whichever is
+sooner) bounds every hop; a client cancel cancels every hop, and the workers free the blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from services.common import rpc
+from services.common.convert import sampling_from_pb, sampling_to_pb, utf8
+from services.common.errors import DeadlineExceeded, InvalidRequest, NotFound, OutOfRange
+from services.common.pb import meshserve_pb2 as pb
+from services.common.pb import meshserve_pb2_grpc as pb_grpc
+from services.common.tokenizer import Tokenizer, cut_at_stop
+
+log = logging.getLogger("meshserve.gateway")
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str  # the served model's name (its folder name)
+    vocab_size: int
+    max_model_len: int  # the model's context; workers also check their KV pool
+
+    @staticmethod
+    def from_dir(model_dir: str) -> "ModelInfo":
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+        return ModelInfo(Path(model_dir).name, int(cfg["vocab_size"]), int(cfg["max_position_embeddings"]))
+
+
+class BadMessage:
+    """What the tolerant deserializer returns for bytes protobuf refuses (e.g. invalid UTF-8 in a string)."""
+
+    def __init__(self, error: str):
+        self.error, self.request_id = error, ""
+
+
+def tolerant(message_type):
+    def parse(data: bytes):
+        try:
+            return message_type.FromString(data)
+        except Exception as e:  # protobuf's DecodeError: answered as INVALID_ARGUMENT, not INTERNAL
+            return BadMessage(f"request is not a valid {message_type.__name__} ({e}); "
+                              "string fields must be valid UTF-8")
+    return parse
+
+
+class GatewayServicer(pb_grpc.GenerationServicer):
+    def __init__(self, model: ModelInfo, tokenizer: Tokenizer, router: str, kvstore: str):
+        self.model, self.tokenizer, self.kvstore = model, tokenizer, kvstore
+        self.router = pb_grpc.RouterStub(rpc.channel(router))
+        self.channels: dict[str, grpc.aio.Channel] = {}
+
+    def worker(self, address: str) -> pb_grpc.WorkerStub:
+        if address not in self.channels:
+            self.channels[address] = rpc.channel(address)
+        return pb_grpc.WorkerStub(self.channels[address])
+
+    # ---- validation ------------------------------------------------------------------------
+
+    def _validate(self, request) -> tuple[list, object]:
+        if isinstance(request, BadMessage):
+            raise InvalidRequest(request.error)
+        if request.model and request.model != self.model.name:
+            raise NotFound(f"model {request.model!r} is not served here (serving {self.model.name!r})")
+        if request.adapter:
+            raise NotFound(f"adapter {request.adapter!r} is not loaded")
+        if request.priority < 0:
+            raise InvalidRequest(f"priority must be >= 0, got {request.priority}")
+        if request.deadline_ms < 0:
+            raise InvalidRequest(f"deadline_ms must be >= 0, got {request.deadline_ms}")
+        if not request.HasField("sampling"):
+            raise InvalidRequest("sampling is required (at least sampling.max_tokens)")
+        params = sampling_from_pb(request.sampling)
+        ids = self._prompt_ids(request)
+        total = len(ids) + params.max_tokens
+        if total > self.model.max_model_len:
+            raise OutOfRange(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the "
+                             f"model's context of {self.model.max_model_len}")
+        return ids, params
+
+    def _prompt_ids(self, request) -> list:
+        kind = request.WhichOneof("prompt")
+        if kind is None:
+            raise InvalidRequest("prompt is required: text or token_ids")
+        if kind == "text":
+            ids = self.tokenizer.encode(utf8(request.text, "text"))
+        else:
+            ids = list(request.token_ids.ids)
+        if not ids:
+            raise InvalidRequest("prompt is empty")
+        vocab = self.model.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise InvalidRequest(f"prompt token ids must be in [0, {vocab})")
+        return ids
+
+    @staticmethod
+    def _timeout(request, context) -> float | None:
+        limits = [t for t in (context.time_remaining(), request.deadline_ms / 1000 if request.deadline_ms else None)
+                  if t is not None]
+        timeout = min(limits) if limits else None
+        if timeout is not None and timeout <= 0:
+            raise DeadlineExceeded("the deadline has already passed")
+        return timeout
+
+    # ---- the API ---------------------------------------------------------------------------
+
+    @rpc.mapped
+    async def Generate(self, request, context):
+        ids, params = self._validate(request)
+        timeout = self._timeout(request, context)
+        client_id = request.request_id or uuid.uuid4().hex
+        work = pb.WorkRequest(request_id=f"{client_id}.{uuid.uuid4().hex[:12]}", prompt_token_ids=ids,
+                              sampling=sampling_to_pb(params), priority=request.priority,
+                              transfer_id=uuid.uuid4().hex, kvstore=self.kvstore)
+        decision = await self._call(self.router.Route(pb.RouteRequest(
+            request_id=work.request_id, prompt_tokens=len(ids), max_tokens=params.max_tokens), timeout=timeout))
+        text = _TextStream(self.tokenizer, params.stop)
+        async for ev in self._events(decision, work, timeout):
+            yield pb.GenerateResponse(request_id=client_id, token_ids=ev.token_ids, logprobs=ev.logprobs,
+                                      text=text.push(ev.token_ids, bool(ev.finish_reason)),
+                                      finish_reason=ev.finish_reason, prompt_tokens=ev.prompt_tokens,
+                                      cached_prompt_tokens=ev.cached_prompt_tokens)
+            if ev.finish_reason:
+                return
+
+    async def _events(self, decision, work, timeout):
+        if decision.mode == "unified":
+            async for ev in self._stream(self.worker(decision.decode_worker).Generate(work, timeout=timeout)):
+                yield ev
+            return
+        prefill = self.worker(decision.prefill_worker).Prefill(work, timeout=timeout)
+        decode = self.worker(decision.decode_worker).Decode(work, timeout=timeout)
+        prefill_events = self._stream(prefill)
+        try:
+            first = await anext(prefill_events)
+            drain = asyncio.ensure_future(_drain(prefill_events))  # the call ends once its KV has landed
+            prompt = first
+            yield first
+            if first.finish_reason:
+                return
+            async for ev in self._stream(decode):
+                ev.prompt_tokens, ev.cached_prompt_tokens = prompt.prompt_tokens, prompt.cached_prompt_tokens
+                yield ev
+            await drain
+        finally:
+            for call in (prefill, decode):
+                call.cancel()
+            asyncio.ensure_future(self._release(work.transfer_id))
+
+    async def _release(self, transfer_id: str) -> None:
+        try:
+            await pb_grpc.KVStoreStub(rpc.channel(self.kvstore)).Release(
+                pb.ReleaseRequest(transfer_id=transfer_id), timeout=2)
+        except grpc.aio.AioRpcError:
+            pass  # the kvstore's TTL drops an unclaimed transfer anyway
+
+    async def _stream(self, call):
+        try:
+            async for ev in call:
+                yield ev
+        except grpc.aio.AioRpcError as e:
+            raise rpc.forward_rpc_error(e) from None
+
+    async def _call(self, call):
+        try:
+            return await call
+        except grpc.aio.AioRpcError as e:
+            raise rpc.forward_rpc_error(e) from None
+
+    @rpc.mapped
+    async def ListModels(self, request, context):
+        m = self.model
+        return pb.ListModelsResponse(models=[pb.ModelInfo(name=m.name, max_model_len=m.max_model_len,
+                                                          vocab_size=m.vocab_size)])
+
+    @rpc.mapped
+    async def Tokenize(self, request, context):
+        if isinstance(request, BadMessage):
+            raise InvalidRequest(request.error)
+        if request.model and request.model != self.model.name:
+            raise NotFound(f"model {request.model!r} is not served here")
+        return pb.TokenizeResponse(token_ids=self.tokenizer.encode(utf8(request.text, "text")))
+
+
+async def _drain(events) -> None:
+    async for _ in events:
+        pass
+
+
+class _TextStream:
+    """Incremental detokenization; the text is cut before the first stop string, and a trailing
+    incomplete UTF-8 sequence is held back until the next token completes it."""
+
+    def __init__(self, tokenizer: Tokenizer, stops):
+        self.tokenizer, self.stops = tokenizer, stops
+        self.tokens: list = []
+        self.sent = ""
+
+    def push(self, token_ids, final: bool) -> str:
+        self.tokens.extend(token_ids)
+        text = cut_at_stop(self.tokenizer.decode(self.tokens), self.stops)[0]
+        if not final and text.endswith("\ufffd"):
+            text = text.rstrip("\ufffd")
+        if not text.startswith(self.sent):
+            return ""
+        delta, self.sent = text[len(self.sent):], text
+        return delta
+
+
+def add_to_server(servicer: GatewayServicer, server: grpc.aio.Server) -> None:
+    """Register with tolerant request parsing (invalid UTF-8 becomes INVALID_ARGUMENT, not INTERNAL)."""
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate, request_deserializer=tolerant(pb.GenerateRequest),
+            response_serializer=pb.GenerateResponse.SerializeToString),
+        "ListModels": grpc.unary_unary_rpc_method_handler(
+            servicer.ListModels, request_deserializer=tolerant(pb.ListModelsRequest),
+            response_serializer=pb.ListModelsResponse.SerializeToString),
+        "Tokenize": grpc.unary_unary_rpc_method_handler(
+            servicer.Tokenize, request_deserializer=tolerant(pb.TokenizeRequest),
+            response_serializer=pb.TokenizeResponse.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("meshserve.v1.Generation", handlers),))

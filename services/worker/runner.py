@@ -1,0 +1,117 @@
+"""EngineRunner: drives a synchronous LLMEngine in its own thread for an asyncio server.
+
+Calls into the engine are queued as commands and run between steps, in the engine thread (the
+engine is never touched from two threads). Each request's outputs flow back to its asyncio
+queue; an optional per-request hook runs in the engine thread after every step (the prefill
+role uses it to export KV blocks as chunks finish). Aborting frees the request's blocks before
+the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+
+from services.engine.engine import LLMEngine
+
+log = logging.getLogger("meshserve.runner")
+
+
+class EngineRunner:
+    def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop):
+        self.engine, self.loop = engine, loop
+        self.commands: queue.SimpleQueue = queue.SimpleQueue()
+        self.wake = threading.Event()
+        self.streams: dict[str, asyncio.Queue] = {}
+        self.hooks: dict[str, object] = {}
+        self.running = True
+        self.thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self.thread.start()
+
+    def call(self, fn) -> asyncio.Future:
+        """Run fn(engine) in the engine thread; the future gets its result or exception."""
+        fut = self.loop.create_future()
+        self.commands.put((fn, fut))
+        self.wake.set()
+        return fut
+
+    async def add(self, req_id: str, hook=None, **kwargs) -> asyncio.Queue:
+        """Add a request (engine.add_request kwargs); returns the queue its RequestOutputs arrive on."""
+        q: asyncio.Queue = asyncio.Queue()
+
+        def add(engine):
+            req = engine.add_request(req_id, **kwargs)
+            self.streams[req_id] = q
+            if hook:
+                self.hooks[req_id] = hook
+            return req
+
+        await self.call(add)
+        return q
+
+    def abort(self, req_id: str) -> None:
+        """Abort if still live (safe to call from the event loop at any time)."""
+        def abort(engine):
+            self._forget(req_id)
+            return engine.abort(req_id)
+        self.call(abort)
+
+    def _forget(self, req_id: str) -> None:
+        self.streams.pop(req_id, None)
+        self.hooks.pop(req_id, None)
+
+    def stop(self) -> None:
+        self.running = False
+        self.wake.set()
+
+    def _loop(self) -> None:
+        while self.running:
+            self._run_commands()
+            if not self.engine.has_unfinished():
+                self.wake.wait(0.05)
+                self.wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception:
+                log.exception("engine step failed; aborting its requests")
+                self._fail_all()
+                continue
+            for out in outputs:
+                q = self.streams.get(out.req_id)
+                if q is not None:
+                    self.loop.call_soon_threadsafe(q.put_nowait, out)
+                if out.finished:
+                    self._forget(out.req_id)
+            for req_id, hook in list(self.hooks.items()):
+                hook(self.engine, req_id)
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                fn, fut = self.commands.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                result = fn(self.engine)
+                self.loop.call_soon_threadsafe(_settle, fut, result, None)
+            except Exception as e:
+                self.loop.call_soon_threadsafe(_settle, fut, None, e)
+
+    def _fail_all(self) -> None:
+        for req_id in list(self.streams):
+            q = self.streams[req_id]
+            self.engine.abort(req_id)
+            self._forget(req_id)
+            self.loop.call_soon_threadsafe(q.put_nowait, RuntimeError("engine step failed"))
+
+
+def _settle(fut: asyncio.Future, result, error) -> None:
+    if fut.done():
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(result)

@@ -1,0 +1,201 @@
+"""The worker servicer: roles prefill, decode and unified over one EngineRunner.
+
+prefill: runs chunked prefill; after every step the request's newly full blocks are queued to
+  the kvstore (a client-streaming Put), so transfer overlaps the next chunk's compute; once the
+  first token is sampled, the rest of the KV and the metadata follow, the request leaves this
+  engine (its blocks are freed) and the first token is returned.
+decode: streams the transfer from the kvstore as blocks land, imports them into its paged
+  cache, joins the request to the running batch and streams the following tokens.
+unified: prefill and decode in one engine.
+A cancelled or expired call aborts its request in the engine, freeing its blocks at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from services.common import rpc
+from services.common.convert import sampling_from_pb
+from services.common.errors import CapacityExhausted, InvalidRequest, MeshError
+from services.common.pb import meshserve_pb2 as pb
+from services.common.pb import meshserve_pb2_grpc as pb_grpc
+from services.engine.kv_transfer import KVExport
+from services.worker.runner import EngineRunner
+
+log = logging.getLogger("meshserve.worker")
+
+
+def _event(out) -> pb.TokenEvent:
+    req = out.request
+    return pb.TokenEvent(token_ids=out.new_token_ids, logprobs=out.new_logprobs or [],
+                         finish_reason=out.finish_reason or "", prompt_tokens=req.num_prompt,
+                         cached_prompt_tokens=req.num_cached_prompt)
+
+
+class KVSender:
+    """Engine-thread hook of one prefill request: queues its KV blocks for the kvstore as they fill."""
+
+    def __init__(self, runner: EngineRunner, transfer_id: str):
+        self.runner, self.transfer_id = runner, transfer_id
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.sent = 0
+
+    def __call__(self, engine, req_id: str) -> None:
+        req = engine.requests.get(req_id)
+        if req is None:
+            return
+        if req.num_output >= 1:
+            kv = engine.export_kv(req_id, first_block=self.sent)
+            self._push(kv.blocks)
+            meta = pb.KVMeta(token_ids=kv.token_ids, num_prompt=kv.num_prompt, num_computed=kv.num_computed,
+                             block_size=kv.block_size, dtype=kv.dtype, num_blocks=self.sent,
+                             rng_state=kv.rng_state or b"")
+            self._put(pb.KVChunk(transfer_id=self.transfer_id, index=-1, meta=meta, last=True))
+            self.runner._forget(req_id)
+            engine.abort(req_id)
+            return
+        full = engine.num_full_computed_blocks(req_id)
+        if full > self.sent:
+            self._push(engine.kv_blocks(req_id, self.sent, full))
+
+    def _push(self, blocks: list) -> None:
+        for data in blocks:
+            self._put(pb.KVChunk(transfer_id=self.transfer_id, index=self.sent, data=data))
+            self.sent += 1
+
+    def _put(self, chunk) -> None:
+        self.runner.loop.call_soon_threadsafe(self.queue.put_nowait, chunk)
+
+    async def chunks(self):
+        while True:
+            chunk = await self.queue.get()
+            yield chunk
+            if chunk.last:
+                return
+
+
+class WorkerServicer(pb_grpc.WorkerServicer):
+    def __init__(self, runner: EngineRunner, role: str, worker_id: str):
+        self.runner, self.role, self.worker_id = runner, role, worker_id
+
+    def _check_role(self, *roles: str) -> None:
+        if self.role not in roles:
+            raise InvalidRequest(f"this worker's role is {self.role}, not {' or '.join(roles)}")
+
+    def _add_kwargs(self, request) -> dict:
+        return dict(prompt_token_ids=list(request.prompt_token_ids), params=sampling_from_pb(request.sampling),
+                    priority=request.priority, adapter=request.adapter, cache_salt=request.cache_salt)
+
+    @rpc.mapped
+    async def Generate(self, request, context):
+        self._check_role("unified")
+        q = await self.runner.add(request.request_id, **self._add_kwargs(request))
+        async for ev in self._stream(request.request_id, q):
+            yield ev
+
+    @rpc.mapped
+    async def Prefill(self, request, context):
+        self._check_role("prefill", "unified")
+        sender = KVSender(self.runner, request.transfer_id)
+        q = await self.runner.add(request.request_id, hook=sender, **self._add_kwargs(request))
+        put = pb_grpc.KVStoreStub(rpc.channel(request.kvstore)).Put(sender.chunks())
+        try:
+            first = await self._next(q)
+            yield _event(first)  # the first token goes out at once; the KV tail may still be in flight
+            if not first.finished:
+                await put
+        finally:
+            self.runner.abort(request.request_id)
+            if not put.done():
+                put.cancel()
+
+    @rpc.mapped
+    async def Decode(self, request, context):
+        self._check_role("decode", "unified")
+        kv = await self._pull(request)
+        q = await self._import(request, kv)
+        async for ev in self._stream(request.request_id, q):
+            yield ev
+
+    async def _pull(self, request) -> KVExport:
+        chan = rpc.channel(request.kvstore)
+        stub = pb_grpc.KVStoreStub(chan)
+        blocks, meta = [], None
+        async for chunk in stub.Get(pb.GetRequest(transfer_id=request.transfer_id, wait_ms=60000)):
+            if chunk.last:
+                meta = chunk.meta
+            else:
+                blocks.append(chunk.data)
+        await stub.Release(pb.ReleaseRequest(transfer_id=request.transfer_id))
+        return KVExport(token_ids=list(meta.token_ids), num_prompt=meta.num_prompt, num_computed=meta.num_computed,
+                        block_size=meta.block_size, dtype=meta.dtype, blocks=blocks,
+                        rng_state=meta.rng_state or None)
+
+    async def _import(self, request, kv: KVExport) -> asyncio.Queue:
+        delay = 0.01
+        while True:
+            try:
+                return await self.runner.add(request.request_id, kv=kv, **self._add_kwargs(request))
+            except CapacityExhausted:
+                await asyncio.sleep(delay)  # wait for a slot or blocks; the call's deadline bounds this
+                delay = min(delay * 2, 0.2)
+
+    async def _next(self, q: asyncio.Queue):
+        out = await q.get()
+        if isinstance(out, Exception):
+            raise MeshError(str(out))
+        return out
+
+    async def _stream(self, req_id: str, q: asyncio.Queue):
+        finished = False
+        try:
+            while not finished:
+                out = await self._next(q)
+                finished = out.finished
+                yield _event(out)
+        finally:
+            if not finished:
+                self.runner.abort(req_id)
+
+    @rpc.mapped
+    async def Stats(self, request, context):
+        stats = await self.runner.call(lambda engine: engine.stats())
+        b = stats["blocks"]
+        return pb.WorkerStats(worker_id=self.worker_id, role=self.role, blocks_used=b["used"],
+                              blocks_cached=b["cached"], blocks_free=b["free"], blocks_total=b["total"],
+                              running=stats["running"], waiting=stats["waiting"])
+
+
+def load_of(engine) -> dict:
+    """Outstanding tokens (remaining prefill + expected decode) and KV capacity, read in the engine thread."""
+    outstanding = 0
+    for req in engine.requests.values():
+        outstanding += max(req.num_tokens - req.num_computed, 0) + (req.params.max_tokens - req.num_output)
+    c = engine.kv.pool.counts()
+    return {"outstanding": outstanding, "capacity": c["total"] * engine.kv.block_size,
+            "used": c["used"] * engine.kv.block_size, "running": len(engine.scheduler.running),
+            "waiting": len(engine.scheduler.waiting)}
+
+
+async def heartbeat_loop(runner: EngineRunner, router: str, worker_id: str, address: str, role: str,
+                         on_first=None) -> None:
+    """Beat every interval the router asks for (1 s by default); retry quietly while it is away."""
+    stub = pb_grpc.RouterStub(rpc.channel(router))
+    interval, first = 1.0, True
+    while True:
+        try:
+            load = await runner.call(load_of)
+            reply = await stub.Heartbeat(pb.WorkerLoad(
+                worker_id=worker_id, address=address, role=role, outstanding_tokens=load["outstanding"],
+                kv_capacity_tokens=load["capacity"], kv_used_tokens=load["used"], running=load["running"],
+                waiting=load["waiting"]), timeout=2.0)
+            interval = max(reply.interval_ms, 50) / 1000
+            if first and on_first:
+                await on_first()
+            first = False
+        except grpc.aio.AioRpcError as e:
+            log.warning("heartbeat to router %s failed: %s", router, e.code().name)
+        await asyncio.sleep(interval)
