@@ -83,7 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     from bench.runner import add_bench_parser
+    from services.up import add_parsers
     add_bench_parser(sub, cmd_bench)
+    add_parsers(sub)
     return ap
 
 

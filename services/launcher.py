@@ -48,6 +48,7 @@ class MeshSpec:
     redis_url: str | None = None  # use this Redis instead of an embedded one
     threads: int = 1  # torch threads per worker
     env: dict = field(default_factory=dict)  # extra environment for every service
+    gateway_port: int = 0  # 0 = any free port
 
 
 class Mesh:
@@ -67,8 +68,8 @@ class Mesh:
         self.procs.append(proc)
         return proc
 
-    def _service(self, name: str, module: str, *flags) -> Proc:
-        port = free_port()
+    def _service(self, name: str, module: str, *flags, port: int = 0) -> Proc:
+        port = port or free_port()
         return self._spawn(name, [sys.executable, "-m", f"services.{module}", "--port", str(port), *map(str, flags)],
                            port)
 
@@ -88,7 +89,7 @@ class Mesh:
                 self._service(f"{role}-{i}", "worker", "--role", role, "--model", s.model_dir, "--router", self.router,
                               "--threads", s.threads, *s.engine_args)
         self.gateway = self._service("gateway", "gateway", "--model", s.model_dir, "--router", self.router,
-                                     "--kvstore", self.kvstore, "--mode", s.mode).address
+                                     "--kvstore", self.kvstore, "--mode", s.mode, port=s.gateway_port).address
         self.wait_healthy(timeout_s)
         return self
 

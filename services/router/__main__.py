@@ -57,7 +57,7 @@ class RouterServicer(pb_grpc.RouterServicer):
         return pb.ListWorkersResponse(workers=[
             pb.WorkerLoad(worker_id=w.worker_id, address=w.address, role=w.role,
                           outstanding_tokens=w.outstanding_tokens, kv_capacity_tokens=w.capacity_tokens)
-            for w in self.registry.workers.values()])
+            for w in self.registry.prune()])
 
 
 async def serve(args) -> None:

@@ -25,11 +25,15 @@ class Registry:
     def remove(self, worker_id: str) -> None:
         self.workers.pop(worker_id, None)
 
-    def live(self, role: str) -> list[WorkerView]:
+    def prune(self) -> list[WorkerView]:
+        """Forget workers silent for longer than ttl_s; returns the live ones."""
         now = self.clock()
         for wid in [k for k, w in self.workers.items() if now - w.last_seen_s > self.ttl_s]:
             del self.workers[wid]
-        out = [w for w in self.workers.values() if w.role == role]
+        return list(self.workers.values())
+
+    def live(self, role: str) -> list[WorkerView]:
+        out = [w for w in self.prune() if w.role == role]
         if not out:
             raise NoWorker(f"no live {role} worker")
         return out

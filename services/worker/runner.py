@@ -86,7 +86,18 @@ class EngineRunner:
                 if out.finished:
                     self._forget(out.req_id)
             for req_id, hook in list(self.hooks.items()):
-                hook(self.engine, req_id)
+                self._run_hook(req_id, hook)
+
+    def _run_hook(self, req_id: str, hook) -> None:
+        try:
+            hook(self.engine, req_id)
+        except Exception as e:
+            log.exception("hook of request %s failed; aborting it", req_id)
+            q = self.streams.get(req_id)
+            self.engine.abort(req_id)
+            self._forget(req_id)
+            if q is not None:
+                self.loop.call_soon_threadsafe(q.put_nowait, e)
 
     def _run_commands(self) -> None:
         while True:

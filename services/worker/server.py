@@ -23,6 +23,7 @@ from services.common.errors import CapacityExhausted, InvalidRequest, MeshError
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.engine.kv_transfer import KVExport
+from services.engine.request import Status
 from services.worker.runner import EngineRunner
 
 log = logging.getLogger("meshserve.worker")
@@ -45,8 +46,8 @@ class KVSender:
 
     def __call__(self, engine, req_id: str) -> None:
         req = engine.requests.get(req_id)
-        if req is None:
-            return
+        if req is None or req.status is not Status.RUNNING:
+            return  # still queued (or preempted): nothing computed to send yet
         if req.num_output >= 1:
             kv = engine.export_kv(req_id, first_block=self.sent)
             self._push(kv.blocks)

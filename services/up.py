@@ -1,0 +1,148 @@
+"""`meshserve up` and `meshserve client`: run the mesh on loopback, and send it JSONL requests."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import grpc
+
+from services.common.pb import meshserve_pb2 as pb
+from services.common.pb import meshserve_pb2_grpc as pb_grpc
+
+DEFAULT_MODEL = Path("models/tiny")
+
+
+def load_config(path: str | None) -> dict:
+    """The mesh config file (YAML or TOML): {"mesh": {...}, "engine": {...}}; errors name the file."""
+    if not path:
+        return {}
+    text = Path(path).read_text()
+    try:
+        if path.endswith(".toml"):
+            import tomllib
+            cfg = tomllib.loads(text)
+        else:
+            import yaml
+            cfg = yaml.safe_load(text) or {}
+    except Exception as e:
+        raise SystemExit(f"{path}: cannot parse ({e})")
+    unknown = set(cfg) - {"mesh", "engine"}
+    if unknown:
+        raise SystemExit(f"{path}: unknown section(s) {sorted(unknown)} (known: mesh, engine)")
+    return cfg
+
+
+def cmd_up(args) -> int:
+    from services.engine.model_init import write_model
+    from services.launcher import Mesh, MeshSpec
+
+    cfg = load_config(args.config)
+    mesh_cfg, engine_cfg = cfg.get("mesh", {}), cfg.get("engine", {})
+    model = Path(args.model or mesh_cfg.get("model") or DEFAULT_MODEL)
+    if not (model / "config.json").exists():
+        if args.model:
+            raise SystemExit(f"{model}: no config.json (give a Hugging Face model folder)")
+        print(f"writing the default tiny model to {model}", flush=True)
+        write_model(model, "tiny")
+    engine_args = ["--kv-cache-gb", str(engine_cfg.pop("kv_cache_gb", 0.25))]
+    for key, value in engine_cfg.items():
+        engine_args += [f"--{key.replace('_', '-')}", str(value)]
+    spec = MeshSpec(str(model), mode=mesh_cfg.get("mode", "disaggregated"), prefill=mesh_cfg.get("prefill", 1),
+                    decode=mesh_cfg.get("decode", 2), unified=mesh_cfg.get("unified", 1), engine_args=engine_args,
+                    policy=mesh_cfg.get("policy", "least-outstanding"), gateway_port=args.port)
+    mesh = Mesh(spec)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"starting the mesh ({spec.mode}); logs in {mesh.log_dir}", flush=True)
+    try:
+        mesh.start()
+        print(mesh.gateway, flush=True)
+        print(f"try: meshserve client --target {mesh.gateway} --input requests.jsonl --output out.jsonl", flush=True)
+        print(f"meshserve is ready: gateway {mesh.gateway}, router {mesh.router}, kvstore {mesh.kvstore}, "
+              f"redis {mesh.redis_url}", flush=True)
+        while not stop.wait(0.5):
+            dead = [p.name for p in mesh.procs if p.popen.poll() is not None]
+            if dead:
+                print(f"stopping: {', '.join(dead)} exited (logs in {mesh.log_dir})", file=sys.stderr, flush=True)
+                return 1
+        return 0
+    finally:
+        print("stopping the mesh", flush=True)
+        mesh.stop()
+        print("stopped", flush=True)
+
+
+def request_from_line(obj: dict) -> pb.GenerateRequest:
+    """A JSONL line (shared/INTERFACES.md) as a GenerateRequest."""
+    s = pb.Sampling(max_tokens=int(obj.get("max_tokens", 16)), top_k=int(obj.get("top_k", 0)),
+                    ignore_eos=bool(obj.get("ignore_eos", False)), logprobs=bool(obj.get("logprobs", False)),
+                    stop_token_ids=obj.get("stop_token_ids") or [])
+    stop = obj.get("stop") or []
+    s.stop.extend(x.encode() for x in ([stop] if isinstance(stop, str) else stop))
+    for name in ("temperature", "top_p", "seed"):
+        if obj.get(name) is not None:
+            setattr(s, name, obj[name])
+    req = pb.GenerateRequest(request_id=str(obj.get("id", "")), sampling=s, priority=int(obj.get("priority", 0)),
+                             deadline_ms=int(obj.get("deadline_ms", 0)), adapter=obj.get("adapter") or "")
+    if "prompt_token_ids" in obj:
+        req.token_ids.ids.extend(obj["prompt_token_ids"])
+    else:
+        req.text = str(obj.get("prompt", "")).encode()
+    return req
+
+
+async def _one(stub, obj: dict, metadata) -> dict:
+    out = {"id": obj.get("id"), "token_ids": [], "text": ""}
+    try:
+        async for r in stub.Generate(request_from_line(obj), metadata=metadata):
+            out["token_ids"] += list(r.token_ids)
+            out["text"] += r.text
+            out["prompt_tokens"], out["cached_prompt_tokens"] = r.prompt_tokens, r.cached_prompt_tokens
+            if r.finish_reason:
+                out["finish_reason"] = r.finish_reason
+    except grpc.aio.AioRpcError as e:
+        return {"id": obj.get("id"), "error": {"code": e.code().name, "message": e.details()}}
+    return out
+
+
+async def _client(args) -> int:
+    lines = [json.loads(t) for t in Path(args.input).read_text().splitlines() if t.strip()]
+    sem = asyncio.Semaphore(args.concurrency)
+    metadata = (("x-api-key", args.api_key),) if args.api_key else None
+    async with grpc.aio.insecure_channel(args.target) as ch:
+        stub = pb_grpc.GenerationStub(ch)
+
+        async def bounded(obj):
+            async with sem:
+                return await _one(stub, obj, metadata)
+
+        results = await asyncio.gather(*(bounded(o) for o in lines))
+    Path(args.output).write_text("".join(json.dumps(r) + "\n" for r in results))
+    print(json.dumps({"requests": len(results), "errors": sum("error" in r for r in results)}), file=sys.stderr)
+    return 0
+
+
+def cmd_client(args) -> int:
+    return asyncio.run(_client(args))
+
+
+def add_parsers(sub) -> None:
+    up = sub.add_parser("up", help="start every service as a process on loopback")
+    up.add_argument("--model", help="model folder (default: models/tiny, generated if absent)")
+    up.add_argument("--config", help="mesh config file (YAML or TOML)")
+    up.add_argument("--port", type=int, default=0, help="gateway gRPC port (0 = any free port)")
+    up.add_argument("--http-port", type=int, default=0, help="reserved for the HTTP front (not served yet)")
+    up.set_defaults(func=cmd_up)
+    client = sub.add_parser("client", help="send JSONL requests through a running gateway")
+    client.add_argument("--target", required=True, help="gateway HOST:PORT")
+    client.add_argument("--input", required=True)
+    client.add_argument("--output", required=True)
+    client.add_argument("--concurrency", type=int, default=16)
+    client.add_argument("--api-key")
+    client.set_defaults(func=cmd_client)

@@ -1,0 +1,191 @@
+"""The mesh as real processes on loopback: output, cancellation, deadlines, worker loss, bad input."""
+
+import asyncio
+import os
+import signal
+import time
+
+import grpc
+import pytest
+
+from services.common.pb import meshserve_pb2 as pb
+from services.common.pb import meshserve_pb2_grpc as pb_grpc
+from tests.integration.conftest import kvstore_stats, worker_stats
+from tests.support.reference import assert_matches, greedy, hf_greedy, make_engine, random_prompts, run_all
+
+NEW = 16
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    shared = random_prompts(1, seed=21, lo=40, hi=40, vocab=4000)[0]
+    return random_prompts(20, seed=22, lo=1, hi=90, vocab=4000) + random_prompts(12, seed=23, lo=1, hi=30,
+                                                                                 vocab=4000, prefix=shared)
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_model, prompts):
+    return hf_greedy(tiny_model, prompts, NEW), run_all(make_engine(tiny_model), prompts, greedy(NEW))
+
+
+def generate_request(ids, max_tokens=NEW, **sampling):
+    s = pb.Sampling(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **sampling)
+    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), sampling=s)
+
+
+async def stream_all(address, prompts):
+    async with grpc.aio.insecure_channel(address) as ch:
+        stub = pb_grpc.GenerationStub(ch)
+
+        async def one(ids):
+            tokens, reason = [], None
+            async for r in stub.Generate(generate_request(ids), timeout=120):
+                tokens += list(r.token_ids)
+                reason = r.finish_reason or reason
+            assert reason == "length"
+            return tokens
+
+        return await asyncio.gather(*(one(p) for p in prompts))
+
+
+def assert_idle(mesh, roles):
+    """Every worker holds zero used KV blocks and the kvstore holds no transfer (polled: releases are async)."""
+    deadline = time.monotonic() + 15
+    while True:
+        used = {p.name: worker_stats(p.address).blocks_used for r in roles for p in mesh.workers(r)}
+        transfers = kvstore_stats(mesh.kvstore).transfers
+        if not any(used.values()) and transfers == 0:
+            return
+        if time.monotonic() > deadline:
+            pytest.fail(f"not idle: used blocks {used}, kvstore transfers {transfers}")
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("mode", ["disaggregated", "unified"])
+def test_concurrent_streams_match_transformers_and_in_process(mode, request, prompts, expected):
+    mesh = request.getfixturevalue(mode)
+    refs, in_process = expected
+    got = asyncio.run(stream_all(mesh.gateway, prompts))
+    assert got == in_process
+    assert_matches(got, refs)
+    assert_idle(mesh, ["prefill", "decode"] if mode == "disaggregated" else ["unified"])
+
+
+@pytest.mark.parametrize("mode", ["disaggregated", "unified"])
+def test_cancel_mid_stream_frees_everything(mode, request):
+    mesh = request.getfixturevalue(mode)
+
+    async def cancel_after_three():
+        async with grpc.aio.insecure_channel(mesh.gateway) as ch:
+            call = pb_grpc.GenerationStub(ch).Generate(generate_request(list(range(3, 60)), max_tokens=1500))
+            seen = 0
+            async for r in call:
+                seen += len(r.token_ids)
+                if seen >= 3:
+                    call.cancel()
+                    break
+            return seen
+
+    seen = asyncio.run(cancel_after_three())
+    assert seen >= 3
+    assert_idle(mesh, ["prefill", "decode"] if mode == "disaggregated" else ["unified"])
+
+
+@pytest.mark.parametrize("mode", ["disaggregated", "unified"])
+def test_expired_deadline_ends_with_deadline_exceeded(mode, request):
+    mesh = request.getfixturevalue(mode)
+    req = generate_request(list(range(3, 60)), max_tokens=1900)
+    req.deadline_ms = 300
+    with grpc.insecure_channel(mesh.gateway) as ch:
+        with pytest.raises(grpc.RpcError) as exc:
+            for _ in pb_grpc.GenerationStub(ch).Generate(req, timeout=60):
+                pass
+    assert exc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert_idle(mesh, ["prefill", "decode"] if mode == "disaggregated" else ["unified"])
+
+
+def _invalid_utf8_request_id() -> bytes:
+    good = generate_request([1, 2, 3])
+    good.request_id = "x"
+    raw = good.SerializeToString()
+    return raw.replace(b"\x0a\x01x", b"\x0a\x01\xff", 1)
+
+
+BAD = [
+    ("empty prompt", pb.GenerateRequest(token_ids=pb.TokenIds(ids=[]), sampling=pb.Sampling(max_tokens=4)),
+     grpc.StatusCode.INVALID_ARGUMENT),
+    ("no prompt", pb.GenerateRequest(sampling=pb.Sampling(max_tokens=4)), grpc.StatusCode.INVALID_ARGUMENT),
+    ("token out of vocab", generate_request([1, 9000]), grpc.StatusCode.INVALID_ARGUMENT),
+    ("negative token", generate_request([1, -5]), grpc.StatusCode.INVALID_ARGUMENT),
+    ("max_tokens zero", generate_request([1, 2], max_tokens=0), grpc.StatusCode.INVALID_ARGUMENT),
+    ("no sampling", pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1])), grpc.StatusCode.INVALID_ARGUMENT),
+    ("bad temperature", pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1]),
+                                           sampling=pb.Sampling(max_tokens=2, temperature=-1)),
+     grpc.StatusCode.INVALID_ARGUMENT),
+    ("bad top_p", pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1]), sampling=pb.Sampling(max_tokens=2, top_p=1.5)),
+     grpc.StatusCode.INVALID_ARGUMENT),
+    ("invalid UTF-8 prompt", pb.GenerateRequest(text=b"\xff\xfe", sampling=pb.Sampling(max_tokens=2)),
+     grpc.StatusCode.INVALID_ARGUMENT),
+    ("invalid UTF-8 stop", pb.GenerateRequest(text=b"hi", sampling=pb.Sampling(max_tokens=2, stop=[b"\xc3"])),
+     grpc.StatusCode.INVALID_ARGUMENT),
+    ("negative priority", pb.GenerateRequest(text=b"hi", sampling=pb.Sampling(max_tokens=2), priority=-1),
+     grpc.StatusCode.INVALID_ARGUMENT),
+    ("beyond context", generate_request([1, 2], max_tokens=4000), grpc.StatusCode.OUT_OF_RANGE),
+    ("unknown model", pb.GenerateRequest(text=b"hi", sampling=pb.Sampling(max_tokens=2), model="gpt-9"),
+     grpc.StatusCode.NOT_FOUND),
+    ("unknown adapter", pb.GenerateRequest(text=b"hi", sampling=pb.Sampling(max_tokens=2), adapter="sql"),
+     grpc.StatusCode.NOT_FOUND),
+]
+
+
+@pytest.mark.parametrize("name,req,code", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_gets_its_status(disaggregated, name, req, code):
+    with grpc.insecure_channel(disaggregated.gateway) as ch:
+        with pytest.raises(grpc.RpcError) as exc:
+            list(pb_grpc.GenerationStub(ch).Generate(req, timeout=30))
+    assert exc.value.code() == code, exc.value.details()
+    assert exc.value.details()
+
+
+def test_invalid_utf8_in_a_string_field_is_invalid_argument(disaggregated):
+    with grpc.insecure_channel(disaggregated.gateway) as ch:
+        call = ch.unary_stream("/meshserve.v1.Generation/Generate", request_serializer=lambda b: b,
+                               response_deserializer=pb.GenerateResponse.FromString)
+        with pytest.raises(grpc.RpcError) as exc:
+            list(call(_invalid_utf8_request_id(), timeout=30))
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "UTF-8" in exc.value.details()
+
+
+def test_expired_grpc_deadline(disaggregated):
+    with grpc.insecure_channel(disaggregated.gateway) as ch:
+        with pytest.raises(grpc.RpcError) as exc:
+            list(pb_grpc.GenerationStub(ch).Generate(generate_request([1, 2], max_tokens=1900), timeout=0.2))
+    assert exc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def test_text_prompt_and_list_models(disaggregated):
+    with grpc.insecure_channel(disaggregated.gateway) as ch:
+        stub = pb_grpc.GenerationStub(ch)
+        models = stub.ListModels(pb.ListModelsRequest(), timeout=10).models
+        assert [m.name for m in models] == ["tiny"]
+        ids = list(stub.Tokenize(pb.TokenizeRequest(text=b"Kalo mine"), timeout=10).token_ids)
+        assert ids[0] == 1
+        out = list(stub.Generate(pb.GenerateRequest(text=b"Kalo mine", sampling=pb.Sampling(
+            max_tokens=6, temperature=0.0, ignore_eos=True)), timeout=30))
+        assert sum(len(r.token_ids) for r in out) == 6
+        assert out[-1].finish_reason == "length" and out[-1].prompt_tokens == len(ids)
+
+
+def test_killed_decode_worker_is_dropped_and_others_serve(disaggregated, prompts, expected):
+    victim = disaggregated.workers("decode")[-1]
+    os.killpg(victim.popen.pid, signal.SIGKILL)
+    victim.popen.wait()
+    with grpc.insecure_channel(disaggregated.router) as ch:
+        router = pb_grpc.RouterStub(ch)
+        deadline = time.monotonic() + 20
+        while any(w.address == victim.address for w in router.ListWorkers(pb.ListWorkersRequest()).workers):
+            assert time.monotonic() < deadline, "the router kept the dead worker"
+            time.sleep(0.2)
+    got = asyncio.run(stream_all(disaggregated.gateway, prompts[:8]))
+    assert got == expected[1][:8]
