@@ -106,5 +106,17 @@ def channel(address: str) -> grpc.aio.Channel:
     return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
 
 
+class ChannelPool:
+    """One long-lived channel per peer address (a channel per call would be slow, and closes when collected)."""
+
+    def __init__(self):
+        self.channels: dict[str, grpc.aio.Channel] = {}
+
+    def get(self, address: str) -> grpc.aio.Channel:
+        if address not in self.channels:
+            self.channels[address] = channel(address)
+        return self.channels[address]
+
+
 def setup_logging(name: str) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s")

@@ -18,7 +18,8 @@ from services.gateway.server import GatewayServicer, ModelInfo, add_to_server
 
 async def readiness(server: rpc.Server, router: str, mode: str) -> None:
     """SERVING while the router answers and has the workers this mode needs."""
-    stub = pb_grpc.RouterStub(rpc.channel(router))
+    chan = rpc.channel(router)  # held for the loop's lifetime
+    stub = pb_grpc.RouterStub(chan)
     need = {"unified"} if mode == "unified" else {"prefill", "decode"}
     while True:
         try:

@@ -59,13 +59,11 @@ def tolerant(message_type):
 class GatewayServicer(pb_grpc.GenerationServicer):
     def __init__(self, model: ModelInfo, tokenizer: Tokenizer, router: str, kvstore: str):
         self.model, self.tokenizer, self.kvstore = model, tokenizer, kvstore
-        self.router = pb_grpc.RouterStub(rpc.channel(router))
-        self.channels: dict[str, grpc.aio.Channel] = {}
+        self.channels = rpc.ChannelPool()
+        self.router = pb_grpc.RouterStub(self.channels.get(router))
 
     def worker(self, address: str) -> pb_grpc.WorkerStub:
-        if address not in self.channels:
-            self.channels[address] = rpc.channel(address)
-        return pb_grpc.WorkerStub(self.channels[address])
+        return pb_grpc.WorkerStub(self.channels.get(address))
 
     # ---- validation ------------------------------------------------------------------------
 
@@ -161,7 +159,7 @@ class GatewayServicer(pb_grpc.GenerationServicer):
 
     async def _release(self, transfer_id: str) -> None:
         try:
-            await pb_grpc.KVStoreStub(rpc.channel(self.kvstore)).Release(
+            await pb_grpc.KVStoreStub(self.channels.get(self.kvstore)).Release(
                 pb.ReleaseRequest(transfer_id=transfer_id), timeout=2)
         except grpc.aio.AioRpcError:
             pass  # the kvstore's TTL drops an unclaimed transfer anyway

@@ -81,6 +81,7 @@ class KVSender:
 class WorkerServicer(pb_grpc.WorkerServicer):
     def __init__(self, runner: EngineRunner, role: str, worker_id: str):
         self.runner, self.role, self.worker_id = runner, role, worker_id
+        self.channels = rpc.ChannelPool()
 
     def _check_role(self, *roles: str) -> None:
         if self.role not in roles:
@@ -102,7 +103,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self._check_role("prefill", "unified")
         sender = KVSender(self.runner, request.transfer_id)
         q = await self.runner.add(request.request_id, hook=sender, **self._add_kwargs(request))
-        put = pb_grpc.KVStoreStub(rpc.channel(request.kvstore)).Put(sender.chunks())
+        put = pb_grpc.KVStoreStub(self.channels.get(request.kvstore)).Put(sender.chunks())
         try:
             first = await self._next(q)
             yield _event(first)  # the first token goes out at once; the KV tail may still be in flight
@@ -122,8 +123,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             yield ev
 
     async def _pull(self, request) -> KVExport:
-        chan = rpc.channel(request.kvstore)
-        stub = pb_grpc.KVStoreStub(chan)
+        stub = pb_grpc.KVStoreStub(self.channels.get(request.kvstore))
         blocks, meta = [], None
         async for chunk in stub.Get(pb.GetRequest(transfer_id=request.transfer_id, wait_ms=60000)):
             if chunk.last:
@@ -184,7 +184,8 @@ def load_of(engine) -> dict:
 async def heartbeat_loop(runner: EngineRunner, router: str, worker_id: str, address: str, role: str,
                          on_first=None) -> None:
     """Beat every interval the router asks for (1 s by default); retry quietly while it is away."""
-    stub = pb_grpc.RouterStub(rpc.channel(router))
+    chan = rpc.channel(router)  # held for the loop's lifetime
+    stub = pb_grpc.RouterStub(chan)
     interval, first = 1.0, True
     while True:
         try:
