@@ -1,0 +1,59 @@
+"""`meshserve up` from nothing: generates the tiny model, prints the address and the ready line,
+serves a client, and stops every process on SIGTERM."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+
+def test_up_serves_and_stops_cleanly(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up"], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines = []
+    try:
+        assert proc.pid in processes_in(tmp_path)
+        for line in proc.stdout:
+            lines.append(line)
+            if "ready" in line:
+                break
+        assert any("ready" in ln for ln in lines), "".join(lines)
+        address = next(ln.strip() for ln in lines if re.fullmatch(r"127\.0\.0\.1:\d+", ln.strip()))
+        with grpc.insecure_channel(address) as ch:
+            status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+            assert status == health_pb2.HealthCheckResponse.SERVING
+            reply = next(reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5))
+            assert "meshserve.v1.Generation" in {s.name for s in reply.list_services_response.service}
+        inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+        inp.write_text(json.dumps({"id": "a", "prompt": "Kalo mine", "max_tokens": 5, "temperature": 0}) + "\n")
+        client = subprocess.run([sys.executable, "-m", "services.cli", "client", "--target", address, "--input", inp,
+                                 "--output", out], capture_output=True, text=True, timeout=60)
+        assert client.returncode == 0, client.stderr
+        assert len(json.loads(out.read_text())["token_ids"]) == 5
+        assert (tmp_path / "models" / "tiny" / "model.safetensors").exists()
+    finally:
+        os.kill(proc.pid, signal.SIGTERM)
+        rest = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 0, rest
+    assert "stopped" in rest
+    assert not processes_in(tmp_path), "processes of the mesh outlived it"
+
+
+def processes_in(folder) -> list:
+    """PIDs whose working directory is folder (every service `up` starts inherits it)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.readlink(f"/proc/{entry}/cwd") == str(folder):
+                    out.append(int(entry))
+            except OSError:
+                pass
+    return out
