@@ -6,9 +6,9 @@ import argparse
 import shlex
 import sys
 
-from bench import engine_mixed
+from bench import engine_mixed, mesh_mixed
 
-WORKLOADS = {"engine-mixed": engine_mixed}
+WORKLOADS = {"engine-mixed": engine_mixed, "mesh-mixed": mesh_mixed}
 
 
 def add_bench_parser(sub, func) -> None:

@@ -42,7 +42,8 @@ class KVSender:
     def __init__(self, runner: EngineRunner, transfer_id: str):
         self.runner, self.transfer_id = runner, transfer_id
         self.queue: asyncio.Queue = asyncio.Queue()
-        self.sent = 0
+        self.sent = 0  # blocks queued so far
+        self.chunks_sent = 0  # messages queued so far
 
     def __call__(self, engine, req_id: str) -> None:
         req = engine.requests.get(req_id)
@@ -63,9 +64,11 @@ class KVSender:
             self._push(engine.kv_blocks(req_id, self.sent, full))
 
     def _push(self, blocks: list) -> None:
-        for data in blocks:
-            self._put(pb.KVChunk(transfer_id=self.transfer_id, index=self.sent, data=data))
-            self.sent += 1
+        """One message per step carries every block that step finished (fewer, larger messages)."""
+        if blocks:
+            self._put(pb.KVChunk(transfer_id=self.transfer_id, index=self.chunks_sent, data=b"".join(blocks)))
+            self.chunks_sent += 1
+            self.sent += len(blocks)
 
     def _put(self, chunk) -> None:
         self.runner.loop.call_soon_threadsafe(self.queue.put_nowait, chunk)
@@ -124,13 +127,16 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
     async def _pull(self, request) -> KVExport:
         stub = pb_grpc.KVStoreStub(self.channels.get(request.kvstore))
-        blocks, meta = [], None
+        parts, meta = [], None
         async for chunk in stub.Get(pb.GetRequest(transfer_id=request.transfer_id, wait_ms=60000)):
             if chunk.last:
                 meta = chunk.meta
             else:
-                blocks.append(chunk.data)
+                parts.append(chunk.data)
         await stub.Release(pb.ReleaseRequest(transfer_id=request.transfer_id))
+        data = b"".join(parts)
+        size = len(data) // max(meta.num_blocks, 1)
+        blocks = [data[i * size:(i + 1) * size] for i in range(meta.num_blocks)]
         return KVExport(token_ids=list(meta.token_ids), num_prompt=meta.num_prompt, num_computed=meta.num_computed,
                         block_size=meta.block_size, dtype=meta.dtype, blocks=blocks,
                         rng_state=meta.rng_state or None)

@@ -1,0 +1,51 @@
+"""Latency bookkeeping shared by online workloads: per-request timings and their percentiles."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Timing:
+    arrival_s: float  # when the request was due (the Poisson schedule)
+    first_s: float | None = None  # first token received
+    last_s: float | None = None  # last token received
+    tokens: int = 0  # output tokens received
+    token_ids: list = field(default_factory=list)
+
+    def on_tokens(self, now: float, ids) -> None:
+        if ids and self.first_s is None:
+            self.first_s = now
+        if ids:
+            self.last_s = now
+        self.tokens += len(ids)
+        self.token_ids.extend(ids)
+
+
+def percentile(values: list, q: float) -> float | None:
+    if not values:
+        return None
+    v = sorted(values)
+    k = (len(v) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (k - lo)
+
+
+def summarize(timings: list[Timing], wall_s: float) -> dict:
+    ttft = [(t.first_s - t.arrival_s) * 1e3 for t in timings if t.first_s is not None]
+    tpot = [(t.last_s - t.first_s) * 1e3 / (t.tokens - 1) for t in timings if t.tokens > 1]
+    r = lambda x: None if x is None else round(x, 2)  # noqa: E731
+    return {"ttft_ms_p50": r(percentile(ttft, 0.5)), "ttft_ms_p99": r(percentile(ttft, 0.99)),
+            "tpot_ms_p50": r(percentile(tpot, 0.5)), "tpot_ms_p99": r(percentile(tpot, 0.99)),
+            "output_tokens_per_s": round(sum(t.tokens for t in timings) / wall_s, 1), "requests": len(timings),
+            "wall_s": round(wall_s, 2)}
+
+
+def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
+    import random
+
+    rng, t, out = random.Random(seed), 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        out.append(t)
+    return out

@@ -1,0 +1,196 @@
+"""Workload mesh-mixed: the in-process engine vs the mesh, disaggregated and unified.
+
+128 requests with the engine-mixed length distribution (prompts 32-512, outputs 16-256, greedy,
+EOS ignored), bench preset, one torch thread per engine, Poisson arrivals at 50% of the unified
+worker's saturation throughput (measured first, in the same run, by sending every request at
+once through a unified mesh). Systems: in-process (the engine alone, requests added at their
+arrival times), mesh-disaggregated (1 prefill + 1 decode worker), mesh-unified (1 unified worker).
+Also: added_ttft_ms_low_load (mesh-disaggregated minus in-process TTFT p50, one request at a
+time on the same prompts), and the KV transfer rate per hop (256 MB of 64 KiB blocks put into
+and got from the kvstore over gRPC, as the workers do) beside a raw loopback socket copy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from pathlib import Path
+
+import grpc
+
+from bench.common import default_model, log, machine, print_table, random_requests, write_result
+from bench.latency import Timing, poisson_arrivals, summarize
+from services.common.pb import meshserve_pb2 as pb
+from services.common.pb import meshserve_pb2_grpc as pb_grpc
+from services.launcher import Mesh, MeshSpec
+from services.up import request_from_line
+
+ENGINE_ARGS = ["--kv-cache-gb", "1.0", "--max-num-batched-tokens", "512"]
+
+
+def add_flags(p) -> None:
+    g = p.add_argument_group("mesh-mixed")
+    g.add_argument("--load", type=float, default=0.5, help="arrival rate as a fraction of saturation")
+
+
+def run(args) -> int:
+    model_dir = Path(args.model) if args.model else default_model("bench")
+    n = 32 if args.quick else 128
+    reqs = random_requests(n, (32, 512), (16, 256), vocab=32000, seed=args.seed)
+    systems, extra = {}, {}
+    with Mesh(MeshSpec(str(model_dir), mode="unified", engine_args=ENGINE_ARGS)) as mesh:
+        log("saturation: every request at once through one unified worker")
+        _warm(mesh.gateway)
+        sat = asyncio.run(_online(mesh.gateway, reqs, [0.0] * n))
+        rate = args.load * n / sat["wall_s"]
+        log(f"saturation {n / sat['wall_s']:.2f} req/s; offered load {rate:.2f} req/s")
+        arrivals = poisson_arrivals(n, rate, args.seed)
+        log("mesh-unified")
+        systems["mesh-unified"] = asyncio.run(_online(mesh.gateway, reqs, arrivals))
+    with Mesh(MeshSpec(str(model_dir), mode="disaggregated", decode=1, engine_args=ENGINE_ARGS)) as mesh:
+        _warm(mesh.gateway)
+        log("mesh-disaggregated")
+        systems["mesh-disaggregated"] = asyncio.run(_online(mesh.gateway, reqs, arrivals))
+        low = reqs[:16]
+        log("low load, one request at a time: mesh")
+        mesh_solo = asyncio.run(_online(mesh.gateway, low, None))
+        extra.update(kv_rates(mesh.kvstore))
+    log("in-process")
+    systems["in-process"] = in_process(model_dir, reqs, arrivals)
+    solo = in_process(model_dir, low, None)
+    extra["added_ttft_ms_low_load"] = round(mesh_solo["ttft_ms_p50"] - solo["ttft_ms_p50"], 2)
+    extra["offered_rate_req_per_s"] = round(rate, 3)
+    result = {"workload": "mesh-mixed", "command": args.command_line, "machine": machine(),
+              "config": {"requests": n, "load": args.load, "engine_args": ENGINE_ARGS, "model": str(model_dir),
+                         "threads_per_engine": 1},
+              "systems": systems, **extra}
+    write_result(result, args.out)
+    print_table(result)
+    for k, v in extra.items():
+        print(f"{k}: {v}")
+    return 0
+
+
+def _warm(gateway: str) -> None:
+    asyncio.run(_online(gateway, random_requests(4, (32, 64), (4, 4), 32000, seed=99), None))
+
+
+async def _online(gateway: str, reqs: list, arrivals: list | None) -> dict:
+    """Stream every request through the gateway at its arrival time (None: one at a time)."""
+    async with grpc.aio.insecure_channel(gateway) as ch:
+        stub = pb_grpc.GenerationStub(ch)
+        t0 = time.perf_counter()
+        timings = []
+
+        async def one(r, at):
+            await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
+            timing = Timing(arrival_s=time.perf_counter())
+            async for resp in stub.Generate(request_from_line(r), timeout=600):
+                timing.on_tokens(time.perf_counter(), list(resp.token_ids))
+            timings.append(timing)
+
+        if arrivals is None:
+            for r in reqs:
+                await one(r, 0.0)
+        else:
+            await asyncio.gather(*(one(r, at) for r, at in zip(reqs, arrivals)))
+        return summarize(timings, time.perf_counter() - t0)
+
+
+def in_process(model_dir: Path, reqs: list, arrivals: list | None) -> dict:
+    """The engine alone, one thread: requests join at their arrival times (None: one at a time)."""
+    import torch
+
+    from services.cli import add_engine_flags, engine_config
+    from services.common.sampling import SamplingParams
+    from services.engine.engine import LLMEngine
+    import argparse
+
+    torch.set_num_threads(1)
+    ap = argparse.ArgumentParser()
+    add_engine_flags(ap)
+    engine = LLMEngine(engine_config(ap.parse_args(ENGINE_ARGS), str(model_dir)))
+    for i, r in enumerate(random_requests(4, (32, 64), (4, 4), 32000, seed=99)):
+        engine.add_request(f"warm{i}", r["prompt_token_ids"], SamplingParams(max_tokens=4, temperature=0.0))
+    while engine.has_unfinished():
+        engine.step()
+    timings = {}
+    pending = list(zip(reqs, arrivals if arrivals is not None else [None] * len(reqs)))
+    t0 = time.perf_counter()
+    while pending or engine.has_unfinished():
+        now = time.perf_counter()
+        while pending and (pending[0][1] is None and not engine.has_unfinished() or
+                           pending[0][1] is not None and t0 + pending[0][1] <= now):
+            r, _ = pending.pop(0)
+            timings[r["id"]] = Timing(arrival_s=time.perf_counter())
+            engine.add_request(r["id"], r["prompt_token_ids"], SamplingParams(max_tokens=r["max_tokens"],
+                                                                              temperature=0.0, ignore_eos=True))
+        if not engine.has_unfinished():
+            time.sleep(0.001)
+            continue
+        for out in engine.step():
+            timings[out.req_id].on_tokens(time.perf_counter(), out.new_token_ids)
+    return summarize(list(timings.values()), time.perf_counter() - t0)
+
+
+def kv_rates(kvstore: str, total: int = 256 * 1024 * 1024, block: int = 1024 * 1024) -> dict:
+    """GB/s of one put and one get of `total` bytes in `block`-sized messages (16 bench-model KV blocks of
+    64 KiB each, as a prefill worker sends a 256-token chunk), and of a raw loopback copy."""
+    data = bytes(block)
+    count = total // block
+
+    async def hops():
+        async with grpc.aio.insecure_channel(kvstore, options=[("grpc.max_receive_message_length", 1 << 26)]) as ch:
+            stub = pb_grpc.KVStoreStub(ch)
+
+            async def chunks():
+                for i in range(count):
+                    yield pb.KVChunk(transfer_id="bench", index=i, data=data)
+                yield pb.KVChunk(transfer_id="bench", index=-1, meta=pb.KVMeta(), last=True)
+
+            t = time.perf_counter()
+            await stub.Put(chunks())
+            put_s = time.perf_counter() - t
+            t = time.perf_counter()
+            got = 0
+            async for c in stub.Get(pb.GetRequest(transfer_id="bench")):
+                got += len(c.data)
+            get_s = time.perf_counter() - t
+            await stub.Release(pb.ReleaseRequest(transfer_id="bench"))
+            assert got == count * block
+            return put_s, get_s
+
+    put_s, get_s = asyncio.run(hops())
+    raw_s = _loopback_copy(total, block)
+    gb = count * block / 1e9
+    return {"kv_put_gbytes_per_s": round(gb / put_s, 3), "kv_get_gbytes_per_s": round(gb / get_s, 3),
+            "loopback_copy_gbytes_per_s": round(gb / raw_s, 3)}
+
+
+def _loopback_copy(total: int, block: int) -> float:
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    received = []
+
+    def sink():
+        conn, _ = server.accept()
+        n = 0
+        while chunk := conn.recv(1 << 20):
+            n += len(chunk)
+        received.append(n)
+        conn.close()
+
+    th = threading.Thread(target=sink)
+    th.start()
+    data = bytes(block)
+    t = time.perf_counter()
+    with socket.create_connection(server.getsockname()) as c:
+        for _ in range(total // block):
+            c.sendall(data)
+    th.join()
+    elapsed = time.perf_counter() - t
+    server.close()
+    return elapsed
