@@ -34,6 +34,16 @@ async def abort(context: grpc.aio.ServicerContext, err: MeshError) -> None:
     await context.abort(status_of(err), str(err))
 
 
+async def _fail(method, request, context, error: Exception) -> None:
+    """Turn an exception escaping a servicer into its status (an abort already under way passes through)."""
+    if isinstance(error, grpc.aio.AbortError):
+        raise error
+    if isinstance(error, MeshError):
+        await abort(context, error)
+    log.error("bug in %s (request %s)", method.__name__, getattr(request, "request_id", "?"), exc_info=error)
+    await context.abort(grpc.StatusCode.INTERNAL, "internal error")
+
+
 def mapped(method):
     """Servicer decorator (unary and server-streaming): typed errors -> statuses, bugs -> INTERNAL."""
     if asyncio.iscoroutinefunction(method):
@@ -41,13 +51,8 @@ def mapped(method):
         async def unary(self, request, context):
             try:
                 return await method(self, request, context)
-            except MeshError as e:
-                await abort(context, e)
-            except (asyncio.CancelledError, grpc.aio.AbortError):
-                raise
-            except Exception:
-                log.exception("bug in %s (request %s)", method.__name__, getattr(request, "request_id", "?"))
-                await context.abort(grpc.StatusCode.INTERNAL, "internal error")
+            except Exception as e:  # CancelledError is a BaseException: it passes through
+                await _fail(method, request, context, e)
         return unary
 
     @functools.wraps(method)
@@ -55,13 +60,8 @@ def mapped(method):
         try:
             async for item in method(self, request, context):
                 yield item
-        except MeshError as e:
-            await abort(context, e)
-        except (asyncio.CancelledError, grpc.aio.AbortError):
-            raise
-        except Exception:
-            log.exception("bug in %s (request %s)", method.__name__, getattr(request, "request_id", "?"))
-            await context.abort(grpc.StatusCode.INTERNAL, "internal error")
+        except Exception as e:  # CancelledError is a BaseException: it passes through
+            await _fail(method, request, context, e)
     return streaming
 
 
