@@ -6,16 +6,18 @@ worker's saturation throughput (measured first, in the same run, by sending ever
 once through a unified mesh). Systems: in-process (the engine alone, requests added at their
 arrival times), mesh-disaggregated (1 prefill + 1 decode worker), mesh-unified (1 unified worker).
 Also: added_ttft_ms_low_load (mesh-disaggregated minus in-process TTFT p50, one request at a
-time on the same prompts), and the KV transfer rate per hop (256 MB of 64 KiB blocks put into
+time on the same 16 prompts, unseen by either so that neither hits a prefix cache), and the KV transfer rate per hop (256 MB of 64 KiB blocks put into
 and got from the kvstore over gRPC, as the workers do) beside a raw loopback socket copy.
 """
 
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import socket
 import threading
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -53,13 +55,15 @@ def run(args) -> int:
         _warm(mesh.gateway)
         log("mesh-disaggregated")
         systems["mesh-disaggregated"] = asyncio.run(_online(mesh.gateway, reqs, arrivals))
-        low = reqs[:16]
-        log("low load, one request at a time: mesh")
+        # Fresh prompts (same length distribution): prompts the mesh already served would hit its prefix cache.
+        low = random_requests(16, (32, 512), (16, 256), vocab=32000, seed=args.seed + 500)
+        log("low load, one request at a time: mesh-disaggregated")
         mesh_solo = asyncio.run(_online(mesh.gateway, low, None))
         extra.update(kv_rates(mesh.kvstore))
-    log("in-process")
-    systems["in-process"] = in_process(model_dir, reqs, arrivals)
-    solo = in_process(model_dir, low, None)
+    log("in-process (in a fresh process, so nothing of the meshes' gRPC runtime competes with it)")
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        solo = pool.submit(in_process, model_dir, low, None).result()
+        systems["in-process"] = pool.submit(in_process, model_dir, reqs, arrivals).result()
     extra["added_ttft_ms_low_load"] = round(mesh_solo["ttft_ms_p50"] - solo["ttft_ms_p50"], 2)
     extra["offered_rate_req_per_s"] = round(rate, 3)
     result = {"workload": "mesh-mixed", "command": args.command_line, "machine": machine(),

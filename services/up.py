@@ -15,6 +15,9 @@ from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
 
 DEFAULT_MODEL = Path("models/tiny")
+MESH_KEYS = {"model", "mode", "prefill", "decode", "unified", "policy"}
+ENGINE_KEYS = {"kv_cache_gb", "num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "dtype",
+               "policy", "threads"}
 
 
 def load_config(path: str | None) -> dict:
@@ -31,9 +34,14 @@ def load_config(path: str | None) -> dict:
             cfg = yaml.safe_load(text) or {}
     except Exception as e:
         raise SystemExit(f"{path}: cannot parse ({e})")
-    unknown = set(cfg) - {"mesh", "engine"}
-    if unknown:
-        raise SystemExit(f"{path}: unknown section(s) {sorted(unknown)} (known: mesh, engine)")
+    for section, known in (("", {"mesh", "engine"}), ("mesh", MESH_KEYS), ("engine", ENGINE_KEYS)):
+        keys = cfg if not section else cfg.get(section) or {}
+        if not isinstance(keys, dict):
+            raise SystemExit(f"{path}: section {section!r} must be a mapping")
+        unknown = set(keys) - known
+        if unknown:
+            raise SystemExit(f"{path}: unknown {'key' if section else 'section'}(s) {sorted(unknown)}"
+                             f"{' in ' + section if section else ''} (known: {', '.join(sorted(known))})")
     return cfg
 
 
@@ -41,6 +49,8 @@ def cmd_up(args) -> int:
     from services.engine.model_init import write_model
     from services.launcher import Mesh, MeshSpec
 
+    if args.http_port:
+        raise SystemExit("--http-port: the OpenAI-compatible HTTP front is not built yet (gRPC only for now)")
     cfg = load_config(args.config)
     mesh_cfg, engine_cfg = cfg.get("mesh", {}), cfg.get("engine", {})
     model = Path(args.model or mesh_cfg.get("model") or DEFAULT_MODEL)
@@ -137,7 +147,7 @@ def add_parsers(sub) -> None:
     up.add_argument("--model", help="model folder (default: models/tiny, generated if absent)")
     up.add_argument("--config", help="mesh config file (YAML or TOML)")
     up.add_argument("--port", type=int, default=0, help="gateway gRPC port (0 = any free port)")
-    up.add_argument("--http-port", type=int, default=0, help="reserved for the HTTP front (not served yet)")
+    up.add_argument("--http-port", type=int, default=0, help="HTTP front port (the HTTP front is not built yet: a non-zero value is refused)")
     up.set_defaults(func=cmd_up)
     client = sub.add_parser("client", help="send JSONL requests through a running gateway")
     client.add_argument("--target", required=True, help="gateway HOST:PORT")
