@@ -23,6 +23,20 @@ def _cpu_flags() -> list[str]:
     return [f"-m{f}" for f in ("avx2", "fma") if f" {f}" in info]
 
 
+def _put_ninja_on_path() -> None:
+    """torch runs `ninja` from PATH; the pinned ninja wheel lives in this interpreter's environment."""
+    import sys
+
+    dirs = [str(Path(sys.executable).parent)]
+    try:
+        import ninja
+
+        dirs.insert(0, ninja.BIN_DIR)
+    except (ImportError, AttributeError):
+        pass
+    os.environ["PATH"] = os.pathsep.join(dirs + [os.environ.get("PATH", "")])
+
+
 @cache
 def paged_attention():
     """The compiled module, or None when disabled or the build fails (the reason is logged)."""
@@ -31,6 +45,7 @@ def paged_attention():
     try:
         from torch.utils.cpp_extension import load
 
+        _put_ninja_on_path()
         return load(name="meshserve_paged_attention", sources=[str(SOURCE)],
                     extra_cflags=["-O3", "-ffast-math", "-fopenmp", *_cpu_flags()], verbose=False)
     except Exception as e:  # a missing compiler or ninja: fall back to PyTorch, loudly
