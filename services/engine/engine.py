@@ -240,11 +240,14 @@ class LLMEngine:
         req.tokens = list(kv.token_ids)
         if not self.kv.allocate(req, kv.num_computed):
             raise CapacityExhausted("not enough free KV blocks for imported KV", retry_after_ms=50)
-        if len(kv.blocks) != -(-kv.num_computed // self.kv.block_size):
-            self.kv.free(req)
-            raise InvalidRequest(f"imported KV has {len(kv.blocks)} blocks for {kv.num_computed} tokens")
-        for block, data in zip(self.kv.block_table(req), kv.blocks):
-            self.kv_cache.write_block(block, decode_block(data, self.model.dtype))
+        try:
+            if len(kv.blocks) != -(-kv.num_computed // self.kv.block_size):
+                raise InvalidRequest(f"imported KV has {len(kv.blocks)} blocks for {kv.num_computed} tokens")
+            for block, data in zip(self.kv.block_table(req), kv.blocks):
+                self.kv_cache.write_block(block, decode_block(data, self.model.dtype))
+        except (InvalidRequest, RuntimeError) as e:
+            self.kv.forget(req)  # nothing stays allocated for a transfer that does not fit this engine
+            raise e if isinstance(e, InvalidRequest) else InvalidRequest(f"imported KV block is malformed: {e}")
         if kv.rng_state is not None and req.generator is not None:
             req.generator.set_state(torch.frombuffer(bytearray(kv.rng_state), dtype=torch.uint8))
         req.num_computed, req.status = kv.num_computed, Status.RUNNING

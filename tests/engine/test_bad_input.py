@@ -78,3 +78,19 @@ def test_text_prompt_and_stop_strings(tiny_model):
     assert req.finish_reason == "stop"
     assert stop not in engine.output_text(req)
     assert text.startswith(engine.output_text(req))
+
+
+def test_malformed_imported_kv_is_rejected_and_frees_everything(tiny_model):
+    source, target = make_engine(tiny_model), make_engine(tiny_model)
+    req = source.add_request("m", list(range(3, 40)), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    while req.num_output < 1:
+        source.step()
+    good = source.export_kv("m")
+    for broken, fragment in ((dict(blocks=good.blocks[:-1]), "blocks for"),
+                             (dict(blocks=[b[:-4] for b in good.blocks]), "malformed"),
+                             (dict(token_ids=[7] + good.token_ids[1:]), "different prompt")):
+        bad = type(good)(**{**good.__dict__, **broken})
+        with pytest.raises(InvalidRequest, match=fragment):
+            target.add_request("m", list(range(3, 40)), SamplingParams(max_tokens=8), kv=bad)
+        assert target.stats()["blocks"]["used"] == 0
+        target.kv.check_integrity()
