@@ -231,26 +231,80 @@ class LLMEngine:
         return req
 
     def _import(self, req: Request, kv: KVExport) -> None:
+        """Import a whole export at once: begin, write every block, end."""
         if kv.block_size != self.kv.block_size:
             raise InvalidRequest(f"KV block size {kv.block_size} differs from this engine's {self.kv.block_size}")
-        if kv.token_ids[:kv.num_prompt] != req.prompt_token_ids:
-            raise InvalidRequest("imported KV belongs to a different prompt")
-        if len(self.scheduler.running) >= self.scheduler.max_num_seqs:
-            raise CapacityExhausted("no free sequence slot for imported KV", retry_after_ms=50)
-        req.tokens = list(kv.token_ids)
-        if not self.kv.allocate(req, kv.num_computed):
-            raise CapacityExhausted("not enough free KV blocks for imported KV", retry_after_ms=50)
+        self._begin(req, kv.num_computed)
         try:
-            if len(kv.blocks) != -(-kv.num_computed // self.kv.block_size):
-                raise InvalidRequest(f"imported KV has {len(kv.blocks)} blocks for {kv.num_computed} tokens")
-            for block, data in zip(self.kv.block_table(req), kv.blocks):
+            self._write_blocks(req, 0, kv.blocks)
+            self._end(req, kv.token_ids, kv.num_prompt, kv.num_computed, len(kv.blocks), kv.rng_state)
+        except InvalidRequest:
+            self.kv.forget(req)
+            raise
+
+    def begin_import(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams, *, priority: int = 0,
+                     adapter: str = "", cache_salt: str = "") -> Request:
+        """Reserve blocks for a prompt whose KV will arrive block by block (import_blocks, then end_import)."""
+        ids = list(prompt_token_ids)
+        self._validate(req_id, ids, params, adapter)
+        req = Request(req_id, ids, params, arrival_s=self.clock(), seq_no=next(self._seq), priority=priority,
+                      adapter=adapter, cache_salt=cache_salt)
+        self._begin(req, len(ids))
+        self.requests[req_id] = req
+        return req
+
+    def import_blocks(self, req_id: str, first: int, data: bytes) -> int:
+        """Write consecutive raw blocks from index `first`; returns how many were written."""
+        req = self._receiving(req_id)
+        size = KVCache.bytes_per_block(self.model_config.num_layers, self.kv.block_size, self.model_config.num_kv_heads,
+                                       self.model_config.head_dim, self.model.dtype)
+        if len(data) % size:
+            raise InvalidRequest(f"imported KV data of {len(data)} bytes is not a whole number of {size}-byte blocks")
+        blocks = [data[i:i + size] for i in range(0, len(data), size)]
+        self._write_blocks(req, first, blocks)
+        return len(blocks)
+
+    def end_import(self, req_id: str, token_ids: list, num_prompt: int, num_computed: int, num_blocks: int,
+                   rng_state: bytes | None) -> Request:
+        """Check the finished import and join the request to the running batch."""
+        req = self._receiving(req_id)
+        self._end(req, token_ids, num_prompt, num_computed, num_blocks, rng_state)
+        return req
+
+    def _receiving(self, req_id: str) -> Request:
+        req = self.requests.get(req_id)
+        if req is None or req.status is not Status.RECEIVING:
+            raise NotFound(f"request {req_id!r} is not importing KV here")
+        return req
+
+    def _begin(self, req: Request, num_tokens: int) -> None:
+        live = len(self.scheduler.running) + sum(r.status is Status.RECEIVING for r in self.requests.values())
+        if live >= self.scheduler.max_num_seqs:
+            raise CapacityExhausted("no free sequence slot for imported KV", retry_after_ms=50)
+        if not self.kv.allocate(req, num_tokens):
+            raise CapacityExhausted("not enough free KV blocks for imported KV", retry_after_ms=50)
+        req.status = Status.RECEIVING
+
+    def _write_blocks(self, req: Request, first: int, blocks: list) -> None:
+        table = self.kv.block_table(req)
+        if first + len(blocks) > len(table):
+            raise InvalidRequest(f"imported KV has more blocks than its {len(table)} reserved")
+        try:
+            for block, data in zip(table[first:], blocks):
                 self.kv_cache.write_block(block, decode_block(data, self.model.dtype))
-        except (InvalidRequest, RuntimeError) as e:
-            self.kv.forget(req)  # nothing stays allocated for a transfer that does not fit this engine
-            raise e if isinstance(e, InvalidRequest) else InvalidRequest(f"imported KV block is malformed: {e}")
-        if kv.rng_state is not None and req.generator is not None:
-            req.generator.set_state(torch.frombuffer(bytearray(kv.rng_state), dtype=torch.uint8))
-        req.num_computed, req.status = kv.num_computed, Status.RUNNING
+        except RuntimeError as e:
+            raise InvalidRequest(f"imported KV block is malformed: {e}") from None
+
+    def _end(self, req: Request, token_ids: list, num_prompt: int, num_computed: int, num_blocks: int,
+             rng_state: bytes | None) -> None:
+        if list(token_ids[:num_prompt]) != req.prompt_token_ids or not num_prompt <= num_computed < len(token_ids):
+            raise InvalidRequest("imported KV belongs to a different prompt")
+        if num_blocks != len(self.kv.block_table(req)) or -(-num_computed // self.kv.block_size) != num_blocks:
+            raise InvalidRequest(f"imported KV has {num_blocks} blocks for {num_computed} tokens")
+        req.tokens = list(token_ids)
+        if rng_state and req.generator is not None:
+            req.generator.set_state(torch.frombuffer(bytearray(rng_state), dtype=torch.uint8))
+        req.num_computed, req.status = num_computed, Status.RUNNING
         self.kv.commit(req)
         self.scheduler.running.append(req)
 

@@ -13,6 +13,7 @@ from services.common.sampling import SamplingParams
 class Status(Enum):
     WAITING = "waiting"  # queued, or preempted and waiting to recompute
     RUNNING = "running"  # holds KV blocks and is scheduled each step
+    RECEIVING = "receiving"  # holds KV blocks that an import is filling; not scheduled yet
     FINISHED = "finished"
 
 

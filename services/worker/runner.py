@@ -51,6 +51,18 @@ class EngineRunner:
         await self.call(add)
         return q
 
+    async def end_import(self, req_id: str, **kwargs) -> asyncio.Queue:
+        """Finish a staged KV import (engine.end_import kwargs); returns the request's output queue."""
+        q: asyncio.Queue = asyncio.Queue()
+
+        def end(engine):
+            req = engine.end_import(req_id, **kwargs)
+            self.streams[req_id] = q
+            return req
+
+        await self.call(end)
+        return q
+
     def abort(self, req_id: str) -> None:
         """Abort if still live (safe to call from the event loop at any time)."""
         def abort(engine):

@@ -22,7 +22,6 @@ from services.common.convert import sampling_from_pb
 from services.common.errors import CapacityExhausted, InvalidRequest, MeshError
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
-from services.engine.kv_transfer import KVExport
 from services.engine.request import Status
 from services.worker.runner import EngineRunner
 
@@ -120,35 +119,42 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     @rpc.mapped
     async def Decode(self, request, context):
         self._check_role("decode", "unified")
-        kv = await self._pull(request)
-        q = await self._import(request, kv)
-        async for ev in self._stream(request.request_id, q):
+        req_id = request.request_id
+        await self._begin_import(request)
+        try:
+            q = await self._pull(request)
+        except BaseException:
+            self.runner.abort(req_id)
+            raise
+        async for ev in self._stream(req_id, q):
             yield ev
 
-    async def _pull(self, request) -> KVExport:
-        stub = pb_grpc.KVStoreStub(self.channels.get(request.kvstore))
-        parts, meta = [], None
-        async for chunk in stub.Get(pb.GetRequest(transfer_id=request.transfer_id, wait_ms=60000)):
-            if chunk.last:
-                meta = chunk.meta
-            else:
-                parts.append(chunk.data)
-        await stub.Release(pb.ReleaseRequest(transfer_id=request.transfer_id))
-        data = b"".join(parts)
-        size = len(data) // max(meta.num_blocks, 1)
-        blocks = [data[i * size:(i + 1) * size] for i in range(meta.num_blocks)]
-        return KVExport(token_ids=list(meta.token_ids), num_prompt=meta.num_prompt, num_computed=meta.num_computed,
-                        block_size=meta.block_size, dtype=meta.dtype, blocks=blocks,
-                        rng_state=meta.rng_state or None)
-
-    async def _import(self, request, kv: KVExport) -> asyncio.Queue:
+    async def _begin_import(self, request) -> None:
+        """Reserve blocks for the prompt's KV, waiting while the pool or the batch is full."""
+        kwargs = self._add_kwargs(request)
         delay = 0.01
         while True:
             try:
-                return await self.runner.add(request.request_id, kv=kv, **self._add_kwargs(request))
+                await self.runner.call(lambda engine: engine.begin_import(request.request_id, **kwargs))
+                return
             except CapacityExhausted:
-                await asyncio.sleep(delay)  # wait for a slot or blocks; the call's deadline bounds this
+                await asyncio.sleep(delay)  # the call's deadline bounds the wait
                 delay = min(delay * 2, 0.2)
+
+    async def _pull(self, request) -> asyncio.Queue:
+        """Import blocks into the paged cache as they land in the kvstore; then join the batch."""
+        req_id, stub = request.request_id, pb_grpc.KVStoreStub(self.channels.get(request.kvstore))
+        written = 0
+        async for chunk in stub.Get(pb.GetRequest(transfer_id=request.transfer_id, wait_ms=60000)):
+            if chunk.last:
+                m = chunk.meta
+                await stub.Release(pb.ReleaseRequest(transfer_id=request.transfer_id))
+                return await self.runner.end_import(
+                    req_id, token_ids=list(m.token_ids), num_prompt=m.num_prompt, num_computed=m.num_computed,
+                    num_blocks=m.num_blocks, rng_state=m.rng_state or None)
+            first = written
+            written += await self.runner.call(lambda engine: engine.import_blocks(req_id, first, chunk.data))
+        raise InvalidRequest(f"transfer {request.transfer_id} ended without its metadata")
 
     async def _next(self, q: asyncio.Queue):
         out = await q.get()
