@@ -6,7 +6,7 @@ worker's saturation throughput (measured first, in the same run, by sending ever
 once through a unified mesh). Systems: in-process (the engine alone, requests added at their
 arrival times), mesh-disaggregated (1 prefill + 1 decode worker), mesh-unified (1 unified worker).
 Also: added_ttft_ms_low_load (mesh-disaggregated minus in-process TTFT p50, one request at a
-time on the same 16 prompts, unseen by either so that neither hits a prefix cache), and the KV transfer rate per hop (256 MB of 64 KiB blocks put into
+time on the same 32 prompts with 16-token outputs, unseen by either so that neither hits a prefix cache), and the KV transfer rate per hop (256 MB of 64 KiB blocks put into
 and got from the kvstore over gRPC, as the workers do) beside a raw loopback socket copy.
 """
 
@@ -56,7 +56,7 @@ def run(args) -> int:
         log("mesh-disaggregated")
         systems["mesh-disaggregated"] = asyncio.run(_online(mesh.gateway, reqs, arrivals))
         # Fresh prompts (same length distribution): prompts the mesh already served would hit its prefix cache.
-        low = random_requests(16, (32, 512), (16, 256), vocab=32000, seed=args.seed + 500)
+        low = random_requests(32, (32, 512), (16, 16), vocab=32000, seed=args.seed + 500)
         log("low load, one request at a time: mesh-disaggregated")
         mesh_solo = asyncio.run(_online(mesh.gateway, low, None))
         extra.update(kv_rates(mesh.kvstore))

@@ -26,12 +26,3 @@ def setup_tracing(service_name: str) -> None:
     trace.set_tracer_provider(provider)
     GrpcAioInstrumentorServer().instrument()
     GrpcAioInstrumentorClient().instrument()
-
-
-def shutdown_tracing() -> None:
-    provider = trace.get_tracer_provider()
-    if hasattr(provider, "shutdown"):
-        provider.shutdown()
-
-
-tracer = trace.get_tracer("meshserve")

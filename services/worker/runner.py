@@ -66,11 +66,12 @@ class EngineRunner:
     def abort(self, req_id: str) -> None:
         """Abort if still live (safe to call from the event loop at any time)."""
         def abort(engine):
-            self._forget(req_id)
+            self.forget(req_id)
             return engine.abort(req_id)
         self.call(abort)
 
-    def _forget(self, req_id: str) -> None:
+    def forget(self, req_id: str) -> None:
+        """Stop routing outputs and hooks to a request (call from the engine thread)."""
         self.streams.pop(req_id, None)
         self.hooks.pop(req_id, None)
 
@@ -96,7 +97,7 @@ class EngineRunner:
                 if q is not None:
                     self.loop.call_soon_threadsafe(q.put_nowait, out)
                 if out.finished:
-                    self._forget(out.req_id)
+                    self.forget(out.req_id)
             for req_id, hook in list(self.hooks.items()):
                 self._run_hook(req_id, hook)
 
@@ -107,7 +108,7 @@ class EngineRunner:
             log.exception("hook of request %s failed; aborting it", req_id)
             q = self.streams.get(req_id)
             self.engine.abort(req_id)
-            self._forget(req_id)
+            self.forget(req_id)
             if q is not None:
                 self.loop.call_soon_threadsafe(q.put_nowait, e)
 
@@ -127,7 +128,7 @@ class EngineRunner:
         for req_id in list(self.streams):
             q = self.streams[req_id]
             self.engine.abort(req_id)
-            self._forget(req_id)
+            self.forget(req_id)
             self.loop.call_soon_threadsafe(q.put_nowait, RuntimeError("engine step failed"))
 
 

@@ -55,7 +55,7 @@ class KVSender:
                              block_size=kv.block_size, dtype=kv.dtype, num_blocks=self.sent,
                              rng_state=kv.rng_state or b"")
             self._put(pb.KVChunk(transfer_id=self.transfer_id, index=-1, meta=meta, last=True))
-            self.runner._forget(req_id)
+            self.runner.forget(req_id)
             engine.abort(req_id)
             return
         full = engine.num_full_computed_blocks(req_id)
