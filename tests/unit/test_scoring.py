@@ -1,0 +1,61 @@
+"""Filter -> Scorer -> Picker: every scorer and the load guard, table-driven."""
+
+import pytest
+
+from services.router.policies import WorkerView
+from services.router.scoring import LoadGuard, LoadScorer, PrefixAware, PrefixScorer, RouteContext, WeightedPicker
+
+
+def workers(*loads, capacity=1000):
+    return [WorkerView(f"w{i}", f"a{i}", "unified", outstanding_tokens=int(load * capacity), capacity_tokens=capacity)
+            for i, load in enumerate(loads)]
+
+
+@pytest.mark.parametrize("loads,expected", [
+    ((0.0, 0.0), [1.0, 1.0]),
+    ((0.5, 0.25, 0.0), [0.0, 0.5, 1.0]),
+    ((1.0, 1.0), [0.0, 0.0]),
+])
+def test_load_scorer(loads, expected):
+    assert LoadScorer().score(workers(*loads), RouteContext(4)) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("prompt_blocks,cached,expected", [
+    (4, {"w0": 4, "w1": 2}, [1.0, 0.5]),
+    (4, {}, [0.0, 0.0]),
+    (0, {"w0": 3}, [0.0, 0.0]),
+    (2, {"w0": 5}, [1.0, 0.0]),  # never above 1
+])
+def test_prefix_scorer(prompt_blocks, cached, expected):
+    assert PrefixScorer().score(workers(0, 0), RouteContext(prompt_blocks, cached)) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("loads,abs_t,rel_t,imbalanced", [
+    ((0.9, 0.1), 0.25, 1.5, True),  # gap 0.8 > 0.25 and 0.9 > 0.15
+    ((0.3, 0.2), 0.25, 1.5, False),  # gap too small
+    ((0.9, 0.7), 0.1, 1.5, False),  # ratio 1.29 < 1.5
+    ((0.5, 0.0), 0.25, 1.5, True),  # an idle worker: any ratio
+])
+def test_load_guard(loads, abs_t, rel_t, imbalanced):
+    assert LoadGuard(abs_t, rel_t).imbalanced(workers(*loads)) is imbalanced
+
+
+@pytest.mark.parametrize("loads,cached,expected,guarded", [
+    ((0.2, 0.1), {"w0": 8}, "w0", False),  # cache wins when loads are close
+    ((0.9, 0.1), {"w0": 8}, "w1", True),  # load guard: load wins
+    ((0.1, 0.1), {}, "w0", False),  # full tie: lower id
+    ((0.3, 0.1), {}, "w1", False),  # no cache anywhere: the lighter one
+])
+def test_prefix_aware_picks(loads, cached, expected, guarded):
+    pick, why = PrefixAware().select(workers(*loads), 100, RouteContext(8, cached))
+    assert pick.worker_id == expected
+    assert why.startswith("load guard") is guarded
+    assert "prefix=" in why or guarded
+
+
+def test_weights_change_the_trade_off():
+    ws, ctx = workers(0.3, 0.0), RouteContext(8, {"w0": 4})
+    only_prefix = WeightedPicker([(PrefixScorer(), 1.0), (LoadScorer(), 0.0)])
+    only_load = WeightedPicker([(PrefixScorer(), 0.0), (LoadScorer(), 1.0)])
+    assert only_prefix.pick(ws, ctx)[0].worker_id == "w0"
+    assert only_load.pick(ws, ctx)[0].worker_id == "w1"
