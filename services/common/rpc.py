@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 import signal
 
 import grpc
@@ -116,6 +117,13 @@ class ChannelPool:
         if address not in self.channels:
             self.channels[address] = channel(address)
         return self.channels[address]
+
+
+def add_server_flags(ap, port_env: str, grace_s: float) -> None:
+    """--host, --port (0 = any free port) and --grace-s, every service alike."""
+    ap.add_argument("--host", default=os.environ.get("MESHSERVE_HOST", "127.0.0.1"))
+    ap.add_argument("--port", type=int, default=int(os.environ.get(port_env, "0")), help=f"(env {port_env})")
+    ap.add_argument("--grace-s", type=float, default=grace_s, help="time in-flight calls get on SIGTERM")
 
 
 def setup_logging(name: str) -> None:

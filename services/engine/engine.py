@@ -225,9 +225,12 @@ class LLMEngine:
         return self._running(req_id).num_computed // self.kv.block_size
 
     def _running(self, req_id: str) -> Request:
+        return self._in_state(req_id, Status.RUNNING, "running")
+
+    def _in_state(self, req_id: str, status: Status, doing: str) -> Request:
         req = self.requests.get(req_id)
-        if req is None or req.status is not Status.RUNNING:
-            raise NotFound(f"request {req_id!r} is not running here")
+        if req is None or req.status is not status:
+            raise NotFound(f"request {req_id!r} is not {doing} here")
         return req
 
     def _import(self, req: Request, kv: KVExport) -> None:
@@ -272,10 +275,7 @@ class LLMEngine:
         return req
 
     def _receiving(self, req_id: str) -> Request:
-        req = self.requests.get(req_id)
-        if req is None or req.status is not Status.RECEIVING:
-            raise NotFound(f"request {req_id!r} is not importing KV here")
-        return req
+        return self._in_state(req_id, Status.RECEIVING, "importing KV")
 
     def _begin(self, req: Request, num_tokens: int) -> None:
         live = len(self.scheduler.running) + sum(r.status is Status.RECEIVING for r in self.requests.values())

@@ -48,9 +48,7 @@ def main() -> None:
     ap.add_argument("--kvstore", default=os.environ.get("KVSTORE_ADDR", "127.0.0.1:50052"))
     ap.add_argument("--mode", default=os.environ.get("ROUTER_MODE", "disaggregated"),
                     choices=["disaggregated", "unified"], help="which workers readiness waits for")
-    ap.add_argument("--host", default=os.environ.get("MESHSERVE_HOST", "127.0.0.1"))
-    ap.add_argument("--port", type=int, default=int(os.environ.get("GATEWAY_PORT", "0")))
-    ap.add_argument("--grace-s", type=float, default=10.0)
+    rpc.add_server_flags(ap, "GATEWAY_PORT", grace_s=10.0)
     args = ap.parse_args()
     rpc.setup_logging("gateway")
     setup_tracing("gateway")

@@ -67,11 +67,9 @@ async def serve(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m services.kvstore", description=__doc__)
-    ap.add_argument("--host", default=os.environ.get("MESHSERVE_HOST", "127.0.0.1"))
-    ap.add_argument("--port", type=int, default=int(os.environ.get("KVSTORE_PORT", "0")))
+    rpc.add_server_flags(ap, "KVSTORE_PORT", grace_s=5.0)
     ap.add_argument("--byte-budget-gb", type=float, default=float(os.environ.get("KVSTORE_BUDGET_GB", "4")))
     ap.add_argument("--ttl-s", type=float, default=60.0, help="drop transfers never claimed after this long")
-    ap.add_argument("--grace-s", type=float, default=5.0)
     args = ap.parse_args()
     rpc.setup_logging("kvstore")
     setup_tracing("kvstore")

@@ -72,14 +72,12 @@ async def serve(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m services.router", description=__doc__)
-    ap.add_argument("--host", default=os.environ.get("MESHSERVE_HOST", "127.0.0.1"))
-    ap.add_argument("--port", type=int, default=int(os.environ.get("ROUTER_PORT", "0")))
+    rpc.add_server_flags(ap, "ROUTER_PORT", grace_s=2.0)
     ap.add_argument("--policy", default=os.environ.get("ROUTER_POLICY", "least-outstanding"))
     ap.add_argument("--mode", default=os.environ.get("ROUTER_MODE", "disaggregated"),
                     choices=["disaggregated", "unified"])
     ap.add_argument("--heartbeat-ms", type=int, default=1000)
     ap.add_argument("--worker-ttl-s", type=float, default=3.0, help="drop a worker silent this long")
-    ap.add_argument("--grace-s", type=float, default=2.0)
     args = ap.parse_args()
     make_policy(args.policy)
     rpc.setup_logging("router")

@@ -48,10 +48,8 @@ def parser(role: str | None = None) -> argparse.ArgumentParser:
         ap.add_argument("--role", required=True, choices=ROLES)
     ap.add_argument("--model", default=os.environ.get("MESHSERVE_MODEL"), required="MESHSERVE_MODEL" not in os.environ)
     ap.add_argument("--router", default=os.environ.get("ROUTER_ADDR", "127.0.0.1:50051"))
-    ap.add_argument("--host", default=os.environ.get("MESHSERVE_HOST", "127.0.0.1"))
-    ap.add_argument("--port", type=int, default=int(os.environ.get("WORKER_PORT", "0")))
+    rpc.add_server_flags(ap, "WORKER_PORT", grace_s=10.0)
     ap.add_argument("--worker-id")
-    ap.add_argument("--grace-s", type=float, default=10.0, help="time in-flight requests get on SIGTERM")
     add_engine_flags(ap)
     return ap
 
