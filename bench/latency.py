@@ -12,6 +12,8 @@ class Timing:
     last_s: float | None = None  # last token received
     tokens: int = 0  # output tokens received
     token_ids: list = field(default_factory=list)
+    prompt_tokens: int = 0  # as the server reports
+    cached_tokens: int = 0  # prompt tokens served from its prefix cache
 
     def on_tokens(self, now: float, ids) -> None:
         if ids and self.first_s is None:
@@ -34,9 +36,11 @@ def percentile(values: list, q: float) -> float | None:
 def summarize(timings: list[Timing], wall_s: float) -> dict:
     ttft = [(t.first_s - t.arrival_s) * 1e3 for t in timings if t.first_s is not None]
     tpot = [(t.last_s - t.first_s) * 1e3 / (t.tokens - 1) for t in timings if t.tokens > 1]
+    e2e = [(t.last_s - t.arrival_s) * 1e3 for t in timings if t.last_s is not None]
     r = lambda x: None if x is None else round(x, 2)  # noqa: E731
     return {"ttft_ms_p50": r(percentile(ttft, 0.5)), "ttft_ms_p99": r(percentile(ttft, 0.99)),
             "tpot_ms_p50": r(percentile(tpot, 0.5)), "tpot_ms_p99": r(percentile(tpot, 0.99)),
+            "e2e_ms_p50": r(percentile(e2e, 0.5)), "e2e_ms_p99": r(percentile(e2e, 0.99)),
             "output_tokens_per_s": round(sum(t.tokens for t in timings) / wall_s, 1), "requests": len(timings),
             "wall_s": round(wall_s, 2)}
 

@@ -24,10 +24,10 @@ import grpc
 
 from bench.common import default_model, log, machine, print_table, random_requests, write_result
 from bench.latency import Timing, poisson_arrivals, summarize
+from bench.online import drive
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.launcher import Mesh, MeshSpec
-from services.up import request_from_line
 
 ENGINE_ARGS = ["--kv-cache-gb", "1.0", "--max-num-batched-tokens", "512"]
 
@@ -83,24 +83,9 @@ def _warm(gateway: str) -> None:
 
 async def _online(gateway: str, reqs: list, arrivals: list | None) -> dict:
     """Stream every request through the gateway at its arrival time (None: one at a time)."""
-    async with grpc.aio.insecure_channel(gateway) as ch:
-        stub = pb_grpc.GenerationStub(ch)
-        t0 = time.perf_counter()
-        timings = []
-
-        async def one(r, at):
-            await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
-            timing = Timing(arrival_s=time.perf_counter())
-            async for resp in stub.Generate(request_from_line(r), timeout=600):
-                timing.on_tokens(time.perf_counter(), list(resp.token_ids))
-            timings.append(timing)
-
-        if arrivals is None:
-            for r in reqs:
-                await one(r, 0.0)
-        else:
-            await asyncio.gather(*(one(r, at) for r, at in zip(reqs, arrivals)))
-        return summarize(timings, time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    timings = await drive(gateway, reqs, arrivals, timeout_s=600)
+    return summarize(timings, time.perf_counter() - t0)
 
 
 def in_process(model_dir: Path, reqs: list, arrivals: list | None) -> dict:

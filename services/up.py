@@ -16,6 +16,7 @@ from services.common.pb import meshserve_pb2_grpc as pb_grpc
 
 DEFAULT_MODEL = Path("models/tiny")
 MESH_KEYS = {"model", "mode", "prefill", "decode", "unified", "policy"}
+ROUTING_KEYS = {"weights", "guard"}
 ENGINE_KEYS = {"kv_cache_gb", "num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "dtype",
                "policy", "threads"}
 
@@ -34,7 +35,8 @@ def load_config(path: str | None) -> dict:
             cfg = yaml.safe_load(text) or {}
     except Exception as e:
         raise SystemExit(f"{path}: cannot parse ({e})")
-    for section, known in (("", {"mesh", "engine"}), ("mesh", MESH_KEYS), ("engine", ENGINE_KEYS)):
+    for section, known in (("", {"mesh", "engine", "routing"}), ("mesh", MESH_KEYS), ("engine", ENGINE_KEYS),
+                           ("routing", ROUTING_KEYS)):
         keys = cfg if not section else cfg.get(section) or {}
         if not isinstance(keys, dict):
             raise SystemExit(f"{path}: section {section!r} must be a mapping")
@@ -42,6 +44,11 @@ def load_config(path: str | None) -> dict:
         if unknown:
             raise SystemExit(f"{path}: unknown {'key' if section else 'section'}(s) {sorted(unknown)}"
                              f"{' in ' + section if section else ''} (known: {', '.join(sorted(known))})")
+    from services.router.policies import make_policy
+    try:
+        make_policy((cfg.get("mesh") or {}).get("policy", "least-outstanding"), cfg.get("routing") or {})
+    except (ValueError, TypeError) as e:
+        raise SystemExit(f"{path}: routing: {e}")
     return cfg
 
 
@@ -64,7 +71,8 @@ def cmd_up(args) -> int:
         engine_args += [f"--{key.replace('_', '-')}", str(value)]
     spec = MeshSpec(str(model), mode=mesh_cfg.get("mode", "disaggregated"), prefill=mesh_cfg.get("prefill", 1),
                     decode=mesh_cfg.get("decode", 2), unified=mesh_cfg.get("unified", 1), engine_args=engine_args,
-                    policy=mesh_cfg.get("policy", "least-outstanding"), gateway_port=args.port)
+                    policy=mesh_cfg.get("policy", "least-outstanding"), routing=cfg.get("routing") or {},
+                    gateway_port=args.port)
     mesh = Mesh(spec)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

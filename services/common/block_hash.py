@@ -28,25 +28,47 @@ def extra_keys(adapter: str = "", salt: str = "") -> bytes:
     return b"a=" + adapter.encode() + b"\x00s=" + salt.encode()
 
 
+_KEYED = hashlib.blake2b(digest_size=16, key=_KEY)  # copied per block: cheaper than keying anew
+
+
 def hash_block(parent: bytes, tokens: Sequence[int], extra: bytes = b"") -> bytes:
     """Digest of one full block given its parent's digest (ROOT for the first block)."""
-    h = hashlib.blake2b(digest_size=16, key=_KEY)
+    h = _KEYED.copy()
     h.update(parent)
     h.update(len(tokens).to_bytes(4, "little"))
-    h.update(array("I", tokens).tobytes() if _NATIVE_U32_LE else _pack(tokens))
+    h.update(_pack(tokens))
     h.update(extra)
     return h.digest()
 
 
 def _pack(tokens: Sequence[int]) -> bytes:
+    """Token ids as little-endian uint32."""
+    if _NATIVE_U32_LE:
+        return array("I", tokens).tobytes()
     return b"".join(t.to_bytes(4, "little") for t in tokens)
 
 
 def hash_blocks(tokens: Sequence[int], block_size: int, extra: bytes = b"",
                 parent: bytes = ROOT, start: int = 0) -> list[bytes]:
     """Chained digests of every full block of tokens[start:], continuing from `parent`."""
-    out = []
-    for i in range(start, len(tokens) - block_size + 1, block_size):
-        parent = hash_block(parent, tokens[i:i + block_size], extra)
+    n = (len(tokens) - start) // block_size
+    return hash_packed(_pack(tokens[start:start + n * block_size]), block_size, extra, parent)
+
+
+def pack_tokens(tokens: Sequence[int]) -> bytes:
+    """Token ids as little-endian uint32: how prompts travel to the router for hashing."""
+    return _pack(tokens)
+
+
+def hash_packed(packed: bytes, block_size: int, extra: bytes = b"", parent: bytes = ROOT) -> list[bytes]:
+    """hash_blocks over tokens already packed by pack_tokens (no per-token work in Python)."""
+    width = 4 * block_size
+    n = len(packed) // width
+    count, out = block_size.to_bytes(4, "little"), []
+    copy = _KEYED.copy
+    for i in range(n):
+        h = copy()
+        h.update(b"".join((parent, count, packed[i * width:(i + 1) * width], extra)))
+        parent = h.digest()
         out.append(parent)
     return out

@@ -1,4 +1,4 @@
-"""OpenTelemetry set-up: traces exported over OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set.
+"""OpenTelemetry set-up: traces and metrics exported over OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set.
 
 Every service calls setup_tracing(name) once at start; gRPC servers and clients are then
 instrumented (W3C trace context travels in gRPC metadata), so one request is one trace across
@@ -26,3 +26,18 @@ def setup_tracing(service_name: str) -> None:
     trace.set_tracer_provider(provider)
     GrpcAioInstrumentorServer().instrument()
     GrpcAioInstrumentorClient().instrument()
+
+
+def setup_metrics(service_name: str, interval_ms: int = 5000) -> None:
+    """Metrics over OTLP (every interval_ms) when an endpoint is set; otherwise instruments are no-ops."""
+    if not os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+        return
+    from opentelemetry import metrics
+    from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+    from opentelemetry.sdk.resources import Resource
+
+    reader = PeriodicExportingMetricReader(OTLPMetricExporter(insecure=True), export_interval_millis=interval_ms)
+    metrics.set_meter_provider(MeterProvider(resource=Resource.create({"service.name": service_name}),
+                                             metric_readers=[reader]))

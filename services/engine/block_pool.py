@@ -4,6 +4,11 @@ A block is *used* while its ref count is > 0; *cached* at ref count 0 with a con
 (reusable by a later request with the same prefix until evicted, least recently freed first);
 *free* otherwise. used + cached + free = total, always. allocate() returns None when short:
 shortage is the scheduler's to resolve, not an error.
+
+With events on (track_events()), the pool records ("stored", hash) when a block's content hash
+is registered and ("evicted", hash) when a hashed block is reused or dropped: the feed workers
+publish to the mesh's prefix index. A backlog beyond max_events is dropped and flagged, and the
+consumer republishes the whole state (hashes()) instead.
 """
 
 from __future__ import annotations
@@ -19,6 +24,30 @@ class BlockPool:
         self.by_hash: dict[bytes, int] = {}
         self.free_ids: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
         self.cached: OrderedDict[int, None] = OrderedDict()  # ref 0 with a hash, oldest first
+        self.events: list[tuple[str, bytes]] | None = None  # None: not recording
+        self.max_events = 0
+        self.events_overflowed = False
+
+    def track_events(self, max_events: int = 100_000) -> None:
+        self.events, self.max_events = [], max_events
+
+    def drain_events(self) -> tuple[list[tuple[str, bytes]], bool]:
+        """The events since the last drain, and whether some were dropped (then republish hashes())."""
+        out, overflowed = self.events or [], self.events_overflowed
+        self.events, self.events_overflowed = ([] if self.events is not None else None), False
+        return out, overflowed
+
+    def hashes(self) -> list[bytes]:
+        """Every content hash the pool holds now (used or cached)."""
+        return list(self.by_hash)
+
+    def _event(self, kind: str, block_hash: bytes) -> None:
+        if self.events is None:
+            return
+        if len(self.events) >= self.max_events:
+            self.events.clear()
+            self.events_overflowed = True
+        self.events.append((kind, block_hash))
 
     @property
     def num_available(self) -> int:
@@ -43,6 +72,7 @@ class BlockPool:
             return self.free_ids.pop()
         block, _ = self.cached.popitem(last=False)
         del self.by_hash[self.block_hash[block]]
+        self._event("evicted", self.block_hash[block])
         self.block_hash[block] = None
         return block
 
@@ -72,6 +102,7 @@ class BlockPool:
         if self.block_hash[block] is None and block_hash not in self.by_hash:
             self.block_hash[block] = block_hash
             self.by_hash[block_hash] = block
+            self._event("stored", block_hash)
 
     def counts(self) -> dict:
         free = len(self.free_ids)
@@ -82,6 +113,7 @@ class BlockPool:
         """Forget every cached block (they become free); used blocks keep their hashes."""
         for b in self.cached:
             del self.by_hash[self.block_hash[b]]
+            self._event("evicted", self.block_hash[b])
             self.block_hash[b] = None
             self.free_ids.append(b)
         self.cached.clear()

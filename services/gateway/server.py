@@ -18,6 +18,7 @@ from pathlib import Path
 import grpc
 
 from services.common import rpc
+from services.common.block_hash import pack_tokens
 from services.common.convert import sampling_from_pb, sampling_to_pb, utf8
 from services.common.errors import DeadlineExceeded, InvalidRequest, NotFound, OutOfRange
 from services.common.pb import meshserve_pb2 as pb
@@ -123,7 +124,8 @@ class GatewayServicer(pb_grpc.GenerationServicer):
                               sampling=sampling_to_pb(params), priority=request.priority,
                               transfer_id=uuid.uuid4().hex, kvstore=self.kvstore)
         decision = await self._call(self.router.Route(pb.RouteRequest(
-            request_id=work.request_id, prompt_tokens=len(ids), max_tokens=params.max_tokens), timeout=timeout))
+            request_id=work.request_id, prompt_tokens=len(ids), max_tokens=params.max_tokens, prompt_u32=pack_tokens(ids),
+            adapter=work.adapter, cache_salt=work.cache_salt), timeout=timeout))
         text = _TextStream(self.tokenizer, params.stop)
         async for ev in self._events(decision, work, timeout):
             yield pb.GenerateResponse(request_id=client_id, token_ids=ev.token_ids, logprobs=ev.logprobs,

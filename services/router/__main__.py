@@ -1,88 +1,79 @@
-"""python -m services.router: the live worker registry and Route (see policies.py, registry.py)."""
+"""python -m services.router: the live worker registry and Route (see server.py, policies.py, registry.py)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
+import functools
+import gc
+import json
 import os
 import time
 
+from grpc_health.v1 import health_pb2
+
 from services.common import rpc
-from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
-from services.common.telemetry import setup_tracing
+from services.common.prefix_index import PrefixIndex, connect_lookup
+from services.common.telemetry import setup_metrics, setup_tracing
 from services.router.policies import make_policy
 from services.router.registry import Registry
+from services.router.server import RouterServicer
 
-log = logging.getLogger("meshserve.router")
-
-
-class RouterServicer(pb_grpc.RouterServicer):
-    def __init__(self, registry: Registry, policy_name: str, mode: str, beat_ms: int):
-        self.registry, self.mode, self.beat_ms = registry, mode, beat_ms
-        self.policies = {role: make_policy(policy_name) for role in ("prefill", "decode", "unified")}
-
-    @rpc.mapped
-    async def Heartbeat(self, request, context):
-        self.registry.beat(request.worker_id, request.address, request.role, request.outstanding_tokens,
-                           request.kv_capacity_tokens)
-        return pb.HeartbeatReply(interval_ms=self.beat_ms)
-
-    @rpc.mapped
-    async def Deregister(self, request, context):
-        self.registry.remove(request.worker_id)
-        return pb.HeartbeatReply(interval_ms=self.beat_ms)
-
-    @rpc.mapped
-    async def Route(self, request, context):
-        mode = request.mode or self.mode
-        cost = request.prompt_tokens + request.max_tokens
-        if mode == "unified":
-            worker, why = self._pick("unified", cost)
-            return pb.RouteDecision(decode_worker=worker.address, mode=mode, reason=why)
-        prefill, why_p = self._pick("prefill", request.prompt_tokens)
-        decode, why_d = self._pick("decode", request.max_tokens)
-        return pb.RouteDecision(prefill_worker=prefill.address, decode_worker=decode.address, mode="disaggregated",
-                                reason=f"prefill[{why_p}] decode[{why_d}]")
-
-    def _pick(self, role: str, cost: int):
-        policy = self.policies[role]
-        worker, why = policy.select(self.registry.live(role), cost)
-        policy.on_routed(worker, cost)
-        return worker, why
-
-    @rpc.mapped
-    async def ListWorkers(self, request, context):
-        return pb.ListWorkersResponse(workers=[
-            pb.WorkerLoad(worker_id=w.worker_id, address=w.address, role=w.role,
-                          outstanding_tokens=w.outstanding_tokens, kv_capacity_tokens=w.capacity_tokens)
-            for w in self.registry.prune()])
+INDEX_HEALTH = "prefix-index"  # health service name: NOT_SERVING while Redis is unreachable
 
 
-async def serve(args) -> None:
+async def watch_index(index: PrefixIndex, server: rpc.Server, servicer: RouterServicer) -> None:
+    """Probe Redis once a second (so the state shows without traffic) and mirror it in health and metrics."""
+    while True:
+        await index.probe()
+        servicer.set_degraded(index.degraded)
+        status = health_pb2.HealthCheckResponse.NOT_SERVING if index.degraded else health_pb2.HealthCheckResponse.SERVING
+        await server.health.set(INDEX_HEALTH, status)
+        await asyncio.sleep(1.0)
+
+
+async def serve(args, routing: dict) -> None:
     registry = Registry(time.monotonic, ttl_s=args.worker_ttl_s)
+    index = PrefixIndex(connect_lookup(args.redis_url)) if args.redis_url else None
     server = rpc.Server(["Router"], args.port, args.host)
-    pb_grpc.add_RouterServicer_to_server(RouterServicer(registry, args.policy, args.mode, args.heartbeat_ms),
-                                         server.server)
+    servicer = RouterServicer(registry, functools.partial(make_policy, args.policy, routing), args.mode,
+                              args.heartbeat_ms, index=index)
+    pb_grpc.add_RouterServicer_to_server(servicer, server.server)
+    gc.freeze()  # start-up objects leave the collector's view: shorter pauses on the routing path
     await server.set_serving(True)
-    print(f"router listening on {server.address} (policy {args.policy}, mode {args.mode})", flush=True)
+    watch = asyncio.create_task(watch_index(index, server, servicer)) if index else None
+    print(f"router listening on {server.address} (policy {args.policy}, mode {args.mode}, "
+          f"prefix index {'redis ' + args.redis_url if index else 'off'})", flush=True)
     await server.run(grace_s=args.grace_s)
+    if watch:
+        watch.cancel()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m services.router", description=__doc__)
     rpc.add_server_flags(ap, "ROUTER_PORT", grace_s=2.0)
-    ap.add_argument("--policy", default=os.environ.get("ROUTER_POLICY", "least-outstanding"))
+    ap.add_argument("--policy", default=os.environ.get("ROUTER_POLICY", "least-outstanding"),
+                    help="round-robin | least-outstanding | prefix-aware")
+    ap.add_argument("--routing", default=os.environ.get("ROUTER_ROUTING", "{}"),
+                    help='JSON: {"weights": {"prefix": 1.0, "load": 0.5, "adapter": 0.0}, '
+                         '"guard": {"abs": 0.25, "rel": 1.5}} (the mesh file\'s routing section)')
     ap.add_argument("--mode", default=os.environ.get("ROUTER_MODE", "disaggregated"),
                     choices=["disaggregated", "unified"])
+    ap.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
+                    help="the prefix index (env REDIS_URL); without it prefix-aware routes by load")
     ap.add_argument("--heartbeat-ms", type=int, default=1000)
     ap.add_argument("--worker-ttl-s", type=float, default=3.0, help="drop a worker silent this long")
     args = ap.parse_args()
-    make_policy(args.policy)
+    try:
+        routing = json.loads(args.routing)
+        make_policy(args.policy, routing)
+    except ValueError as e:  # json.JSONDecodeError is a ValueError
+        ap.error(f"--policy/--routing: {e}")
     rpc.setup_logging("router")
     setup_tracing("router")
-    asyncio.run(serve(args))
+    setup_metrics("router")
+    asyncio.run(serve(args, routing))
 
 
 if __name__ == "__main__":

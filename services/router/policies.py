@@ -1,40 +1,30 @@
 """Routing policies: pure objects that pick a worker from a snapshot of the registry.
 
-- RoundRobin: the next live worker of the role, in worker-id order.
-- LeastOutstanding: the worker with the fewest outstanding tokens (remaining prefill tokens +
-  expected decode tokens, as its heartbeat says, plus what was routed to it since) divided by
-  its KV token capacity; ties go to the lower worker id.
+- round-robin: the next live worker of the role, in worker-id order.
+- least-outstanding: the lowest load (views.loads: outstanding tokens over capacity, with the
+  in-flight correction); ties go to the lower worker id.
+- prefix-aware: weighted scorers (prefix 1.0, load 0.5, adapter 0.0 by default) guarded by load
+  (load wins outright past a gap of 1.0 load units and a ratio of 2 by default; scoring.py).
 
-select() only decides; the router commits the decision through on_routed().
+select(workers, cost, ctx) only decides and says why; the router commits the decision through
+on_routed(worker, cost), which updates the in-flight state. `uses_prefix` tells the router
+whether to look the prompt up in the prefix index at all.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-
-@dataclass
-class WorkerView:
-    worker_id: str  # unique id (the worker's address unless told otherwise)
-    address: str  # host:port
-    role: str  # prefill | decode | unified
-    outstanding_tokens: int = 0  # from the last heartbeat
-    capacity_tokens: int = 1  # KV pool token capacity
-    routed_since_beat: int = 0  # tokens routed to it since its last heartbeat (in-flight correction)
-    last_seen_s: float = 0.0  # clock of the last heartbeat
-
-    @property
-    def load(self) -> float:
-        return (self.outstanding_tokens + self.routed_since_beat) / max(self.capacity_tokens, 1)
+from services.router.scoring import SCORERS, LoadGuard, WeightedPicker
+from services.router.views import RouteContext, WorkerView, loads
 
 
 class RoundRobin:
     name = "round-robin"
+    uses_prefix = False
 
     def __init__(self):
         self.turn: dict[str, int] = {}
 
-    def select(self, workers: list[WorkerView], cost: int) -> tuple[WorkerView, str]:
+    def select(self, workers: list[WorkerView], cost: int, ctx: RouteContext | None = None):
         ordered = sorted(workers, key=lambda w: w.worker_id)
         pick = ordered[self.turn.get(ordered[0].role, 0) % len(ordered)]
         return pick, f"round-robin over {len(ordered)}"
@@ -46,20 +36,54 @@ class RoundRobin:
 
 class LeastOutstanding:
     name = "least-outstanding"
+    uses_prefix = False
 
-    def select(self, workers: list[WorkerView], cost: int) -> tuple[WorkerView, str]:
-        pick = min(workers, key=lambda w: (w.load, w.worker_id))
-        return pick, " ".join(f"{w.worker_id}={w.load:.3f}" for w in sorted(workers, key=lambda w: w.worker_id))
+    def select(self, workers: list[WorkerView], cost: int, ctx: RouteContext | None = None):
+        ordered = sorted(workers, key=lambda w: w.worker_id)
+        ls = loads(ordered)
+        best = min(range(len(ordered)), key=lambda i: (ls[i], ordered[i].worker_id))
+        return ordered[best], " ".join(f"{w.worker_id}={x:.3f}" for w, x in zip(ordered, ls))
 
     def on_routed(self, worker: WorkerView, cost: int) -> None:
         worker.routed_since_beat += cost
 
 
-POLICIES = {p.name: p for p in (RoundRobin, LeastOutstanding)}
+class PrefixAware:
+    name = "prefix-aware"
+    uses_prefix = True
+    DEFAULT_WEIGHTS = {"prefix": 1.0, "load": 0.5, "adapter": 0.0}
+
+    def __init__(self, weights: dict | None = None, guard: LoadGuard | None = None):
+        w = {**self.DEFAULT_WEIGHTS, **(weights or {})}
+        unknown = set(w) - set(SCORERS)
+        if unknown:
+            raise ValueError(f"unknown scorer(s) {sorted(unknown)} in routing weights; known: {sorted(SCORERS)}")
+        if any(not isinstance(v, (int, float)) or v < 0 for v in w.values()):
+            raise ValueError(f"routing weights must be numbers >= 0, got {w}")
+        self.picker = WeightedPicker([(SCORERS[name](), float(weight)) for name, weight in sorted(w.items())],
+                                     guard or LoadGuard())
+
+    def select(self, workers: list[WorkerView], cost: int, ctx: RouteContext | None = None):
+        return self.picker.pick(sorted(workers, key=lambda w: w.worker_id), ctx or RouteContext())
+
+    def on_routed(self, worker: WorkerView, cost: int) -> None:
+        worker.routed_since_beat += cost
 
 
-def make_policy(name: str):
-    try:
+POLICIES = {p.name: p for p in (RoundRobin, LeastOutstanding, PrefixAware)}
+
+
+def make_policy(name: str, config: dict | None = None):
+    """A policy by name; config (from the mesh file's routing section) sets weights and guard thresholds."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown routing policy {name!r}; known: {sorted(POLICIES)}")
+    config = config or {}
+    if name != PrefixAware.name:
         return POLICIES[name]()
-    except KeyError:
-        raise ValueError(f"unknown routing policy {name!r}; known: {sorted(POLICIES)}") from None
+    guard = config.get("guard") or {}
+    unknown = set(guard) - {"abs", "rel"}
+    if unknown:
+        raise ValueError(f"unknown load guard key(s) {sorted(unknown)}; known: abs, rel")
+    default = LoadGuard()
+    return PrefixAware(config.get("weights"), LoadGuard(float(guard.get("abs", default.abs_threshold)),
+                                                        float(guard.get("rel", default.rel_threshold))))

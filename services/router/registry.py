@@ -7,7 +7,9 @@ work and is forgotten.
 from __future__ import annotations
 
 from services.common.errors import Unavailable as NoWorker
-from services.router.policies import WorkerView
+from services.router.views import WorkerView
+
+BEAT_FIELDS = ("block_size", "index_member", "decode_tps", "adapters")
 
 
 class Registry:
@@ -15,12 +17,18 @@ class Registry:
         self.clock, self.ttl_s = clock, ttl_s
         self.workers: dict[str, WorkerView] = {}
 
-    def beat(self, worker_id: str, address: str, role: str, outstanding: int, capacity: int) -> None:
+    def beat(self, worker_id: str, address: str, role: str, outstanding: int, capacity: int, **extra) -> None:
+        """Record a heartbeat; extra: any of BEAT_FIELDS."""
+        unknown = set(extra) - set(BEAT_FIELDS)
+        if unknown:
+            raise TypeError(f"unknown heartbeat field(s) {sorted(unknown)}")
         w = self.workers.get(worker_id)
         if w is None or w.address != address or w.role != role:
             w = self.workers[worker_id] = WorkerView(worker_id, address, role)
         w.outstanding_tokens, w.capacity_tokens = outstanding, max(capacity, 1)
         w.routed_since_beat, w.last_seen_s = 0, self.clock()
+        for name, value in extra.items():
+            setattr(w, name, value)
 
     def remove(self, worker_id: str) -> None:
         self.workers.pop(worker_id, None)

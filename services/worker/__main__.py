@@ -15,7 +15,7 @@ from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.common.telemetry import setup_tracing
 from services.engine.engine import LLMEngine
 from services.worker.runner import EngineRunner
-from services.worker.server import WorkerServicer, heartbeat_loop
+from services.worker.server import WorkerServicer, heartbeat_loop, index_loop
 
 ROLES = ("prefill", "decode", "unified")
 
@@ -27,11 +27,19 @@ async def serve(args) -> None:
     server = rpc.Server(["Worker"], args.port, args.host)
     worker_id = args.worker_id or f"{args.role}-{server.port}"
     pb_grpc.add_WorkerServicer_to_server(WorkerServicer(runner, args.role, worker_id), server.server)
+    publisher = publishing = None
+    if args.redis_url and args.role in ("prefill", "unified") and engine.config.cache.enable_prefix_caching:
+        from services.common.prefix_index import IndexPublisher, connect
+        publisher = IndexPublisher(connect(args.redis_url), worker_id)
+        publishing = asyncio.create_task(index_loop(runner, publisher))
     beat = asyncio.create_task(heartbeat_loop(runner, args.router, worker_id, server.address, args.role,
-                                              on_first=lambda: server.set_serving(True)))
+                                              on_first=lambda: server.set_serving(True), publisher=publisher))
 
     async def on_stop():
         beat.cancel()
+        if publishing is not None:
+            publishing.cancel()
+            await publisher.withdraw()
         try:
             await pb_grpc.RouterStub(rpc.channel(args.router)).Deregister(pb.WorkerId(worker_id=worker_id), timeout=1)
         except Exception:
@@ -50,6 +58,8 @@ def parser(role: str | None = None) -> argparse.ArgumentParser:
     ap.add_argument("--router", default=os.environ.get("ROUTER_ADDR", "127.0.0.1:50051"))
     rpc.add_server_flags(ap, "WORKER_PORT", grace_s=10.0)
     ap.add_argument("--worker-id")
+    ap.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
+                    help="publish KV block events to the prefix index here (prefill and unified roles; env REDIS_URL)")
     add_engine_flags(ap)
     return ap
 

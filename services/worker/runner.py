@@ -27,6 +27,8 @@ class EngineRunner:
         self.streams: dict[str, asyncio.Queue] = {}
         self.hooks: dict[str, object] = {}
         self.running = True
+        self.busy_s = 0.0  # time spent in engine steps (read by the heartbeat for the decode rate)
+        self.tokens_out = 0  # tokens sampled by those steps
         self.thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self.thread.start()
 
@@ -92,6 +94,9 @@ class EngineRunner:
                 log.exception("engine step failed; aborting its requests")
                 self._fail_all()
                 continue
+            if self.engine.last_step is not None:
+                self.busy_s += self.engine.last_step.step_s
+            self.tokens_out += sum(len(out.new_token_ids) for out in outputs)
             for out in outputs:
                 q = self.streams.get(out.req_id)
                 if q is not None:

@@ -175,11 +175,12 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
     @rpc.mapped
     async def Stats(self, request, context):
-        stats = await self.runner.call(lambda engine: engine.stats())
+        stats, load = await self.runner.call(lambda engine: (engine.stats(), load_of(engine)))
         b = stats["blocks"]
         return pb.WorkerStats(worker_id=self.worker_id, role=self.role, blocks_used=b["used"],
                               blocks_cached=b["cached"], blocks_free=b["free"], blocks_total=b["total"],
-                              running=stats["running"], waiting=stats["waiting"])
+                              running=stats["running"], waiting=stats["waiting"],
+                              outstanding_tokens=load["outstanding"])
 
 
 def load_of(engine) -> dict:
@@ -193,19 +194,42 @@ def load_of(engine) -> dict:
             "waiting": len(engine.scheduler.waiting)}
 
 
+class DecodeRate:
+    """Measured decode throughput: tokens sampled per second of busy engine time.
+
+    Reported as a decaying peak (each window's rate, or the previous figure x decay, whichever is
+    higher), so a worker that is merely idle does not look slow; windows with under min_busy_s
+    of work are skipped.
+    """
+
+    def __init__(self, decay: float = 0.98, min_busy_s: float = 0.2):
+        self.decay, self.min_busy_s = decay, min_busy_s
+        self.rate, self.busy_s, self.tokens = 0.0, 0.0, 0
+
+    def update(self, busy_s: float, tokens: int) -> float:
+        window_busy, window_tokens = busy_s - self.busy_s, tokens - self.tokens
+        if window_busy >= self.min_busy_s:
+            self.rate = max(window_tokens / window_busy, self.rate * self.decay)
+            self.busy_s, self.tokens = busy_s, tokens
+        return self.rate
+
+
 async def heartbeat_loop(runner: EngineRunner, router: str, worker_id: str, address: str, role: str,
-                         on_first=None) -> None:
+                         on_first=None, publisher=None) -> None:
     """Beat every interval the router asks for (1 s by default); retry quietly while it is away."""
     chan = rpc.channel(router)  # held for the loop's lifetime
     stub = pb_grpc.RouterStub(chan)
-    interval, first = 1.0, True
+    interval, first, rate = 1.0, True, DecodeRate()
+    block_size = runner.engine.kv.block_size
     while True:
         try:
             load = await runner.call(load_of)
             reply = await stub.Heartbeat(pb.WorkerLoad(
                 worker_id=worker_id, address=address, role=role, outstanding_tokens=load["outstanding"],
                 kv_capacity_tokens=load["capacity"], kv_used_tokens=load["used"], running=load["running"],
-                waiting=load["waiting"]), timeout=2.0)
+                waiting=load["waiting"], block_size=block_size,
+                index_member=publisher.member if publisher is not None and publisher.connected else "",
+                decode_tokens_per_s=rate.update(runner.busy_s, runner.tokens_out)), timeout=2.0)
             interval = max(reply.interval_ms, 50) / 1000
             if first and on_first:
                 await on_first()
@@ -213,3 +237,21 @@ async def heartbeat_loop(runner: EngineRunner, router: str, worker_id: str, addr
         except grpc.aio.AioRpcError as e:
             log.warning("heartbeat to router %s failed: %s", router, e.code().name)
         await asyncio.sleep(interval)
+
+
+async def index_loop(runner: EngineRunner, publisher, period_s: float = 0.05, keepalive_s: float = 2.0) -> None:
+    """Publish the block pool's stored/evicted events to the prefix index, batched every period_s."""
+    async def snapshot():
+        return await runner.call(lambda engine: engine.kv.pool.hashes())
+
+    await runner.call(lambda engine: engine.kv.pool.track_events())
+    loop = asyncio.get_running_loop()
+    next_keepalive = 0.0
+    while True:
+        events, overflowed = await runner.call(lambda engine: engine.kv.pool.drain_events())
+        publisher.add(events, overflowed)
+        await publisher.flush(snapshot)
+        if loop.time() >= next_keepalive:
+            await publisher.keepalive(snapshot)
+            next_keepalive = loop.time() + keepalive_s
+        await asyncio.sleep(period_s)

@@ -2,8 +2,9 @@
 
 import pytest
 
-from services.router.policies import WorkerView
-from services.router.scoring import LoadGuard, LoadScorer, PrefixAware, PrefixScorer, RouteContext, WeightedPicker
+from services.router.policies import PrefixAware, make_policy
+from services.router.scoring import AdapterScorer, LoadGuard, LoadScorer, PrefixScorer, WeightedPicker
+from services.router.views import RouteContext, WorkerView, loads
 
 
 def workers(*loads, capacity=1000):
@@ -42,7 +43,8 @@ def test_load_guard(loads, abs_t, rel_t, imbalanced):
 
 @pytest.mark.parametrize("loads,cached,expected,guarded", [
     ((0.2, 0.1), {"w0": 8}, "w0", False),  # cache wins when loads are close
-    ((0.9, 0.1), {"w0": 8}, "w1", True),  # load guard: load wins
+    ((1.5, 0.1), {"w0": 8}, "w1", True),  # load guard (gap > 1.0, ratio > 2): load wins
+    ((0.9, 0.1), {"w0": 8}, "w0", False),  # under the default guard: the cache still wins
     ((0.1, 0.1), {}, "w0", False),  # full tie: lower id
     ((0.3, 0.1), {}, "w1", False),  # no cache anywhere: the lighter one
 ])
@@ -59,3 +61,37 @@ def test_weights_change_the_trade_off():
     only_load = WeightedPicker([(PrefixScorer(), 0.0), (LoadScorer(), 1.0)])
     assert only_prefix.pick(ws, ctx)[0].worker_id == "w0"
     assert only_load.pick(ws, ctx)[0].worker_id == "w1"
+
+
+@pytest.mark.parametrize("tokens,capacity,tps,expected", [
+    ((100, 100), (1000, 500), (0, 0), [0.1, 0.2]),  # KV capacity alone
+    ((100, 100), (1000, 1000), (200, 100), [0.1, 0.2]),  # half as fast: counts as half as big
+    ((100, 100), (1000, 1000), (200, 0), [0.1, 0.1]),  # a rate not known for all: KV alone
+])
+def test_loads_use_kv_capacity_and_measured_throughput(tokens, capacity, tps, expected):
+    ws = [WorkerView(f"w{i}", "", "unified", outstanding_tokens=t, capacity_tokens=c, decode_tps=r)
+          for i, (t, c, r) in enumerate(zip(tokens, capacity, tps))]
+    assert loads(ws) == pytest.approx(expected)
+
+
+def test_adapter_scorer_is_the_affinity_slot():
+    ws = [WorkerView("w0", "", "unified", adapters=("sql",)), WorkerView("w1", "", "unified")]
+    assert AdapterScorer().score(ws, RouteContext(adapter="sql")) == [1.0, 0.0]
+    assert AdapterScorer().score(ws, RouteContext()) == [0.0, 0.0]
+
+
+def test_policy_config_from_the_mesh_file():
+    policy = make_policy("prefix-aware", {"weights": {"prefix": 0.0, "load": 1.0}, "guard": {"abs": 0.5, "rel": 2}})
+    assert policy.picker.guard == LoadGuard(0.5, 2.0)
+    pick, _ = policy.select(workers(0.3, 0.0), 10, RouteContext(8, {"w0": 8}))
+    assert pick.worker_id == "w1"  # prefix weight 0: load decides
+
+
+@pytest.mark.parametrize("config,fragment", [
+    ({"weights": {"cache": 1.0}}, "unknown scorer"),
+    ({"weights": {"load": -1}}, ">= 0"),
+    ({"guard": {"absolute": 1}}, "unknown load guard"),
+])
+def test_bad_policy_config_is_refused(config, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        make_policy("prefix-aware", config)

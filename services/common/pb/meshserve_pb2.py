@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0fmeshserve.proto\x12\x0cmeshserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\xdd\x01\n\x08Sampling\x12\x12\n\nmax_tokens\x18\x01 \x01(\x03\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x03\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\x0c\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x03\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"\xdd\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\x0cH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.meshserve.v1.TokenIdsH\x00\x12(\n\x08sampling\x18\x04 \x01(\x0b\x32\x16.meshserve.v1.Sampling\x12\r\n\x05model\x18\x05 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x06 \x01(\t\x12\x10\n\x08priority\x18\x07 \x01(\x03\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x08 \x01(\x03\x42\x08\n\x06prompt\"\xa5\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x01\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x15\n\rprompt_tokens\x18\x06 \x01(\x03\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x07 \x01(\x03\"\x13\n\x11ListModelsRequest\"D\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x03\x12\x12\n\nvocab_size\x18\x03 \x01(\x03\"=\n\x12ListModelsResponse\x12\'\n\x06models\x18\x01 \x03(\x0b\x32\x17.meshserve.v1.ModelInfo\".\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\x0c\x12\r\n\x05model\x18\x02 \x01(\t\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\"\xc2\x01\n\x0bWorkRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x03\x12(\n\x08sampling\x18\x03 \x01(\x0b\x32\x16.meshserve.v1.Sampling\x12\x10\n\x08priority\x18\x04 \x01(\x03\x12\x0f\n\x07\x61\x64\x61pter\x18\x05 \x01(\t\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x13\n\x0btransfer_id\x18\x07 \x01(\t\x12\x0f\n\x07kvstore\x18\x08 \x01(\t\"}\n\nTokenEvent\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x10\n\x08logprobs\x18\x02 \x03(\x01\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x03\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x05 \x01(\x03\"\x0e\n\x0cStatsRequest\"\xa7\x01\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x13\n\x0b\x62locks_used\x18\x03 \x01(\x03\x12\x15\n\rblocks_cached\x18\x04 \x01(\x03\x12\x13\n\x0b\x62locks_free\x18\x05 \x01(\x03\x12\x14\n\x0c\x62locks_total\x18\x06 \x01(\x03\x12\x0f\n\x07running\x18\x07 \x01(\x03\x12\x0f\n\x07waiting\x18\x08 \x01(\x03\"\x1d\n\x08WorkerId\x12\x11\n\tworker_id\x18\x01 \x01(\t\"\xc2\x01\n\nWorkerLoad\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0c\n\x04role\x18\x03 \x01(\t\x12\x1a\n\x12outstanding_tokens\x18\x04 \x01(\x03\x12\x1a\n\x12kv_capacity_tokens\x18\x05 \x01(\x03\x12\x16\n\x0ekv_used_tokens\x18\x06 \x01(\x03\x12\x0f\n\x07running\x18\x07 \x01(\x03\x12\x0f\n\x07waiting\x18\x08 \x01(\x03\x12\x10\n\x08\x61\x64\x61pters\x18\t \x03(\t\"%\n\x0eHeartbeatReply\x12\x13\n\x0binterval_ms\x18\x01 \x01(\x03\"[\n\x0cRouteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\x03\x12\x12\n\nmax_tokens\x18\x03 \x01(\x03\x12\x0c\n\x04mode\x18\x04 \x01(\t\"\\\n\rRouteDecision\x12\x16\n\x0eprefill_worker\x18\x01 \x01(\t\x12\x15\n\rdecode_worker\x18\x02 \x01(\t\x12\x0c\n\x04mode\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\"\x14\n\x12ListWorkersRequest\"@\n\x13ListWorkersResponse\x12)\n\x07workers\x18\x01 \x03(\x0b\x32\x18.meshserve.v1.WorkerLoad\"\x8f\x01\n\x06KVMeta\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x12\n\nnum_prompt\x18\x02 \x01(\x03\x12\x14\n\x0cnum_computed\x18\x03 \x01(\x03\x12\x12\n\nblock_size\x18\x04 \x01(\x03\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x12\n\nnum_blocks\x18\x06 \x01(\x03\x12\x11\n\trng_state\x18\x07 \x01(\x0c\"m\n\x07KVChunk\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\"\n\x04meta\x18\x04 \x01(\x0b\x32\x14.meshserve.v1.KVMeta\x12\x0c\n\x04last\x18\x05 \x01(\x08\")\n\x08PutReply\x12\x0e\n\x06\x62locks\x18\x01 \x01(\x03\x12\r\n\x05\x62ytes\x18\x02 \x01(\x03\"2\n\nGetRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0f\n\x07wait_ms\x18\x02 \x01(\x03\"%\n\x0eReleaseRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\" \n\x0cReleaseReply\x12\x10\n\x08released\x18\x01 \x01(\x08\"g\n\x0cKVStoreStats\x12\x11\n\ttransfers\x18\x01 \x01(\x03\x12\r\n\x05\x62ytes\x18\x02 \x01(\x03\x12\x13\n\x0b\x62yte_budget\x18\x03 \x01(\x03\x12\x0f\n\x07\x65victed\x18\x04 \x01(\x03\x12\x0f\n\x07\x65xpired\x18\x05 \x01(\x03\x32\xf5\x01\n\nGeneration\x12K\n\x08Generate\x12\x1d.meshserve.v1.GenerateRequest\x1a\x1e.meshserve.v1.GenerateResponse0\x01\x12O\n\nListModels\x12\x1f.meshserve.v1.ListModelsRequest\x1a .meshserve.v1.ListModelsResponse\x12I\n\x08Tokenize\x12\x1d.meshserve.v1.TokenizeRequest\x1a\x1e.meshserve.v1.TokenizeResponse2\x8e\x02\n\x06Worker\x12@\n\x07Prefill\x12\x19.meshserve.v1.WorkRequest\x1a\x18.meshserve.v1.TokenEvent0\x01\x12?\n\x06\x44\x65\x63ode\x12\x19.meshserve.v1.WorkRequest\x1a\x18.meshserve.v1.TokenEvent0\x01\x12\x41\n\x08Generate\x12\x19.meshserve.v1.WorkRequest\x1a\x18.meshserve.v1.TokenEvent0\x01\x12>\n\x05Stats\x12\x1a.meshserve.v1.StatsRequest\x1a\x19.meshserve.v1.WorkerStats2\xa7\x02\n\x06Router\x12\x43\n\tHeartbeat\x12\x18.meshserve.v1.WorkerLoad\x1a\x1c.meshserve.v1.HeartbeatReply\x12\x42\n\nDeregister\x12\x16.meshserve.v1.WorkerId\x1a\x1c.meshserve.v1.HeartbeatReply\x12@\n\x05Route\x12\x1a.meshserve.v1.RouteRequest\x1a\x1b.meshserve.v1.RouteDecision\x12R\n\x0bListWorkers\x12 .meshserve.v1.ListWorkersRequest\x1a!.meshserve.v1.ListWorkersResponse2\x81\x02\n\x07KVStore\x12\x36\n\x03Put\x12\x15.meshserve.v1.KVChunk\x1a\x16.meshserve.v1.PutReply(\x01\x12\x38\n\x03Get\x12\x18.meshserve.v1.GetRequest\x1a\x15.meshserve.v1.KVChunk0\x01\x12\x43\n\x07Release\x12\x1c.meshserve.v1.ReleaseRequest\x1a\x1a.meshserve.v1.ReleaseReply\x12?\n\x05Stats\x12\x1a.meshserve.v1.StatsRequest\x1a\x1a.meshserve.v1.KVStoreStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0fmeshserve.proto\x12\x0cmeshserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\xdd\x01\n\x08Sampling\x12\x12\n\nmax_tokens\x18\x01 \x01(\x03\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x03\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\x0c\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x03\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"\xdd\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\x0cH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.meshserve.v1.TokenIdsH\x00\x12(\n\x08sampling\x18\x04 \x01(\x0b\x32\x16.meshserve.v1.Sampling\x12\r\n\x05model\x18\x05 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x06 \x01(\t\x12\x10\n\x08priority\x18\x07 \x01(\x03\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x08 \x01(\x03\x42\x08\n\x06prompt\"\xa5\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x01\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x15\n\rprompt_tokens\x18\x06 \x01(\x03\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x07 \x01(\x03\"\x13\n\x11ListModelsRequest\"D\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x03\x12\x12\n\nvocab_size\x18\x03 \x01(\x03\"=\n\x12ListModelsResponse\x12\'\n\x06models\x18\x01 \x03(\x0b\x32\x17.meshserve.v1.ModelInfo\".\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\x0c\x12\r\n\x05model\x18\x02 \x01(\t\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\"\xc2\x01\n\x0bWorkRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x03\x12(\n\x08sampling\x18\x03 \x01(\x0b\x32\x16.meshserve.v1.Sampling\x12\x10\n\x08priority\x18\x04 \x01(\x03\x12\x0f\n\x07\x61\x64\x61pter\x18\x05 \x01(\t\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x13\n\x0btransfer_id\x18\x07 \x01(\t\x12\x0f\n\x07kvstore\x18\x08 \x01(\t\"}\n\nTokenEvent\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x10\n\x08logprobs\x18\x02 \x03(\x01\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x03\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x05 \x01(\x03\"\x0e\n\x0cStatsRequest\"\xc3\x01\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x13\n\x0b\x62locks_used\x18\x03 \x01(\x03\x12\x15\n\rblocks_cached\x18\x04 \x01(\x03\x12\x13\n\x0b\x62locks_free\x18\x05 \x01(\x03\x12\x14\n\x0c\x62locks_total\x18\x06 \x01(\x03\x12\x0f\n\x07running\x18\x07 \x01(\x03\x12\x0f\n\x07waiting\x18\x08 \x01(\x03\x12\x1a\n\x12outstanding_tokens\x18\t \x01(\x03\"\x1d\n\x08WorkerId\x12\x11\n\tworker_id\x18\x01 \x01(\t\"\x89\x02\n\nWorkerLoad\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0c\n\x04role\x18\x03 \x01(\t\x12\x1a\n\x12outstanding_tokens\x18\x04 \x01(\x03\x12\x1a\n\x12kv_capacity_tokens\x18\x05 \x01(\x03\x12\x16\n\x0ekv_used_tokens\x18\x06 \x01(\x03\x12\x0f\n\x07running\x18\x07 \x01(\x03\x12\x0f\n\x07waiting\x18\x08 \x01(\x03\x12\x10\n\x08\x61\x64\x61pters\x18\t \x03(\t\x12\x12\n\nblock_size\x18\n \x01(\x03\x12\x14\n\x0cindex_member\x18\x0b \x01(\t\x12\x1b\n\x13\x64\x65\x63ode_tokens_per_s\x18\x0c \x01(\x01\"%\n\x0eHeartbeatReply\x12\x13\n\x0binterval_ms\x18\x01 \x01(\x03\"\xae\x01\n\x0cRouteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\x03\x12\x12\n\nmax_tokens\x18\x03 \x01(\x03\x12\x0c\n\x04mode\x18\x04 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x05 \x03(\x03\x12\x0f\n\x07\x61\x64\x61pter\x18\x06 \x01(\t\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x12\n\nprompt_u32\x18\x08 \x01(\x0c\"\x8f\x01\n\rRouteDecision\x12\x16\n\x0eprefill_worker\x18\x01 \x01(\t\x12\x15\n\rdecode_worker\x18\x02 \x01(\t\x12\x0c\n\x04mode\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x13\n\x0b\x64\x65\x63ision_ms\x18\x05 \x01(\x01\x12\x1c\n\x14\x63\x61\x63hed_prefix_tokens\x18\x06 \x01(\x03\"\x14\n\x12ListWorkersRequest\"_\n\x13ListWorkersResponse\x12)\n\x07workers\x18\x01 \x03(\x0b\x32\x18.meshserve.v1.WorkerLoad\x12\x1d\n\x15prefix_index_degraded\x18\x02 \x01(\x08\"\x8f\x01\n\x06KVMeta\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x12\n\nnum_prompt\x18\x02 \x01(\x03\x12\x14\n\x0cnum_computed\x18\x03 \x01(\x03\x12\x12\n\nblock_size\x18\x04 \x01(\x03\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x12\n\nnum_blocks\x18\x06 \x01(\x03\x12\x11\n\trng_state\x18\x07 \x01(\x0c\"m\n\x07KVChunk\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\"\n\x04meta\x18\x04 \x01(\x0b\x32\x14.meshserve.v1.KVMeta\x12\x0c\n\x04last\x18\x05 \x01(\x08\")\n\x08PutReply\x12\x0e\n\x06\x62locks\x18\x01 \x01(\x03\x12\r\n\x05\x62ytes\x18\x02 \x01(\x03\"2\n\nGetRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0f\n\x07wait_ms\x18\x02 \x01(\x03\"%\n\x0eReleaseRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\" \n\x0cReleaseReply\x12\x10\n\x08released\x18\x01 \x01(\x08\"g\n\x0cKVStoreStats\x12\x11\n\ttransfers\x18\x01 \x01(\x03\x12\r\n\x05\x62ytes\x18\x02 \x01(\x03\x12\x13\n\x0b\x62yte_budget\x18\x03 \x01(\x03\x12\x0f\n\x07\x65victed\x18\x04 \x01(\x03\x12\x0f\n\x07\x65xpired\x18\x05 \x01(\x03\x32\xf5\x01\n\nGeneration\x12K\n\x08Generate\x12\x1d.meshserve.v1.GenerateRequest\x1a\x1e.meshserve.v1.GenerateResponse0\x01\x12O\n\nListModels\x12\x1f.meshserve.v1.ListModelsRequest\x1a .meshserve.v1.ListModelsResponse\x12I\n\x08Tokenize\x12\x1d.meshserve.v1.TokenizeRequest\x1a\x1e.meshserve.v1.TokenizeResponse2\x8e\x02\n\x06Worker\x12@\n\x07Prefill\x12\x19.meshserve.v1.WorkRequest\x1a\x18.meshserve.v1.TokenEvent0\x01\x12?\n\x06\x44\x65\x63ode\x12\x19.meshserve.v1.WorkRequest\x1a\x18.meshserve.v1.TokenEvent0\x01\x12\x41\n\x08Generate\x12\x19.meshserve.v1.WorkRequest\x1a\x18.meshserve.v1.TokenEvent0\x01\x12>\n\x05Stats\x12\x1a.meshserve.v1.StatsRequest\x1a\x19.meshserve.v1.WorkerStats2\xa7\x02\n\x06Router\x12\x43\n\tHeartbeat\x12\x18.meshserve.v1.WorkerLoad\x1a\x1c.meshserve.v1.HeartbeatReply\x12\x42\n\nDeregister\x12\x16.meshserve.v1.WorkerId\x1a\x1c.meshserve.v1.HeartbeatReply\x12@\n\x05Route\x12\x1a.meshserve.v1.RouteRequest\x1a\x1b.meshserve.v1.RouteDecision\x12R\n\x0bListWorkers\x12 .meshserve.v1.ListWorkersRequest\x1a!.meshserve.v1.ListWorkersResponse2\x81\x02\n\x07KVStore\x12\x36\n\x03Put\x12\x15.meshserve.v1.KVChunk\x1a\x16.meshserve.v1.PutReply(\x01\x12\x38\n\x03Get\x12\x18.meshserve.v1.GetRequest\x1a\x15.meshserve.v1.KVChunk0\x01\x12\x43\n\x07Release\x12\x1c.meshserve.v1.ReleaseRequest\x1a\x1a.meshserve.v1.ReleaseReply\x12?\n\x05Stats\x12\x1a.meshserve.v1.StatsRequest\x1a\x1a.meshserve.v1.KVStoreStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -56,41 +56,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STATSREQUEST']._serialized_start=1239
   _globals['_STATSREQUEST']._serialized_end=1253
   _globals['_WORKERSTATS']._serialized_start=1256
-  _globals['_WORKERSTATS']._serialized_end=1423
-  _globals['_WORKERID']._serialized_start=1425
-  _globals['_WORKERID']._serialized_end=1454
-  _globals['_WORKERLOAD']._serialized_start=1457
-  _globals['_WORKERLOAD']._serialized_end=1651
-  _globals['_HEARTBEATREPLY']._serialized_start=1653
-  _globals['_HEARTBEATREPLY']._serialized_end=1690
-  _globals['_ROUTEREQUEST']._serialized_start=1692
-  _globals['_ROUTEREQUEST']._serialized_end=1783
-  _globals['_ROUTEDECISION']._serialized_start=1785
-  _globals['_ROUTEDECISION']._serialized_end=1877
-  _globals['_LISTWORKERSREQUEST']._serialized_start=1879
-  _globals['_LISTWORKERSREQUEST']._serialized_end=1899
-  _globals['_LISTWORKERSRESPONSE']._serialized_start=1901
-  _globals['_LISTWORKERSRESPONSE']._serialized_end=1965
-  _globals['_KVMETA']._serialized_start=1968
-  _globals['_KVMETA']._serialized_end=2111
-  _globals['_KVCHUNK']._serialized_start=2113
-  _globals['_KVCHUNK']._serialized_end=2222
-  _globals['_PUTREPLY']._serialized_start=2224
-  _globals['_PUTREPLY']._serialized_end=2265
-  _globals['_GETREQUEST']._serialized_start=2267
-  _globals['_GETREQUEST']._serialized_end=2317
-  _globals['_RELEASEREQUEST']._serialized_start=2319
-  _globals['_RELEASEREQUEST']._serialized_end=2356
-  _globals['_RELEASEREPLY']._serialized_start=2358
-  _globals['_RELEASEREPLY']._serialized_end=2390
-  _globals['_KVSTORESTATS']._serialized_start=2392
-  _globals['_KVSTORESTATS']._serialized_end=2495
-  _globals['_GENERATION']._serialized_start=2498
-  _globals['_GENERATION']._serialized_end=2743
-  _globals['_WORKER']._serialized_start=2746
-  _globals['_WORKER']._serialized_end=3016
-  _globals['_ROUTER']._serialized_start=3019
-  _globals['_ROUTER']._serialized_end=3314
-  _globals['_KVSTORE']._serialized_start=3317
-  _globals['_KVSTORE']._serialized_end=3574
+  _globals['_WORKERSTATS']._serialized_end=1451
+  _globals['_WORKERID']._serialized_start=1453
+  _globals['_WORKERID']._serialized_end=1482
+  _globals['_WORKERLOAD']._serialized_start=1485
+  _globals['_WORKERLOAD']._serialized_end=1750
+  _globals['_HEARTBEATREPLY']._serialized_start=1752
+  _globals['_HEARTBEATREPLY']._serialized_end=1789
+  _globals['_ROUTEREQUEST']._serialized_start=1792
+  _globals['_ROUTEREQUEST']._serialized_end=1966
+  _globals['_ROUTEDECISION']._serialized_start=1969
+  _globals['_ROUTEDECISION']._serialized_end=2112
+  _globals['_LISTWORKERSREQUEST']._serialized_start=2114
+  _globals['_LISTWORKERSREQUEST']._serialized_end=2134
+  _globals['_LISTWORKERSRESPONSE']._serialized_start=2136
+  _globals['_LISTWORKERSRESPONSE']._serialized_end=2231
+  _globals['_KVMETA']._serialized_start=2234
+  _globals['_KVMETA']._serialized_end=2377
+  _globals['_KVCHUNK']._serialized_start=2379
+  _globals['_KVCHUNK']._serialized_end=2488
+  _globals['_PUTREPLY']._serialized_start=2490
+  _globals['_PUTREPLY']._serialized_end=2531
+  _globals['_GETREQUEST']._serialized_start=2533
+  _globals['_GETREQUEST']._serialized_end=2583
+  _globals['_RELEASEREQUEST']._serialized_start=2585
+  _globals['_RELEASEREQUEST']._serialized_end=2622
+  _globals['_RELEASEREPLY']._serialized_start=2624
+  _globals['_RELEASEREPLY']._serialized_end=2656
+  _globals['_KVSTORESTATS']._serialized_start=2658
+  _globals['_KVSTORESTATS']._serialized_end=2761
+  _globals['_GENERATION']._serialized_start=2764
+  _globals['_GENERATION']._serialized_end=3009
+  _globals['_WORKER']._serialized_start=3012
+  _globals['_WORKER']._serialized_end=3282
+  _globals['_ROUTER']._serialized_start=3285
+  _globals['_ROUTER']._serialized_end=3580
+  _globals['_KVSTORE']._serialized_start=3583
+  _globals['_KVSTORE']._serialized_end=3840
 # @@protoc_insertion_point(module_scope)

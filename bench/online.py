@@ -1,0 +1,73 @@
+"""Online load against a running gateway: requests streamed at their arrival times, and a sampler of
+every worker's outstanding tokens (for load imbalance)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import grpc
+
+from bench.latency import Timing
+from services.common.pb import meshserve_pb2 as pb
+from services.common.pb import meshserve_pb2_grpc as pb_grpc
+from services.up import request_from_line
+
+
+async def drive(gateway: str, reqs: list, arrivals: list | None, timeout_s: float = 900) -> list[Timing]:
+    """Stream every request at its arrival time (None: one at a time); one Timing per request, in order."""
+    async with grpc.aio.insecure_channel(gateway) as ch:
+        stub = pb_grpc.GenerationStub(ch)
+        t0 = time.perf_counter()
+
+        async def one(r, at):
+            await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
+            timing = Timing(arrival_s=time.perf_counter())
+            async for resp in stub.Generate(request_from_line(r), timeout=timeout_s):
+                timing.on_tokens(time.perf_counter(), list(resp.token_ids))
+                timing.prompt_tokens, timing.cached_tokens = resp.prompt_tokens, resp.cached_prompt_tokens
+            return timing
+
+        if arrivals is None:
+            return [await one(r, 0.0) for r in reqs]
+        return list(await asyncio.gather(*(one(r, at) for r, at in zip(reqs, arrivals))))
+
+
+def run_online(gateway: str, reqs: list, arrivals: list | None) -> tuple[list[Timing], float]:
+    t0 = time.perf_counter()
+    timings = asyncio.run(drive(gateway, reqs, arrivals))
+    return timings, time.perf_counter() - t0
+
+
+class LoadSampler:
+    """Polls every worker's outstanding tokens every period_s in a thread; max/mean while the mean is > 0."""
+
+    def __init__(self, addresses: list[str], period_s: float = 0.1):
+        self.addresses, self.period_s = addresses, period_s
+        self.samples: list[list[int]] = []
+        self.stop_flag = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> "LoadSampler":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop_flag.set()
+        self.thread.join()
+
+    def _run(self) -> None:
+        channels = [grpc.insecure_channel(a) for a in self.addresses]
+        stubs = [pb_grpc.WorkerStub(c) for c in channels]
+        while not self.stop_flag.wait(self.period_s):
+            try:
+                self.samples.append([s.Stats(pb.StatsRequest(), timeout=2).outstanding_tokens for s in stubs])
+            except grpc.RpcError:
+                pass
+        for c in channels:
+            c.close()
+
+    def imbalance(self) -> float | None:
+        ratios = [max(s) / (sum(s) / len(s)) for s in self.samples if sum(s) > 0]
+        return round(sum(ratios) / len(ratios), 3) if ratios else None

@@ -1,0 +1,139 @@
+"""The router's servicer: heartbeats in, routing decisions out.
+
+Route hashes the prompt's full blocks (services.common.block_hash, the engine's function and
+salt rules), asks the Redis prefix index for each worker's longest cached prefix in one round
+trip (only for policies that use it, and only for the role that computes the prompt), overlays
+what it routed in the last seconds (recent.py), lets the policy decide, then commits. With Redis
+away, prefix lookups return nothing at once and routing goes on by load; the degradation shows
+in health (service "prefix-index" NOT_SERVING), ListWorkers, a metric and the log.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from opentelemetry import metrics, trace
+
+from services.common import rpc
+from services.common.block_hash import extra_keys, hash_packed, pack_tokens
+from services.common.errors import InvalidRequest
+from services.common.pb import meshserve_pb2 as pb
+from services.common.pb import meshserve_pb2_grpc as pb_grpc
+from services.router.recent import RecentRoutes
+from services.router.registry import Registry
+from services.router.views import RouteContext
+
+log = logging.getLogger("meshserve.router")
+PREFIX_ROLES = ("prefill", "unified")  # roles that compute the prompt, where a cached prefix saves work
+
+
+class RouterMetrics:
+    """Decision latency, prefix hit tokens per decision, outstanding tokens per worker, index health."""
+
+    def __init__(self, registry: Registry, meter: metrics.Meter | None = None):
+        meter = meter or metrics.get_meter("meshserve.router")
+        self.registry, self.degraded = registry, 0
+        self.decision_ms = meter.create_histogram("meshserve.router.decision", unit="ms",
+                                                  description="routing decision latency, Redis round trip included")
+        self.prefix_hit = meter.create_histogram("meshserve.router.prefix_hit_tokens", unit="{token}",
+                                                 description="cached prompt tokens on the chosen worker, per decision")
+        meter.create_observable_gauge("meshserve.router.worker_outstanding_tokens", [self._outstanding],
+                                      unit="{token}", description="outstanding tokens per worker, in-flight included")
+        meter.create_observable_gauge("meshserve.router.prefix_index_degraded", [self._degraded],
+                                      description="1 while Redis is unreachable and routing is by load only")
+
+    def _outstanding(self, options):
+        return [metrics.Observation(w.tokens, {"worker_id": w.worker_id, "role": w.role})
+                for w in self.registry.workers.values()]
+
+    def _degraded(self, options):
+        return [metrics.Observation(self.degraded)]
+
+
+class RouterServicer(pb_grpc.RouterServicer):
+    def __init__(self, registry: Registry, policy_factory, mode: str, beat_ms: int, index=None,
+                 recent: RecentRoutes | None = None, meter=None):
+        self.registry, self.mode, self.beat_ms, self.index = registry, mode, beat_ms, index
+        self.policies = {role: policy_factory() for role in ("prefill", "decode", "unified")}
+        self.recent = recent or RecentRoutes(registry.clock)
+        self.metrics = RouterMetrics(registry, meter)
+
+    @rpc.mapped
+    async def Heartbeat(self, request, context):
+        self.registry.beat(request.worker_id, request.address, request.role, request.outstanding_tokens,
+                           request.kv_capacity_tokens, block_size=request.block_size or 16,
+                           index_member=request.index_member, decode_tps=request.decode_tokens_per_s,
+                           adapters=tuple(request.adapters))
+        return pb.HeartbeatReply(interval_ms=self.beat_ms)
+
+    @rpc.mapped
+    async def Deregister(self, request, context):
+        self.registry.remove(request.worker_id)
+        return pb.HeartbeatReply(interval_ms=self.beat_ms)
+
+    @rpc.mapped
+    async def Route(self, request, context):
+        t0 = time.perf_counter()
+        mode = request.mode or self.mode
+        if mode == "unified":
+            worker, why, cached = await self._pick("unified", request.prompt_tokens + request.max_tokens, request)
+            decision = pb.RouteDecision(decode_worker=worker.address, mode=mode, reason=why)
+        else:
+            prefill, why_p, cached = await self._pick("prefill", request.prompt_tokens, request)
+            decode, why_d, _ = await self._pick("decode", request.max_tokens, request)
+            decision = pb.RouteDecision(prefill_worker=prefill.address, decode_worker=decode.address,
+                                        mode="disaggregated", reason=f"prefill[{why_p}] decode[{why_d}]")
+        decision.decision_ms = (time.perf_counter() - t0) * 1e3
+        decision.cached_prefix_tokens = cached
+        self.metrics.decision_ms.record(decision.decision_ms, {"mode": decision.mode})
+        self.metrics.prefix_hit.record(cached)
+        span = trace.get_current_span()
+        if span.is_recording():
+            span.set_attribute("meshserve.route.reason", decision.reason)
+            span.set_attribute("meshserve.route.cached_prefix_tokens", cached)
+        return decision
+
+    async def _pick(self, role: str, cost: int, request):
+        """Decide, then commit; returns (worker, why, cached prompt tokens on it per the index)."""
+        policy, workers = self.policies[role], self.registry.live(role)
+        hashes, ctx = [], None
+        if policy.uses_prefix and role in PREFIX_ROLES and (request.prompt_u32 or request.prompt_token_ids):
+            hashes, ctx = await self._prefix_context(workers, request)
+        worker, why = policy.select(workers, cost, ctx)
+        cached = ctx.cached_blocks.get(worker.worker_id, 0) * worker.block_size if ctx else 0
+        policy.on_routed(worker, max(cost - cached, 1))  # a cached prefix is work the worker will not do
+        if hashes:
+            self.recent.record(hashes, worker.worker_id)
+        return worker, why, cached
+
+    async def _prefix_context(self, workers, request) -> tuple[list, RouteContext]:
+        packed = request.prompt_u32 or pack_tokens(request.prompt_token_ids)
+        if len(packed) % 4:
+            raise InvalidRequest("prompt_u32 must hold whole uint32 token ids")
+        bs = workers[0].block_size
+        # The last prompt token is always computed (its logits are needed), as in the engine.
+        hashes = hash_packed(packed[:-4], bs, extra_keys(request.adapter, request.cache_salt))
+        found = await self.index.longest_prefix(hashes) if self.index is not None else {}
+        recent = self.recent.longest(hashes)
+        cached = {}
+        for w in workers:
+            if w.block_size != bs:
+                continue  # hashed with another block size: not comparable
+            n = max(found.get(w.index_member, 0) if w.index_member else 0, recent.get(w.worker_id, 0))
+            if n:
+                cached[w.worker_id] = n
+        return hashes, RouteContext(len(hashes), cached, request.adapter)
+
+    @rpc.mapped
+    async def ListWorkers(self, request, context):
+        return pb.ListWorkersResponse(
+            workers=[pb.WorkerLoad(worker_id=w.worker_id, address=w.address, role=w.role,
+                                   outstanding_tokens=w.outstanding_tokens, kv_capacity_tokens=w.capacity_tokens,
+                                   block_size=w.block_size, index_member=w.index_member,
+                                   decode_tokens_per_s=w.decode_tps, adapters=list(w.adapters))
+                     for w in self.registry.prune()],
+            prefix_index_degraded=bool(self.index is not None and self.index.degraded))
+
+    def set_degraded(self, degraded: bool) -> None:
+        self.metrics.degraded = int(degraded)

@@ -1,0 +1,50 @@
+"""What the router knows of a worker and of a prompt, as plain data for the pure policies.
+
+Load is outstanding tokens (remaining prefill + expected decode, from the last heartbeat, plus
+what was routed since: the in-flight correction) over the worker's capacity. Capacity is the
+token capacity of its KV pool, scaled by its measured decode throughput relative to the fastest
+candidate's when every candidate has reported one (so a worker half as fast counts as half as big).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class WorkerView:
+    worker_id: str  # unique id (role-port unless told otherwise)
+    address: str  # host:port
+    role: str  # prefill | decode | unified
+    outstanding_tokens: int = 0  # from the last heartbeat
+    capacity_tokens: int = 1  # KV pool token capacity
+    routed_since_beat: int = 0  # tokens routed to it since its last heartbeat (in-flight correction)
+    last_seen_s: float = 0.0  # clock of the last heartbeat
+    block_size: int = 16  # KV block size (for hashing prompts)
+    index_member: str = ""  # its member in the Redis prefix index ("" = not publishing)
+    decode_tps: float = 0.0  # measured decode throughput (0 = unknown)
+    adapters: tuple = ()  # LoRA adapters it has loaded
+
+    @property
+    def tokens(self) -> int:
+        return self.outstanding_tokens + self.routed_since_beat
+
+    @property
+    def load(self) -> float:
+        """Load against the KV pool alone (see loads() for the throughput-aware figure)."""
+        return self.tokens / max(self.capacity_tokens, 1)
+
+
+def loads(workers: list[WorkerView]) -> list[float]:
+    """Each worker's load: tokens / (KV capacity x relative decode throughput, when all are known)."""
+    rates = [w.decode_tps for w in workers]
+    top = max(rates, default=0.0)
+    known = top > 0 and min(rates) > 0
+    return [w.tokens / (max(w.capacity_tokens, 1) * (w.decode_tps / top if known else 1.0)) for w in workers]
+
+
+@dataclass(frozen=True)
+class RouteContext:
+    prompt_blocks: int = 0  # full blocks of the prompt that a cache could serve
+    cached_blocks: dict = field(default_factory=dict)  # worker_id -> longest cached prefix, in blocks
+    adapter: str = ""  # the request's LoRA adapter ("" = base model)

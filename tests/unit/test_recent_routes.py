@@ -1,0 +1,48 @@
+"""The router's overlay of recently routed prefixes, and the worker's decode-rate measurement."""
+
+from services.router.recent import RecentRoutes
+from services.worker.server import DecodeRate
+
+
+class Clock:
+    now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+H = [bytes([i]) * 16 for i in range(6)]
+OTHER = [H[0], H[1], b"x" * 16]  # shares two blocks with H
+
+
+def test_recent_routes_longest_prefix_per_worker_and_expiry():
+    clock = Clock()
+    recent = RecentRoutes(clock, ttl_s=5.0)
+    recent.record(H[:4], "a")
+    recent.record(OTHER, "b")
+    assert recent.longest(H) == {"a": 4, "b": 2}
+    assert recent.longest(H[:3]) == {"a": 3, "b": 2}
+    assert recent.longest([b"y" * 16] + H[1:]) == {}  # a prefix starts at the first block
+    clock.now = 4.0
+    recent.record(H[:1], "b")  # b's latest prompt starting with H[0] replaces its previous one
+    clock.now = 5.5  # a's record has expired; b's new one has not
+    assert recent.longest(H) == {"b": 1}
+
+
+def test_recent_routes_memory_is_bounded():
+    clock = Clock()
+    recent = RecentRoutes(clock, ttl_s=5.0, max_entries=3)
+    for i in range(6):
+        recent.record([bytes([i]) * 16], f"w{i}")
+    assert len(recent.entries) == 3 and sum(map(len, recent.by_first.values())) == 3
+    clock.now = 6.0
+    recent.record([b"z" * 16], "w9")  # expired entries go as new ones arrive
+    assert len(recent.entries) == 1
+
+
+def test_decode_rate_is_a_decaying_peak_over_busy_time():
+    rate = DecodeRate(decay=0.5, min_busy_s=0.2)
+    assert rate.update(0.1, 50) == 0.0  # too little work to tell
+    assert rate.update(1.0, 400) == 400.0  # 400 tokens in 1 s busy
+    assert rate.update(1.5, 450) == 200.0  # a lighter window: the old figure decays, no faster
+    assert rate.update(1.5, 450) == 200.0  # idle: unchanged

@@ -1,0 +1,144 @@
+"""The router's Route over a real Redis index: prefix routing, the load guard, degradation, metrics."""
+
+import asyncio
+import functools
+
+import pytest
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+from services.common.block_hash import extra_keys, hash_blocks
+from services.common.pb import meshserve_pb2 as pb
+from services.common.prefix_index import IndexPublisher, PrefixIndex, connect, connect_lookup
+from services.router.policies import make_policy
+from services.router.registry import Registry
+from services.router.server import RouterServicer
+from tests.support.redis_server import RedisServer
+
+BS = 16
+PROMPT = list(range(1000, 1000 + 8 * BS + 5))  # 8 full blocks + a tail
+
+
+class Clock:
+    now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.fixture
+def server():
+    s = RedisServer().start()
+    yield s
+    s.kill()
+
+
+def make_router(redis_url, policy="prefix-aware", recent_ttl=None):
+    reader = InMemoryMetricReader()
+    clock = Clock()
+    registry = Registry(clock)
+    index = PrefixIndex(connect_lookup(redis_url))
+    servicer = RouterServicer(registry, functools.partial(make_policy, policy, {}), "unified", 1000, index=index,
+                              meter=MeterProvider(metric_readers=[reader]).get_meter("test"))
+    if recent_ttl is not None:
+        servicer.recent.ttl_s = recent_ttl
+    return servicer, reader, clock
+
+
+async def beat(router, worker_id, member, outstanding=0, capacity=10_000):
+    await router.Heartbeat(pb.WorkerLoad(worker_id=worker_id, address=f"addr-{worker_id}", role="unified",
+                                         outstanding_tokens=outstanding, kv_capacity_tokens=capacity,
+                                         block_size=BS, index_member=member), None)
+
+
+async def publish(client, worker_id, blocks):
+    pub = IndexPublisher(client, worker_id)
+    hs = hash_blocks(PROMPT, BS, extra_keys())[:blocks]
+
+    async def snapshot():
+        return hs
+    assert await pub.flush(snapshot)
+    return pub.member
+
+
+async def route(router, prompt=PROMPT):
+    return await router.Route(pb.RouteRequest(prompt_tokens=len(prompt), max_tokens=8, prompt_token_ids=prompt), None)
+
+
+def metric_points(reader):
+    out = {}
+    for rm in reader.get_metrics_data().resource_metrics:
+        for sm in rm.scope_metrics:
+            for m in sm.metrics:
+                out[m.name] = list(m.data.data_points)
+    return out
+
+
+def test_prefix_aware_routes_to_the_worker_holding_the_prompt(server):
+    async def go():
+        client = connect(server.url)
+        router, reader, _ = make_router(server.url, recent_ttl=0.0)
+        members = {w: await publish(client, w, n) for w, n in (("w0", 2), ("w1", 8), ("w2", 0))}
+        for w, m in members.items():
+            await beat(router, w, m, outstanding=100)
+        d = await route(router)
+        assert d.decode_worker == "addr-w1"
+        assert d.cached_prefix_tokens == 8 * BS
+        assert "prefix=1.00" in d.reason and d.decision_ms > 0
+        # load guard: w1 far busier than the others -> load wins over the cache
+        await beat(router, "w1", members["w1"], outstanding=15_000)
+        d = await route(router)
+        assert d.decode_worker != "addr-w1" and d.reason.startswith("load guard")
+        points = metric_points(reader)
+        assert points["meshserve.router.decision"][0].count == 2
+        assert points["meshserve.router.prefix_hit_tokens"][0].sum == 8 * BS + 2 * BS  # w1 then w0 (2 blocks)
+        outstanding = {p.attributes["worker_id"]: p.value for p in points["meshserve.router.worker_outstanding_tokens"]}
+        assert outstanding["w1"] == 15_000
+        await client.aclose()
+    asyncio.run(go())
+
+
+def test_a_burst_of_one_new_prompt_lands_together_before_the_index_shows_it(server):
+    async def go():
+        router, _, _ = make_router(server.url)
+        for w in ("w0", "w1", "w2"):
+            await beat(router, w, "", outstanding=0)
+        picks = {(await route(router)).decode_worker for _ in range(3)}
+        assert len(picks) == 1  # the router's recent-routes overlay keeps the prefix on one worker
+    asyncio.run(go())
+
+
+def test_round_robin_does_not_touch_redis(server):
+    async def go():
+        router, _, _ = make_router(server.url, policy="round-robin")
+        for w in ("w0", "w1"):
+            await beat(router, w, "")
+        server.kill()
+        picks = [(await route(router)).decode_worker for _ in range(4)]
+        assert picks == ["addr-w0", "addr-w1"] * 2 and not router.index.degraded
+    asyncio.run(go())
+
+
+def test_redis_down_routes_by_load_and_recovers(server):
+    async def go():
+        client = connect(server.url)
+        router, reader, _ = make_router(server.url, recent_ttl=0.0)
+        m1 = await publish(client, "w1", 8)
+        await beat(router, "w0", "", outstanding=0)
+        await beat(router, "w1", m1, outstanding=500)
+        assert (await route(router)).decode_worker == "addr-w1"
+        server.kill()
+        d = await route(router)  # no error: by load
+        assert d.decode_worker == "addr-w0" and d.cached_prefix_tokens == 0
+        assert router.index.degraded
+        listed = await router.ListWorkers(pb.ListWorkersRequest(), None)
+        assert listed.prefix_index_degraded
+        router.set_degraded(router.index.degraded)
+        assert metric_points(reader)["meshserve.router.prefix_index_degraded"][0].value == 1
+        server.start()
+        m1 = await publish(connect(server.url), "w1", 8)  # the worker republishes after the restart
+        await beat(router, "w1", m1, outstanding=500)
+        router.index.backoff.succeeded()  # the retry is due
+        assert await router.index.probe() and not router.index.degraded
+        assert (await route(router)).decode_worker == "addr-w1"
+    asyncio.run(go())
