@@ -21,7 +21,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="token budget per iteration, also the prefill chunk size")
     g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--policy", default="fcfs", help="slot arbitration policy (fcfs, priority)")
+    g.add_argument("--policy", default="fair-deadline",
+                   help="slot arbitration policy: fcfs, priority, deadline, fair, fair-deadline (the default)")
     g.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
 
 

@@ -1,65 +1,159 @@
-"""Slot arbitration: who gets the next batch slot, and who is preempted when KV blocks run short.
+"""Slot arbitration: who gets the next slot, and who is preempted when KV blocks run short.
 
-A policy is a pure object (no I/O, no torch) that ranks claims: a lower rank is served first
-and preempted last. The engine scheduler orders its waiting queue by rank and picks the
-highest-ranked running request as the preemption victim; the gateway's admission queue (a
-later issue) reuses the same classes. Policies:
+One set of pure policy objects (no I/O, no torch; the clock is passed in) used in two places:
+the gateway's admission queue (who is dispatched into the mesh next) and every engine's
+scheduler (who gets the next batch slot; the last in serving order is the preemption victim).
+A claim carries its tenant, the tenant's weight, its deadline and its predicted service time
+from the gateway through prefill and decode.
 
-- FcfsPolicy: arrival order (ties by admission sequence number).
-- PriorityPolicy: the claim's priority class first (0 is most urgent), then arrival order.
+- fcfs: arrival order (ties by sequence number).
+- priority: the claim's priority class first (0 is most urgent), then arrival.
+- deadline: least slack first; slack = deadline - now - predicted service time (no deadline:
+  infinite slack, arrival order among those).
+- fair: weighted fair sharing by tokens served, as the Virtual Token Counter of "Fairness in
+  Serving Large Language Models" (OSDI'24): each tenant has a counter that grows by
+  (input tokens x 1 + output tokens x 2) / weight as it is served; the tenant with the lowest
+  counter goes next; a tenant becoming active is lifted to the lowest counter among the
+  backlogged tenants (or, when none is backlogged, to the counter of the last service
+  charged), so idling earns no credit.
+- fair-deadline (the default): (1) a claim that has waited the starvation bound goes next
+  (oldest first); (2) otherwise the tenant with the lowest counter; (3) within it, least slack.
+
+Policies with state (the fair ones) learn of service through charge() and of a tenant
+becoming backlogged through activate(); the others ignore both.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Protocol
+
+INPUT_WEIGHT, OUTPUT_WEIGHT = 1.0, 2.0  # the cost of a token served, by kind (the paper's w_p, w_q)
+DEFAULT_STARVATION_S = 30.0
 
 
 class SlotClaim(Protocol):
     """What a policy may read of a request."""
 
-    arrival_s: float  # when the request arrived (engine clock)
+    arrival_s: float  # when the request arrived (the caller's clock)
     priority: int  # 0 is most urgent; larger numbers wait
-    seq_no: int  # admission order, unique per engine: the final tie-break
+    seq_no: int  # admission order, unique per queue: the final tie-break
+    tenant: str  # who asked
+    weight: float  # the tenant's share
+    deadline_s: float | None  # absolute, same clock; None = none
+    predicted_s: float  # predicted service time (0 when unknown)
+
+
+def slack(claim: SlotClaim, now: float) -> float:
+    """Time to spare: deadline - now - predicted service time (inf without a deadline)."""
+    if claim.deadline_s is None:
+        return math.inf
+    return claim.deadline_s - now - claim.predicted_s
+
+
+def cost(input_tokens: int, output_tokens: int, weight: float) -> float:
+    """Weighted service of tokens to a tenant of this weight (the counters' unit)."""
+    return (INPUT_WEIGHT * input_tokens + OUTPUT_WEIGHT * output_tokens) / weight
 
 
 class ArbitrationPolicy:
-    """Base: subclasses define rank(); selection helpers are shared."""
+    """Base: subclasses define rank(); selection helpers and no-op hooks are shared."""
 
     name = "base"
+    uses_deadlines = False  # rejects claims that can no longer meet their deadline
 
-    def rank(self, claim: SlotClaim) -> tuple:
+    def rank(self, claim: SlotClaim, now: float) -> tuple:
         raise TypeError(f"{type(self).__name__} must define rank()")
 
-    def order(self, claims: Iterable[SlotClaim]) -> list:
+    def order(self, claims: Iterable[SlotClaim], now: float = 0.0) -> list:
         """Claims in serving order: first is served first."""
-        return sorted(claims, key=self.rank)
+        return sorted(claims, key=lambda c: self.rank(c, now))
 
-    def victim(self, claims: Iterable[SlotClaim]):
+    def pick(self, claims: Iterable[SlotClaim], now: float = 0.0):
+        """The claim to serve next (None when empty)."""
+        return min(claims, key=lambda c: self.rank(c, now), default=None)
+
+    def victim(self, claims: Iterable[SlotClaim], now: float = 0.0):
         """The claim to preempt first: the last one in serving order (None when empty)."""
-        return max(claims, key=self.rank, default=None)
+        return max(claims, key=lambda c: self.rank(c, now), default=None)
+
+    def activate(self, tenant: str, backlogged: Iterable[str]) -> None:
+        """tenant had nothing queued and now has; `backlogged` are the tenants with queued claims."""
+
+    def charge(self, tenant: str, weight: float, input_tokens: int = 0, output_tokens: int = 0) -> None:
+        """Record service (negative counts refund a reservation that was not used)."""
 
 
 class FcfsPolicy(ArbitrationPolicy):
     name = "fcfs"
 
-    def rank(self, claim: SlotClaim) -> tuple:
+    def rank(self, claim: SlotClaim, now: float) -> tuple:
         return (claim.arrival_s, claim.seq_no)
 
 
 class PriorityPolicy(ArbitrationPolicy):
     name = "priority"
 
-    def rank(self, claim: SlotClaim) -> tuple:
+    def rank(self, claim: SlotClaim, now: float) -> tuple:
         return (claim.priority, claim.arrival_s, claim.seq_no)
 
 
-POLICIES = {p.name: p for p in (FcfsPolicy, PriorityPolicy)}
+class DeadlinePolicy(ArbitrationPolicy):
+    name = "deadline"
+    uses_deadlines = True
+
+    def rank(self, claim: SlotClaim, now: float) -> tuple:
+        return (slack(claim, now), claim.arrival_s, claim.seq_no)
 
 
-def make_policy(name: str) -> ArbitrationPolicy:
+class FairPolicy(ArbitrationPolicy):
+    """Virtual token counters per tenant (see the module docstring)."""
+
+    name = "fair"
+
+    def __init__(self):
+        self.counters: dict[str, float] = {}
+        self.virtual = 0.0  # the counter at which the latest service was charged: the lift when nobody waits
+
+    def counter(self, tenant: str) -> float:
+        return self.counters.get(tenant, 0.0)
+
+    def rank(self, claim: SlotClaim, now: float) -> tuple:
+        return (self.counter(claim.tenant), claim.arrival_s, claim.seq_no)
+
+    def activate(self, tenant: str, backlogged: Iterable[str]) -> None:
+        others = [self.counter(t) for t in set(backlogged) if t != tenant]
+        self.counters[tenant] = max(self.counter(tenant), min(others) if others else self.virtual)
+
+    def charge(self, tenant: str, weight: float, input_tokens: int = 0, output_tokens: int = 0) -> None:
+        amount = cost(input_tokens, output_tokens, weight)
+        if amount > 0:
+            self.virtual = max(self.virtual, self.counter(tenant))
+        self.counters[tenant] = self.counter(tenant) + amount
+
+
+class FairDeadlinePolicy(FairPolicy):
+    name = "fair-deadline"
+    uses_deadlines = True
+
+    def __init__(self, starvation_s: float = DEFAULT_STARVATION_S):
+        super().__init__()
+        self.starvation_s = starvation_s
+
+    def rank(self, claim: SlotClaim, now: float) -> tuple:
+        if now - claim.arrival_s >= self.starvation_s:
+            return (0, claim.arrival_s, 0.0, claim.seq_no)
+        return (1, self.counter(claim.tenant), slack(claim, now), claim.arrival_s, claim.seq_no)
+
+
+POLICIES = {p.name: p for p in (FcfsPolicy, PriorityPolicy, DeadlinePolicy, FairPolicy, FairDeadlinePolicy)}
+
+
+def make_policy(name: str, starvation_s: float = DEFAULT_STARVATION_S) -> ArbitrationPolicy:
     """A policy by its configured name; unknown names list the known ones."""
-    try:
-        return POLICIES[name]()
-    except KeyError:
-        raise ValueError(f"unknown arbitration policy {name!r}; known: {sorted(POLICIES)}") from None
+    if name not in POLICIES:
+        raise ValueError(f"unknown arbitration policy {name!r}; known: {sorted(POLICIES)}")
+    if name == FairDeadlinePolicy.name:
+        return FairDeadlinePolicy(starvation_s)
+    return POLICIES[name]()

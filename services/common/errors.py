@@ -45,6 +45,20 @@ class CapacityExhausted(MeshError):
         self.retry_after_ms = retry_after_ms
 
 
+class Unauthenticated(MeshError):
+    """Missing or wrong API key."""
+
+    code = "UNAUTHENTICATED"
+    http_status = 401
+
+
+class PermissionDenied(MeshError):
+    """An adapter, priority or model the tenant may not use."""
+
+    code = "PERMISSION_DENIED"
+    http_status = 403
+
+
 class ModelLoadError(MeshError):
     """A model folder is missing a file or uses something the engine does not support."""
 

@@ -50,7 +50,7 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_seqs: int = 256  # sequences in one batch
     max_num_batched_tokens: int = 2048  # token budget per iteration; also the prefill chunk size
-    policy: str = "fcfs"  # slot arbitration policy name (services.common.arbitration)
+    policy: str = "fair-deadline"  # slot arbitration policy name (services.common.arbitration)
 
 
 @dataclass(frozen=True)

@@ -75,7 +75,8 @@ class LLMEngine:
                                 min(mc.max_positions, num_blocks * cc.block_size))
         self.kv_cache = KVCache(mc.num_layers, num_blocks, cc.block_size, mc.num_kv_heads, mc.head_dim, self.model.dtype)
         self.kv = KVCacheManager(BlockPool(num_blocks), cc.block_size, cc.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, make_policy(sc.policy), sc.max_num_seqs, sc.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.kv, make_policy(sc.policy), sc.max_num_seqs, sc.max_num_batched_tokens,
+                                   clock=clock)
         kernel = paged_attention() if self.model.dtype == torch.float32 else None
         self.attention = TorchAttention(mc.num_heads, mc.num_kv_heads, mc.head_dim, cc.block_size, kernel=kernel)
         self.sampler = Sampler(config.seed)
@@ -87,13 +88,19 @@ class LLMEngine:
 
     def add_request(self, req_id: str, prompt_token_ids: list[int] | None = None, params: SamplingParams | None = None,
                     *, prompt: str | None = None, priority: int = 0, adapter: str = "", cache_salt: str = "",
-                    kv: KVExport | None = None) -> Request:
-        """Validate and queue a request (see module doc for kv). Raises a typed MeshError on bad input."""
+                    kv: KVExport | None = None, tenant: str = "", weight: float = 1.0,
+                    deadline_s: float | None = None, predicted_s: float = 0.0) -> Request:
+        """Validate and queue a request (see module doc for kv). Raises a typed MeshError on bad input.
+
+        tenant, weight, deadline_s (absolute, engine clock) and predicted_s feed slot arbitration."""
         params = params or SamplingParams()
         ids = self._prompt_ids(prompt_token_ids, prompt)
         self._validate(req_id, ids, params, adapter)
+        if not weight > 0:
+            raise InvalidRequest(f"weight must be > 0, got {weight}")
         req = Request(req_id, ids, params, arrival_s=self.clock(), seq_no=next(self._seq), priority=priority,
-                      adapter=adapter, cache_salt=cache_salt)
+                      adapter=adapter, cache_salt=cache_salt, tenant=tenant, weight=weight, deadline_s=deadline_s,
+                      predicted_s=predicted_s)
         if kv is not None:
             self._import(req, kv)
         else:
@@ -176,6 +183,7 @@ class LLMEngine:
         results = []
         for i, (req, tok) in enumerate(zip(reqs, tokens)):
             req.tokens.append(tok)
+            self.scheduler.policy.charge(req.tenant, req.weight, output_tokens=1)
             lp = None
             if req.params.logprobs:
                 lp = [logprobs[i]]
@@ -246,12 +254,14 @@ class LLMEngine:
             raise
 
     def begin_import(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams, *, priority: int = 0,
-                     adapter: str = "", cache_salt: str = "") -> Request:
+                     adapter: str = "", cache_salt: str = "", tenant: str = "", weight: float = 1.0,
+                     deadline_s: float | None = None, predicted_s: float = 0.0) -> Request:
         """Reserve blocks for a prompt whose KV will arrive block by block (import_blocks, then end_import)."""
         ids = list(prompt_token_ids)
         self._validate(req_id, ids, params, adapter)
         req = Request(req_id, ids, params, arrival_s=self.clock(), seq_no=next(self._seq), priority=priority,
-                      adapter=adapter, cache_salt=cache_salt)
+                      adapter=adapter, cache_salt=cache_salt, tenant=tenant, weight=weight, deadline_s=deadline_s,
+                      predicted_s=predicted_s)
         self._begin(req, len(ids))
         self.requests[req_id] = req
         return req

@@ -27,6 +27,10 @@ class Request:
     priority: int = 0  # 0 most urgent
     adapter: str = ""  # LoRA adapter name ("" = base model)
     cache_salt: str = ""  # isolation domain for prefix hashing
+    tenant: str = ""  # who asked (slot arbitration; "" = the default tenant)
+    weight: float = 1.0  # the tenant's share
+    deadline_s: float | None = None  # absolute, engine clock; None = none
+    predicted_s: float = 0.0  # predicted service time, for slack
     tokens: list = field(default_factory=list)  # prompt + output so far
     num_computed: int = 0  # tokens whose KV is in the cache
     num_cached_prompt: int = 0  # prompt tokens served from the prefix cache at first schedule

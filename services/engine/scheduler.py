@@ -7,11 +7,14 @@ then waiting requests in the arbitration policy's order, their prompts chunked t
 left and reusing cached prefix blocks. When blocks run out, the policy's victim among the
 requests not yet scheduled this step is preempted: its blocks are freed and it recomputes
 later (its sampled tokens are kept, so its output is unchanged). A step that preempted admits
-nobody new.
+nobody new. The policy learns of service through charge(): prompt tokens computed when a
+request is first admitted (the engine charges output tokens as they are sampled), and of a
+tenant becoming backlogged through activate().
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from services.common.arbitration import ArbitrationPolicy
@@ -46,13 +49,16 @@ class Finished:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, policy: ArbitrationPolicy, max_num_seqs: int,
-                 max_num_batched_tokens: int):
-        self.kv, self.policy = kv, policy
+                 max_num_batched_tokens: int, clock=time.monotonic):
+        self.kv, self.policy, self.clock = kv, policy, clock
         self.max_num_seqs, self.budget = max_num_seqs, max_num_batched_tokens
         self.waiting: list[Request] = []
         self.running: list[Request] = []
 
     def add(self, req: Request) -> None:
+        backlogged = {r.tenant for r in self.waiting}
+        if req.tenant not in backlogged:
+            self.policy.activate(req.tenant, backlogged)
         self.waiting.append(req)
 
     @property
@@ -61,19 +67,20 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self._schedule_running(out, self.budget)
+        now = self.clock()
+        budget = self._schedule_running(out, self.budget, now)
         if not out.preempted:
-            self._schedule_waiting(out, budget)
+            self._schedule_waiting(out, budget, now)
         out.num_tokens = sum(s.num_new for s in out.seqs)
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        queue = self.policy.order(self.running)
+    def _schedule_running(self, out: SchedulerOutput, budget: int, now: float) -> int:
+        queue = self.policy.order(self.running, now)
         while queue and budget > 0:
             req = queue.pop(0)
             num_new = min(req.num_tokens - req.num_computed, budget)
             while not self.kv.allocate(req, req.num_computed + num_new):
-                victim = self.policy.victim(queue + [req])
+                victim = self.policy.victim(queue + [req], now)
                 self._preempt(victim, out)
                 if victim is req:
                     break
@@ -83,8 +90,8 @@ class Scheduler:
                 budget -= num_new
         return budget
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        for req in self.policy.order(self.waiting):
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, now: float) -> None:
+        for req in self.policy.order(self.waiting, now):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
             prefix = self.kv.cached_prefix(req)
@@ -94,6 +101,7 @@ class Scheduler:
                 break
             if req.num_preemptions == 0:
                 req.num_cached_prompt = num_cached
+                self.policy.charge(req.tenant, req.weight, input_tokens=req.num_prompt - num_cached)
             req.num_computed, req.status = num_cached, Status.RUNNING
             self.waiting.remove(req)
             self.running.append(req)

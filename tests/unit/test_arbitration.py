@@ -1,39 +1,7 @@
-"""Slot arbitration policies, table-driven, and the scheduler's use of them."""
+"""The engine scheduler's use of the arbitration policies (the policies themselves: test_admission.py)."""
 
-from dataclasses import dataclass
-
-import pytest
-
-from services.common.arbitration import FcfsPolicy, PriorityPolicy, make_policy
 from services.common.sampling import SamplingParams
 from tests.support.reference import make_engine
-
-
-@dataclass
-class Claim:
-    name: str
-    arrival_s: float
-    priority: int
-    seq_no: int
-
-
-CLAIMS = [Claim("late-urgent", 3.0, 0, 2), Claim("early-lax", 1.0, 5, 0), Claim("mid-normal", 2.0, 1, 1),
-          Claim("tie", 2.0, 1, 3)]
-
-
-@pytest.mark.parametrize("policy,order,victim", [
-    (FcfsPolicy(), ["early-lax", "mid-normal", "tie", "late-urgent"], "late-urgent"),
-    (PriorityPolicy(), ["late-urgent", "mid-normal", "tie", "early-lax"], "early-lax"),
-])
-def test_order_and_victim(policy, order, victim):
-    assert [c.name for c in policy.order(CLAIMS)] == order
-    assert policy.victim(CLAIMS).name == victim
-    assert policy.victim([]) is None
-
-
-def test_unknown_policy_lists_known():
-    with pytest.raises(ValueError, match="fcfs"):
-        make_policy("lottery")
 
 
 def test_priority_policy_admits_urgent_first_and_preempts_lax(tiny_model):
@@ -47,3 +15,30 @@ def test_priority_policy_admits_urgent_first_and_preempts_lax(tiny_model):
         engine.kv.check_integrity()
     assert lax.num_preemptions >= 1
     assert lax.status.value != "finished"
+
+
+def test_fair_policy_in_the_engine_gives_the_next_slot_to_the_light_tenant(tiny_model):
+    engine = make_engine(tiny_model, num_blocks=64, block_size=16, budget=64, max_seqs=1, policy="fair")
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    for i in range(3):
+        engine.add_request(f"heavy-{i}", list(range(3 + i, 40 + i)), params, tenant="heavy")
+    engine.step()  # heavy-0 takes the only slot and is charged
+    engine.add_request("light-0", list(range(50, 60)), params, tenant="light")
+    finished = []
+    while engine.has_unfinished():
+        finished += [o.req_id for o in engine.step() if o.finished]
+    assert finished.index("light-0") == 1  # right after the running request, ahead of heavy-1 and heavy-2
+    assert engine.scheduler.policy.counter("light") > 0
+
+
+def test_deadline_policy_in_the_engine_serves_least_slack_first(tiny_model):
+    engine = make_engine(tiny_model, num_blocks=64, block_size=16, budget=64, max_seqs=1, policy="deadline")
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    now = engine.clock()
+    engine.add_request("lax", list(range(3, 20)), params, deadline_s=now + 100)
+    engine.add_request("none", list(range(3, 21)), params)
+    engine.add_request("tight", list(range(3, 22)), params, deadline_s=now + 5)
+    finished = []
+    while engine.has_unfinished():
+        finished += [o.req_id for o in engine.step() if o.finished]
+    assert finished == ["tight", "lax", "none"]

@@ -1,0 +1,154 @@
+"""The gateway's admission queue, pure: the clock is passed in, no I/O.
+
+Requests enter when the mesh is at capacity (the gateway decides that from the router's view of
+worker load) and leave in the arbitration policy's order (services.common.arbitration) as
+capacity frees. The queue adds what only it can know:
+
+- the starvation bound as a promise: every queued request must start within `starvation_s` of
+  arrival. Waits are predicted from work, as list scheduling bounds them: with `slots`
+  requests served at once, a request starts no later than (remaining predicted work of the
+  running requests + predicted work of those dispatched before it) / slots from now. Whenever
+  dispatching the policy's choice out of arrival order would push some request past its
+  start-by time (arrival + bound), the oldest goes next instead. A request whose predicted wait
+  at the back of the queue already exceeds the bound is rejected at arrival with
+  RESOURCE_EXHAUSTED and a retry-after hint, as is one that would overflow its tenant's queue.
+- deadlines: with a deadline-aware policy, a request whose slack (deadline - now - predicted
+  service time) is negative is rejected at arrival with DEADLINE_EXCEEDED rather than served
+  late, and one whose slack runs out while queued is dropped the same way (expired()). Under
+  any policy a request whose own deadline has passed is dropped.
+- service accounting: a dispatch charges the tenant's counter prompt x 1 + max_tokens x 2
+  (the reservation), finished() refunds output tokens not generated.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from services.common.arbitration import ArbitrationPolicy, slack
+from services.common.errors import CapacityExhausted, DeadlineExceeded
+
+
+@dataclass(eq=False)
+class Pending:
+    """A queued request (a SlotClaim for the policies)."""
+
+    req_id: str
+    tenant: str
+    weight: float
+    arrival_s: float
+    seq_no: int
+    input_tokens: int
+    max_tokens: int
+    priority: int = 0
+    deadline_s: float | None = None
+    predicted_s: float = 0.0
+    max_queued: int | None = None  # the tenant's queue limit
+    ticket: object = None  # the caller's handle (e.g. a future to wake)
+    dispatched_s: float | None = None
+
+
+@dataclass
+class CostModel:
+    """Predicted service time = prompt x prefill_s_per_token + max_tokens x decode_s_per_step.
+
+    The per-token and per-step costs are fitted online by the workers and reported in their
+    heartbeats; the gateway averages what the router sees (update())."""
+
+    prefill_s_per_token: float = 2e-4
+    decode_s_per_step: float = 0.02
+
+    def predict(self, prompt_tokens: int, max_tokens: int) -> float:
+        return prompt_tokens * self.prefill_s_per_token + max_tokens * self.decode_s_per_step
+
+    def update(self, prefill_s_per_token: float, decode_s_per_step: float) -> None:
+        if prefill_s_per_token > 0:
+            self.prefill_s_per_token = prefill_s_per_token
+        if decode_s_per_step > 0:
+            self.decode_s_per_step = decode_s_per_step
+
+
+@dataclass
+class AdmissionQueue:
+    policy: ArbitrationPolicy
+    starvation_s: float = 30.0
+    slots: int = 1  # requests the mesh serves at once (the caller keeps this current)
+    queue: list = field(default_factory=list)
+    running: dict = field(default_factory=dict)  # dispatched, not finished: id(p) -> p
+    _seq: int = 0
+
+    def backlogged(self) -> set[str]:
+        return {p.tenant for p in self.queue}
+
+    def queued(self, tenant: str) -> int:
+        return sum(1 for p in self.queue if p.tenant == tenant)
+
+    def offer(self, p: Pending, now: float) -> None:
+        """Queue p, or raise DEADLINE_EXCEEDED / RESOURCE_EXHAUSTED (see the module docstring)."""
+        if p.deadline_s is not None and (p.deadline_s <= now or self.policy.uses_deadlines and slack(p, now) < 0):
+            raise DeadlineExceeded(f"the deadline cannot be met: {max(p.deadline_s - now, 0) * 1e3:.0f} ms left, "
+                                   f"predicted service {p.predicted_s * 1e3:.0f} ms")
+        if p.max_queued is not None and self.queued(p.tenant) >= p.max_queued:
+            raise CapacityExhausted(f"tenant {p.tenant!r} already has {p.max_queued} requests queued (its limit)",
+                                    retry_after_ms=math.ceil(self.predicted_wait(now, self.queue) * 1000) or 100)
+        wait = self.predicted_wait(now, self.queue)
+        if wait > self.starvation_s:
+            raise CapacityExhausted(
+                f"the mesh is overloaded: predicted queue wait {wait:.1f} s exceeds the {self.starvation_s:g} s bound",
+                retry_after_ms=math.ceil((wait - self.starvation_s) * 1000))
+        backlogged = self.backlogged()
+        if p.tenant not in backlogged:
+            self.policy.activate(p.tenant, backlogged)
+        p.seq_no, self._seq = self._seq, self._seq + 1
+        self.queue.append(p)
+
+    def predicted_wait(self, now: float, ahead: list) -> float:
+        """Latest start, from now, of a request dispatched after `ahead` (list-scheduling bound)."""
+        remaining = sum(max(0.0, r.predicted_s - (now - r.dispatched_s)) for r in self.running.values())
+        return (remaining + sum(p.predicted_s for p in ahead)) / max(self.slots, 1)
+
+    def next(self, now: float, can_run=lambda p: True) -> Pending | None:
+        """Remove and return the request to dispatch now (None if none may run)."""
+        runnable = [p for p in self.queue if can_run(p)]
+        if not runnable:
+            return None
+        choice = self.policy.pick(runnable, now)
+        oldest = sorted(runnable, key=lambda p: (p.arrival_s, p.seq_no))
+        if choice is not oldest[0] and self._would_starve(oldest, choice, now):
+            choice = oldest[0]
+        self.queue.remove(choice)
+        choice.dispatched_s = now
+        self.running[id(choice)] = choice
+        self.policy.charge(choice.tenant, choice.weight, choice.input_tokens, choice.max_tokens)
+        return choice
+
+    def _would_starve(self, oldest: list, choice: Pending, now: float) -> bool:
+        """Would dispatching `choice` first push some request past arrival + bound?"""
+        remaining = sum(max(0.0, r.predicted_s - (now - r.dispatched_s)) for r in self.running.values())
+        ahead = remaining + choice.predicted_s
+        for p in oldest:
+            if p is choice:
+                continue
+            if now + ahead / max(self.slots, 1) > p.arrival_s + self.starvation_s:
+                return True
+            ahead += p.predicted_s
+        return False
+
+    def expired(self, now: float) -> list[Pending]:
+        """Remove and return requests that can no longer meet their deadline."""
+        out = [p for p in self.queue if p.deadline_s is not None and
+               (p.deadline_s <= now or self.policy.uses_deadlines and slack(p, now) < 0)]
+        for p in out:
+            self.queue.remove(p)
+        return out
+
+    def cancel(self, p: Pending) -> None:
+        if p in self.queue:
+            self.queue.remove(p)
+
+    def finished(self, p: Pending, output_tokens: int) -> None:
+        """A dispatched request ended: refund the reserved output tokens it did not generate."""
+        self.running.pop(id(p), None)
+        unused = p.max_tokens - output_tokens
+        if unused > 0:
+            self.policy.charge(p.tenant, p.weight, 0, -unused)

@@ -1,0 +1,232 @@
+"""Tenants: who may call the mesh, with what share, under which limits. Pure: the clock is injected.
+
+From the mesh config file's `tenants` list (validated at start; errors name the tenant and key):
+
+    tenants:
+      - name: acme
+        api_key_hashes: ["sha256$<salt hex>$<digest hex>"]   # `meshserve tenant key` makes one
+        weight: 2                    # share of the mesh under contention (default 1)
+        limits: {requests_per_s: 10, tokens_per_min: 200000, max_concurrent: 16,
+                 max_prompt_tokens: 4096, max_output_tokens: 1024, max_queued: 64}
+        priorities: [0, 1]           # allowed priority classes (default: any)
+        adapters: [sql-lora]         # allowed LoRA adapters (default: none)
+        cache_domain: shared-docs    # prefix-cache isolation domain (default: the tenant's own)
+
+Keys are kept only as salted SHA-256 digests and compared in constant time (hmac.compare_digest,
+every stored digest checked whatever matches). With no tenants configured there is one open
+tenant, "default", that needs no key. Request and token rates are token buckets; tokens are
+counted at admission as prompt + max_tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import math
+import secrets
+from dataclasses import dataclass, field
+
+from services.common.errors import CapacityExhausted, PermissionDenied, Unauthenticated
+
+DEFAULT_TENANT = "default"
+LIMIT_KEYS = {"requests_per_s", "tokens_per_min", "max_concurrent", "max_prompt_tokens", "max_output_tokens",
+              "max_queued"}
+TENANT_KEYS = {"name", "api_key_hashes", "weight", "limits", "priorities", "adapters", "cache_domain"}
+
+
+def hash_key(key: str, salt: bytes | None = None) -> str:
+    """The stored form of an API key: sha256$<salt hex>$<sha256(salt + key) hex>."""
+    salt = salt if salt is not None else secrets.token_bytes(16)
+    return f"sha256${salt.hex()}${hashlib.sha256(salt + key.encode()).hexdigest()}"
+
+
+def new_key() -> tuple[str, str]:
+    """A fresh API key and its stored hash."""
+    key = "ms-" + secrets.token_urlsafe(24)
+    return key, hash_key(key)
+
+
+@dataclass(frozen=True)
+class Limits:
+    requests_per_s: float | None = None
+    tokens_per_min: float | None = None
+    max_concurrent: int | None = None
+    max_prompt_tokens: int | None = None
+    max_output_tokens: int | None = None
+    max_queued: int | None = None
+
+
+@dataclass(frozen=True)
+class Tenant:
+    name: str
+    key_hashes: tuple = ()  # (salt, digest) pairs
+    weight: float = 1.0
+    limits: Limits = Limits()
+    priorities: frozenset | None = None  # None = any
+    adapters: frozenset = frozenset()
+    cache_domain: str = ""  # "" = the tenant's own
+
+    @property
+    def cache_salt(self) -> str:
+        return self.cache_domain or f"tenant:{self.name}"
+
+    def check_request(self, prompt_tokens: int, max_tokens: int, priority: int, adapter: str) -> None:
+        """Permission and size limits of one request (rates are TenantState's)."""
+        if self.priorities is not None and priority not in self.priorities:
+            raise PermissionDenied(f"tenant {self.name!r} may not use priority {priority} "
+                                   f"(allowed: {sorted(self.priorities)})")
+        if adapter and adapter not in self.adapters:
+            raise PermissionDenied(f"tenant {self.name!r} may not use adapter {adapter!r}")
+        lim = self.limits
+        if lim.max_prompt_tokens is not None and prompt_tokens > lim.max_prompt_tokens:
+            raise CapacityExhausted(f"prompt of {prompt_tokens} tokens is over tenant {self.name!r}'s limit of "
+                                    f"{lim.max_prompt_tokens} (retrying will not help)", retry_after_ms=0)
+        if lim.max_output_tokens is not None and max_tokens > lim.max_output_tokens:
+            raise CapacityExhausted(f"max_tokens {max_tokens} is over tenant {self.name!r}'s limit of "
+                                    f"{lim.max_output_tokens} (retrying will not help)", retry_after_ms=0)
+
+
+OPEN_TENANT = Tenant(DEFAULT_TENANT, cache_domain="")
+
+
+class Authenticator:
+    def __init__(self, tenants: list[Tenant]):
+        self.tenants = tenants
+        self.open = not tenants
+
+    def authenticate(self, key: str | None) -> Tenant:
+        if self.open:
+            return OPEN_TENANT
+        if not key:
+            raise Unauthenticated("an API key is required (metadata x-api-key, or authorization: Bearer KEY)")
+        presented, found = key.encode(), None
+        for tenant in self.tenants:
+            for salt, digest in tenant.key_hashes:
+                if hmac.compare_digest(hashlib.sha256(salt + presented).digest(), digest) and found is None:
+                    found = tenant
+        if found is None:
+            raise Unauthenticated("the API key is not valid")
+        return found
+
+
+class TokenBucket:
+    """rate per second, burst capacity; take() says how long until `amount` would fit when it does not."""
+
+    def __init__(self, rate: float, capacity: float, now: float):
+        self.rate, self.capacity, self.level, self.t = rate, capacity, capacity, now
+
+    def take(self, amount: float, now: float) -> float:
+        """0.0 and taken, or the seconds to wait (nothing taken)."""
+        self.level = min(self.capacity, self.level + (now - self.t) * self.rate)
+        self.t = now
+        if amount <= self.level:
+            self.level -= amount
+            return 0.0
+        if amount > self.capacity:
+            return math.inf
+        return (amount - self.level) / self.rate
+
+
+@dataclass
+class TenantState:
+    """A tenant's live counters at the gateway: rates, concurrency, queue length."""
+
+    tenant: Tenant
+    now: float
+    running: int = 0
+    queued: int = 0
+    buckets: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        lim = self.tenant.limits
+        if lim.requests_per_s is not None:
+            self.buckets["requests"] = TokenBucket(lim.requests_per_s, max(1.0, lim.requests_per_s), self.now)
+        if lim.tokens_per_min is not None:
+            self.buckets["tokens"] = TokenBucket(lim.tokens_per_min / 60, lim.tokens_per_min, self.now)
+
+    def admit_rates(self, tokens: int, now: float) -> None:
+        """Charge the rate limits for one request, or raise RESOURCE_EXHAUSTED with when to retry."""
+        name = self.tenant.name
+        if "requests" in self.buckets:
+            wait = self.buckets["requests"].take(1, now)
+            if wait:
+                raise CapacityExhausted(f"tenant {name!r} is over its {self.tenant.limits.requests_per_s} requests/s",
+                                        retry_after_ms=_ms(wait))
+        if "tokens" in self.buckets:
+            wait = self.buckets["tokens"].take(tokens, now)
+            if wait:
+                if "requests" in self.buckets:
+                    self.buckets["requests"].level += 1  # not admitted: give the request back
+                if math.isinf(wait):
+                    raise CapacityExhausted(f"request of {tokens} tokens exceeds tenant {name!r}'s "
+                                            f"{self.tenant.limits.tokens_per_min:g} tokens/min", retry_after_ms=0)
+                raise CapacityExhausted(f"tenant {name!r} is over its {self.tenant.limits.tokens_per_min:g} tokens/min",
+                                        retry_after_ms=_ms(wait))
+
+    def check_concurrency(self) -> None:
+        lim = self.tenant.limits
+        if lim.max_queued is not None and self.queued >= lim.max_queued:
+            raise CapacityExhausted(f"tenant {self.tenant.name!r} has {self.queued} requests queued "
+                                    f"(limit {lim.max_queued})", retry_after_ms=500)
+
+
+def _ms(seconds: float) -> int:
+    return max(1, math.ceil(seconds * 1000))
+
+
+def parse_tenants(entries) -> list[Tenant]:
+    """The config file's tenants list as Tenants; ValueError naming the tenant and key on anything wrong."""
+    if entries is None:
+        return []
+    if not isinstance(entries, list):
+        raise ValueError("tenants must be a list")
+    out, names = [], set()
+    for i, e in enumerate(entries):
+        where = f"tenants[{i}]"
+        if not isinstance(e, dict):
+            raise ValueError(f"{where} must be a mapping")
+        unknown = set(e) - TENANT_KEYS
+        if unknown:
+            raise ValueError(f"{where}: unknown key(s) {sorted(unknown)} (known: {', '.join(sorted(TENANT_KEYS))})")
+        name = e.get("name")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{where}: name is required")
+        where = f"tenant {name!r}"
+        if name in names:
+            raise ValueError(f"{where} is defined twice")
+        names.add(name)
+        hashes = e.get("api_key_hashes") or []
+        if not hashes:
+            raise ValueError(f"{where}: api_key_hashes is required (make one with `meshserve tenant key`)")
+        pairs = []
+        for h in hashes:
+            parts = str(h).split("$")
+            if len(parts) != 3 or parts[0] != "sha256":
+                raise ValueError(f"{where}: api key hash {str(h)[:12]!r}... is not sha256$<salt hex>$<digest hex>")
+            try:
+                pairs.append((bytes.fromhex(parts[1]), bytes.fromhex(parts[2])))
+            except ValueError:
+                raise ValueError(f"{where}: api key hash is not hex") from None
+        weight = e.get("weight", 1)
+        if not isinstance(weight, (int, float)) or isinstance(weight, bool) or not weight > 0:
+            raise ValueError(f"{where}: weight must be a number > 0, got {weight!r}")
+        limits = e.get("limits") or {}
+        if not isinstance(limits, dict) or set(limits) - LIMIT_KEYS:
+            raise ValueError(f"{where}: limits must be a mapping of {', '.join(sorted(LIMIT_KEYS))}")
+        for k, v in limits.items():
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"{where}: limits.{k} must be a number > 0, got {v!r}")
+        priorities = e.get("priorities")
+        if priorities is not None and (not isinstance(priorities, list) or
+                                       not all(isinstance(p, int) and p >= 0 for p in priorities)):
+            raise ValueError(f"{where}: priorities must be a list of integers >= 0")
+        adapters = e.get("adapters") or []
+        if not isinstance(adapters, list) or not all(isinstance(a, str) for a in adapters):
+            raise ValueError(f"{where}: adapters must be a list of names")
+        domain = e.get("cache_domain") or ""
+        if not isinstance(domain, str):
+            raise ValueError(f"{where}: cache_domain must be a string")
+        out.append(Tenant(name, tuple(pairs), float(weight), Limits(**limits),
+                          frozenset(priorities) if priorities is not None else None, frozenset(adapters),
+                          f"domain:{domain}" if domain else ""))
+    return out

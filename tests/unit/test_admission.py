@@ -1,0 +1,205 @@
+"""Admission and slot arbitration: every policy table-driven, the queue's rejections, and hypothesis
+properties: the fair policy's service bound (2U) and the starvation bound under overload."""
+
+import math
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from services.common.admission import AdmissionQueue, CostModel, Pending
+from services.common.arbitration import (DeadlinePolicy, FairDeadlinePolicy, FairPolicy, FcfsPolicy, PriorityPolicy,
+                                         cost, make_policy)
+from services.common.errors import CapacityExhausted, DeadlineExceeded
+
+
+@dataclass
+class Claim:
+    name: str
+    arrival_s: float
+    priority: int
+    seq_no: int
+    tenant: str = "t"
+    weight: float = 1.0
+    deadline_s: float | None = None
+    predicted_s: float = 0.0
+
+
+CLAIMS = [Claim("late-urgent", 3.0, 0, 2, deadline_s=10.0, predicted_s=1.0),
+          Claim("early-lax", 1.0, 5, 0),
+          Claim("mid-tight", 2.0, 1, 1, deadline_s=6.0, predicted_s=2.0),
+          Claim("tie", 2.0, 1, 3)]
+
+
+@pytest.mark.parametrize("policy,order", [
+    (FcfsPolicy(), ["early-lax", "mid-tight", "tie", "late-urgent"]),
+    (PriorityPolicy(), ["late-urgent", "mid-tight", "tie", "early-lax"]),
+    # slack at now=4: mid-tight 6-4-2=0, late-urgent 10-4-1=5, others infinite (then arrival)
+    (DeadlinePolicy(), ["mid-tight", "late-urgent", "early-lax", "tie"]),
+])
+def test_order_and_victim(policy, order):
+    assert [c.name for c in policy.order(CLAIMS, now=4.0)] == order
+    assert policy.pick(CLAIMS, 4.0).name == order[0]
+    assert policy.victim(CLAIMS, 4.0).name == order[-1]
+    assert policy.victim([], 4.0) is None
+
+
+def test_fair_policy_serves_the_lowest_counter_and_lifts_newcomers():
+    fair = FairPolicy()
+    a, b = Claim("a", 0.0, 0, 0, tenant="A"), Claim("b", 5.0, 0, 1, tenant="B", weight=2.0)
+    fair.activate("A", set())
+    fair.charge("A", 1.0, input_tokens=100, output_tokens=50)  # 200 units
+    fair.activate("B", {"A"})  # lifted to A's counter: idling earns no credit
+    assert fair.counter("B") == fair.counter("A") == 200
+    fair.charge("B", 2.0, input_tokens=100)  # weight 2: half the cost
+    assert fair.counter("B") == 250
+    assert fair.pick([a, b], 6.0).name == "a"
+    fair.charge("A", 1.0, output_tokens=40)
+    assert fair.pick([a, b], 6.0).name == "b"
+    assert cost(10, 10, 2.0) == 15.0
+
+
+def test_fair_deadline_precedence():
+    pol = FairDeadlinePolicy(starvation_s=30.0)
+    pol.charge("A", 1.0, input_tokens=1000)
+    starved = Claim("starved", 0.0, 0, 0, tenant="A")
+    b_lax = Claim("b-lax", 20.0, 0, 1, tenant="B")
+    b_tight = Claim("b-tight", 25.0, 0, 2, tenant="B", deadline_s=32.0, predicted_s=1.0)
+    assert [c.name for c in pol.order([starved, b_lax, b_tight], now=29.0)] == ["b-tight", "b-lax", "starved"]
+    assert pol.pick([starved, b_lax, b_tight], now=30.0).name == "starved"  # waited the bound: goes first
+
+
+def test_unknown_policy_lists_known():
+    with pytest.raises(ValueError, match="fair-deadline"):
+        make_policy("lottery")
+
+
+def pending(name, now, tenant="A", prompt=10, out=10, weight=1.0, **kw):
+    return Pending(name, tenant, weight, now, 0, prompt, out, **kw)
+
+
+def test_queue_rejects_what_it_cannot_serve_in_time():
+    q = AdmissionQueue(FairDeadlinePolicy(30.0), starvation_s=30.0, slots=2)
+    with pytest.raises(DeadlineExceeded, match="cannot be met"):
+        q.offer(pending("late", 0.0, deadline_s=1.0, predicted_s=2.0), 0.0)
+    q.offer(pending("ok", 0.0, deadline_s=10.0, predicted_s=2.0, max_queued=1), 0.0)
+    with pytest.raises(CapacityExhausted, match="1 requests queued") as e:
+        q.offer(pending("over-tenant", 0.0, max_queued=1), 0.0)
+    assert e.value.retry_after_ms > 0
+    for i in range(29):  # 2 + 29 x 2 = 60 s of work ahead over 2 slots: a newcomer starts by 30 s, just within
+        q.offer(pending(f"b{i}", 0.0, tenant="B", predicted_s=2.0), 0.0)
+    q.offer(pending("just-in", 0.0, tenant="C", predicted_s=2.0), 0.0)
+    with pytest.raises(CapacityExhausted, match="predicted queue wait 31.0 s") as e:
+        q.offer(pending("too-many", 0.0, tenant="C", predicted_s=2.0), 0.0)
+    assert e.value.retry_after_ms > 0
+    assert [p.req_id for p in q.expired(8.5)] == ["ok"]  # 10 - 8.5 - 2 < 0: dropped, not served late
+
+
+def test_fcfs_does_not_drop_on_slack_but_does_on_a_passed_deadline():
+    q = AdmissionQueue(make_policy("fcfs"))
+    q.offer(pending("a", 0.0, deadline_s=5.0, predicted_s=10.0), 0.0)  # FCFS serves it, late
+    assert q.expired(1.0) == []
+    assert [p.req_id for p in q.expired(5.0)] == ["a"]
+
+
+def test_dispatch_charges_the_reservation_and_finish_refunds():
+    fair = FairPolicy()
+    q = AdmissionQueue(fair)
+    q.offer(pending("a", 0.0, prompt=100, out=50), 0.0)
+    p = q.next(0.0)
+    assert fair.counter("A") == 200
+    q.finished(p, output_tokens=20)
+    assert fair.counter("A") == 140
+
+
+def test_tenant_at_its_concurrency_limit_waits():
+    q = AdmissionQueue(FairPolicy())
+    q.offer(pending("a", 0.0, tenant="A"), 0.0)
+    q.offer(pending("b", 0.1, tenant="B"), 0.1)
+    assert q.next(0.2, can_run=lambda p: p.tenant != "A").req_id == "b"
+    assert q.next(0.2, can_run=lambda p: p.tenant != "A") is None
+
+
+def test_cost_model():
+    m = CostModel(prefill_s_per_token=0.001, decode_s_per_step=0.01)
+    assert m.predict(100, 10) == pytest.approx(0.2)
+    m.update(0.002, 0)
+    assert m.predict(100, 10) == pytest.approx(0.3)
+
+
+# ---- properties -----------------------------------------------------------------------------
+
+MAX_PROMPT, MAX_OUTPUT = 64, 32
+
+tenant_specs = st.lists(st.tuples(st.integers(1, 3),  # weight
+                                  st.lists(st.tuples(st.integers(0, 40),  # arrival tick
+                                                     st.integers(1, MAX_PROMPT), st.integers(1, MAX_OUTPUT)),
+                                           min_size=1, max_size=40)),
+                        min_size=2, max_size=4)
+
+
+def simulate(policy, specs, slots, starvation_s=math.inf, speed=40):
+    """A server with `slots` slots; a request holds one for ceil(cost / speed) ticks.
+
+    The trace has one entry per dispatch: (backlogged before, served before, backlogged after,
+    served after). The queue changes only at arrivals (which only add tenants) and dispatches, so
+    a tenant that leaves the backlog does so at a dispatch, and the trace sees it."""
+    q = AdmissionQueue(policy, starvation_s=starvation_s, slots=slots)
+    arrivals = sorted((tick, f"t{i}", w, p, o, j) for i, (w, reqs) in enumerate(specs)
+                      for j, (tick, p, o) in enumerate(reqs))
+    busy, served, trace, waits, rejected = [], {f"t{i}": 0.0 for i in range(len(specs))}, [], [], 0
+    tick = 0
+    while arrivals or q.queue or busy:
+        while arrivals and arrivals[0][0] <= tick:
+            _, tenant, w, p, o, j = arrivals.pop(0)
+            try:
+                q.offer(Pending(f"{tenant}-{j}", tenant, float(w), float(tick), 0, p, o,
+                                predicted_s=math.ceil((p + 2 * o) / speed)), float(tick))
+            except CapacityExhausted:
+                rejected += 1
+        for end, p in [b for b in busy if b[0] <= tick]:
+            q.finished(p, p.max_tokens)
+        busy = [b for b in busy if b[0] > tick]
+        while len(busy) < slots:
+            before, served_before = q.backlogged(), dict(served)
+            p = q.next(float(tick))
+            if p is None:
+                break
+            served[p.tenant] += cost(p.input_tokens, p.max_tokens, p.weight)
+            waits.append(p.dispatched_s - p.arrival_s)
+            busy.append((tick + p.predicted_s, p))
+            trace.append((before, served_before, q.backlogged(), dict(served)))
+        tick += 1
+    return trace, waits, rejected
+
+
+@settings(max_examples=60)
+@given(tenant_specs, st.integers(1, 4))
+def test_fair_policy_keeps_backlogged_tenants_within_2U(specs, slots):
+    u = (MAX_PROMPT * 1 + MAX_OUTPUT * 2) / min(w for w, _ in specs)  # the largest weighted cost of one admission
+    trace, _, _ = simulate(FairPolicy(), specs, slots)
+    tenants = [f"t{i}" for i in range(len(specs))]
+    for a in tenants:
+        for b in tenants:
+            if a >= b:
+                continue
+            lo = hi = None  # range of served[a] - served[b] over the current joint backlog
+            for before, served_before, after, served in trace:
+                if a in before and b in before:
+                    if lo is None:
+                        lo = hi = served_before[a] - served_before[b]
+                    d = served[a] - served[b]
+                    lo, hi = min(lo, d), max(hi, d)
+                    assert hi - lo <= 2 * u + 1e-9, f"{a} vs {b}: service gap {hi - lo} > 2U = {2 * u}"
+                if not (a in after and b in after):
+                    lo = hi = None
+
+
+@settings(max_examples=60)
+@given(tenant_specs, st.integers(1, 3), st.integers(5, 40))
+def test_no_admitted_request_waits_past_the_starvation_bound(specs, slots, bound):
+    # overload: everyone arrives within a few ticks; the slow server cannot keep up
+    specs = [(w, [(t % 5, p, o) for t, p, o in reqs]) for w, reqs in specs]
+    _, waits, rejected = simulate(FairDeadlinePolicy(starvation_s=bound), specs, slots, starvation_s=bound, speed=20)
+    assert waits and max(waits) <= bound
