@@ -59,6 +59,15 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_tenant_key(args) -> int:
+    from services.common.tenants import new_key
+
+    key, stored = new_key()
+    print(f"API key (give it to the tenant; it is not stored anywhere): {key}")
+    print(f"for the mesh config file, under the tenant's api_key_hashes: {stored}")
+    return 0
+
+
 def cmd_bench(args) -> int:
     from bench.runner import run_workload
 
@@ -82,6 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--output", required=True)
     add_engine_flags(gen)
     gen.set_defaults(func=cmd_generate)
+
+    tenant = sub.add_parser("tenant", help="tenant helpers").add_subparsers(dest="tenant_command", required=True)
+    tenant.add_parser("key", help="make a new API key and the salted hash the config file stores").set_defaults(
+        func=cmd_tenant_key)
 
     from bench.runner import add_bench_parser
     from services.up import add_parsers

@@ -52,6 +52,8 @@ class MeshSpec:
     threads: int = 1  # torch threads per worker
     env: dict = field(default_factory=dict)  # extra environment for every service
     gateway_port: int = 0  # 0 = any free port
+    config_file: str | None = None  # the mesh config file (the gateway reads tenants and admission from it)
+    gateway_args: list = field(default_factory=list)  # extra gateway flags (e.g. --admission-policy)
 
 
 class Mesh:
@@ -92,8 +94,10 @@ class Mesh:
                 self._service(name, "worker", "--role", role, "--model", s.model_dir, "--router", self.router,
                               "--redis-url", self.redis_url, "--worker-id", name, "--threads", s.threads,
                               *s.engine_args, *s.worker_args.get(name, []))
+        config = ["--config", s.config_file] if s.config_file else []
         self.gateway = self._service("gateway", "gateway", "--model", s.model_dir, "--router", self.router,
-                                     "--kvstore", self.kvstore, "--mode", s.mode, port=s.gateway_port).address
+                                     "--kvstore", self.kvstore, "--mode", s.mode, *config, *s.gateway_args,
+                                     port=s.gateway_port).address
         self.wait_healthy(timeout_s)
         return self
 

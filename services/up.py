@@ -17,6 +17,7 @@ from services.common.pb import meshserve_pb2_grpc as pb_grpc
 DEFAULT_MODEL = Path("models/tiny")
 MESH_KEYS = {"model", "mode", "prefill", "decode", "unified", "policy"}
 ROUTING_KEYS = {"weights", "guard"}
+ADMISSION_KEYS = {"policy", "starvation_s"}
 ENGINE_KEYS = {"kv_cache_gb", "num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "dtype",
                "policy", "threads"}
 
@@ -35,8 +36,8 @@ def load_config(path: str | None) -> dict:
             cfg = yaml.safe_load(text) or {}
     except Exception as e:
         raise SystemExit(f"{path}: cannot parse ({e})")
-    for section, known in (("", {"mesh", "engine", "routing"}), ("mesh", MESH_KEYS), ("engine", ENGINE_KEYS),
-                           ("routing", ROUTING_KEYS)):
+    for section, known in (("", {"mesh", "engine", "routing", "tenants", "admission"}), ("mesh", MESH_KEYS),
+                           ("engine", ENGINE_KEYS), ("routing", ROUTING_KEYS), ("admission", ADMISSION_KEYS)):
         keys = cfg if not section else cfg.get(section) or {}
         if not isinstance(keys, dict):
             raise SystemExit(f"{path}: section {section!r} must be a mapping")
@@ -44,11 +45,21 @@ def load_config(path: str | None) -> dict:
         if unknown:
             raise SystemExit(f"{path}: unknown {'key' if section else 'section'}(s) {sorted(unknown)}"
                              f"{' in ' + section if section else ''} (known: {', '.join(sorted(known))})")
+    from services.common.arbitration import make_policy as make_arbitration
+    from services.common.tenants import parse_tenants
     from services.router.policies import make_policy
     try:
         make_policy((cfg.get("mesh") or {}).get("policy", "least-outstanding"), cfg.get("routing") or {})
     except (ValueError, TypeError) as e:
         raise SystemExit(f"{path}: routing: {e}")
+    try:
+        parse_tenants(cfg.get("tenants"))
+        adm = cfg.get("admission") or {}
+        make_arbitration(adm.get("policy", "fair-deadline"))
+        if not isinstance(adm.get("starvation_s", 30), (int, float)) or adm.get("starvation_s", 30) <= 0:
+            raise ValueError("admission.starvation_s must be a number of seconds > 0")
+    except ValueError as e:
+        raise SystemExit(f"{path}: {e}")
     return cfg
 
 
@@ -72,12 +83,15 @@ def cmd_up(args) -> int:
     spec = MeshSpec(str(model), mode=mesh_cfg.get("mode", "disaggregated"), prefill=mesh_cfg.get("prefill", 1),
                     decode=mesh_cfg.get("decode", 2), unified=mesh_cfg.get("unified", 1), engine_args=engine_args,
                     policy=mesh_cfg.get("policy", "least-outstanding"), routing=cfg.get("routing") or {},
-                    gateway_port=args.port)
+                    gateway_port=args.port, config_file=args.config)
     mesh = Mesh(spec)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     print(f"starting the mesh ({spec.mode}); logs in {mesh.log_dir}", flush=True)
+    tenants = cfg.get("tenants") or []
+    print(f"{len(tenants)} tenant(s) from {args.config}" if tenants else
+          "no tenants configured: one open default tenant (no API key needed)", flush=True)
     try:
         mesh.start()
         print(mesh.gateway, flush=True)

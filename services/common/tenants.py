@@ -9,7 +9,7 @@ From the mesh config file's `tenants` list (validated at start; errors name the 
         limits: {requests_per_s: 10, tokens_per_min: 200000, max_concurrent: 16,
                  max_prompt_tokens: 4096, max_output_tokens: 1024, max_queued: 64}
         priorities: [0, 1]           # allowed priority classes (default: any)
-        adapters: [sql-lora]         # allowed LoRA adapters (default: none)
+        adapters: [sql-lora]         # allowed LoRA adapters (default: any)
         cache_domain: shared-docs    # prefix-cache isolation domain (default: the tenant's own)
 
 Keys are kept only as salted SHA-256 digests and compared in constant time (hmac.compare_digest,
@@ -63,19 +63,15 @@ class Tenant:
     weight: float = 1.0
     limits: Limits = Limits()
     priorities: frozenset | None = None  # None = any
-    adapters: frozenset = frozenset()
-    cache_domain: str = ""  # "" = the tenant's own
-
-    @property
-    def cache_salt(self) -> str:
-        return self.cache_domain or f"tenant:{self.name}"
+    adapters: frozenset | None = None  # None = any
+    cache_salt: str = ""  # the prefix-cache isolation salt: "tenant:<name>" (its own) or "domain:<shared name>"
 
     def check_request(self, prompt_tokens: int, max_tokens: int, priority: int, adapter: str) -> None:
         """Permission and size limits of one request (rates are TenantState's)."""
         if self.priorities is not None and priority not in self.priorities:
             raise PermissionDenied(f"tenant {self.name!r} may not use priority {priority} "
                                    f"(allowed: {sorted(self.priorities)})")
-        if adapter and adapter not in self.adapters:
+        if adapter and self.adapters is not None and adapter not in self.adapters:
             raise PermissionDenied(f"tenant {self.name!r} may not use adapter {adapter!r}")
         lim = self.limits
         if lim.max_prompt_tokens is not None and prompt_tokens > lim.max_prompt_tokens:
@@ -86,7 +82,7 @@ class Tenant:
                                     f"{lim.max_output_tokens} (retrying will not help)", retry_after_ms=0)
 
 
-OPEN_TENANT = Tenant(DEFAULT_TENANT, cache_domain="")
+OPEN_TENANT = Tenant(DEFAULT_TENANT)  # no tenants configured: one open tenant, one shared cache
 
 
 class Authenticator:
@@ -117,8 +113,8 @@ class TokenBucket:
 
     def take(self, amount: float, now: float) -> float:
         """0.0 and taken, or the seconds to wait (nothing taken)."""
-        self.level = min(self.capacity, self.level + (now - self.t) * self.rate)
-        self.t = now
+        self.level = min(self.capacity, self.level + max(now - self.t, 0.0) * self.rate)
+        self.t = max(self.t, now)
         if amount <= self.level:
             self.level -= amount
             return 0.0
@@ -220,13 +216,14 @@ def parse_tenants(entries) -> list[Tenant]:
         if priorities is not None and (not isinstance(priorities, list) or
                                        not all(isinstance(p, int) and p >= 0 for p in priorities)):
             raise ValueError(f"{where}: priorities must be a list of integers >= 0")
-        adapters = e.get("adapters") or []
-        if not isinstance(adapters, list) or not all(isinstance(a, str) for a in adapters):
+        adapters = e.get("adapters")
+        if adapters is not None and (not isinstance(adapters, list) or not all(isinstance(a, str) for a in adapters)):
             raise ValueError(f"{where}: adapters must be a list of names")
         domain = e.get("cache_domain") or ""
         if not isinstance(domain, str):
             raise ValueError(f"{where}: cache_domain must be a string")
         out.append(Tenant(name, tuple(pairs), float(weight), Limits(**limits),
-                          frozenset(priorities) if priorities is not None else None, frozenset(adapters),
-                          f"domain:{domain}" if domain else ""))
+                          frozenset(priorities) if priorities is not None else None,
+                          frozenset(adapters) if adapters is not None else None,
+                          f"domain:{domain}" if domain else f"tenant:{name}"))
     return out

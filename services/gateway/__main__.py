@@ -12,32 +12,53 @@ from services.common import rpc
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.common.telemetry import setup_tracing
+from services.common.arbitration import make_policy
+from services.common.tenants import Authenticator, parse_tenants
 from services.common.tokenizer import Tokenizer
+from services.gateway.admission import Admission
 from services.gateway.server import GatewayServicer, ModelInfo, add_to_server
 
 
-async def readiness(server: rpc.Server, router: str, mode: str) -> None:
-    """SERVING while the router answers and has the workers this mode needs."""
+async def watch_mesh(server: rpc.Server, router: str, mode: str, admission: Admission, period_s: float = 0.25) -> None:
+    """Poll the router's view of the workers: readiness (SERVING while the router answers and has
+    the workers this mode needs) and the admission queue's capacity and cost model."""
     chan = rpc.channel(router)  # held for the loop's lifetime
     stub = pb_grpc.RouterStub(chan)
     need = {"unified"} if mode == "unified" else {"prefill", "decode"}
     while True:
         try:
-            roles = {w.role for w in (await stub.ListWorkers(pb.ListWorkersRequest(), timeout=1)).workers}
-            await server.set_serving(need <= roles)
+            workers = (await stub.ListWorkers(pb.ListWorkersRequest(), timeout=1)).workers
+            await server.set_serving(need <= {w.role for w in workers})
+            admission.update_view(workers, "unified" if mode == "unified" else "decode")
         except grpc.aio.AioRpcError:
             await server.set_serving(False)
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(period_s)
+
+
+def load_tenants(path: str | None) -> tuple[list, dict]:
+    """The tenants and admission sections of the mesh config file (errors name the file)."""
+    if not path:
+        return [], {}
+    from services.up import load_config
+    cfg = load_config(path)
+    return parse_tenants(cfg.get("tenants")), cfg.get("admission") or {}
 
 
 async def serve(args) -> None:
-    servicer = GatewayServicer(ModelInfo.from_dir(args.model), Tokenizer(args.model), args.router, args.kvstore)
+    tenants, adm = load_tenants(args.config)
+    admission = Admission(adm.get("policy", args.admission_policy), float(adm.get("starvation_s", args.starvation_s)))
+    servicer = GatewayServicer(ModelInfo.from_dir(args.model), Tokenizer(args.model), args.router, args.kvstore,
+                               Authenticator(tenants), admission)
     server = rpc.Server(["Generation"], args.port, args.host)
     add_to_server(servicer, server.server)
-    task = asyncio.create_task(readiness(server, args.router, args.mode))
-    print(f"gateway listening on {server.address}", flush=True)
+    tasks = [asyncio.create_task(watch_mesh(server, args.router, args.mode, admission)),
+             asyncio.create_task(admission.tick())]
+    print(f"gateway listening on {server.address}; " + (f"{len(tenants)} tenant(s)" if tenants else
+          "no tenants configured: one open default tenant (no API key needed)") +
+          f"; admission {admission.queue.policy.name}, starvation bound {admission.queue.starvation_s:g} s", flush=True)
     await server.run(grace_s=args.grace_s)
-    task.cancel()
+    for t in tasks:
+        t.cancel()
 
 
 def main() -> None:
@@ -48,8 +69,17 @@ def main() -> None:
     ap.add_argument("--kvstore", default=os.environ.get("KVSTORE_ADDR", "127.0.0.1:50052"))
     ap.add_argument("--mode", default=os.environ.get("ROUTER_MODE", "disaggregated"),
                     choices=["disaggregated", "unified"], help="which workers readiness waits for")
+    ap.add_argument("--config", default=os.environ.get("MESHSERVE_CONFIG"),
+                    help="the mesh config file: its tenants and admission sections")
+    ap.add_argument("--admission-policy", default="fair-deadline", help="fcfs, priority, deadline, fair, fair-deadline")
+    ap.add_argument("--starvation-s", type=float, default=30.0, help="the longest a request may wait to start")
     rpc.add_server_flags(ap, "GATEWAY_PORT", grace_s=10.0)
     args = ap.parse_args()
+    try:
+        load_tenants(args.config)
+        make_policy(args.admission_policy)
+    except ValueError as e:
+        ap.error(str(e))
     rpc.setup_logging("gateway")
     setup_tracing("gateway")
     asyncio.run(serve(args))

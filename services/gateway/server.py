@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +24,9 @@ from services.common.convert import sampling_from_pb, sampling_to_pb, utf8
 from services.common.errors import DeadlineExceeded, InvalidRequest, NotFound, OutOfRange
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
+from services.common.tenants import Authenticator
 from services.common.tokenizer import Tokenizer, cut_at_stop
+from services.gateway.admission import Admission
 
 log = logging.getLogger("meshserve.gateway")
 
@@ -57,9 +60,22 @@ def tolerant(message_type):
     return parse
 
 
+def api_key(context) -> str | None:
+    """The caller's key: metadata x-api-key, or authorization: Bearer KEY."""
+    for key, value in context.invocation_metadata() or ():
+        if key == "x-api-key":
+            return value
+        if key == "authorization" and value.lower().startswith("bearer "):
+            return value[7:].strip()
+    return None
+
+
 class GatewayServicer(pb_grpc.GenerationServicer):
-    def __init__(self, model: ModelInfo, tokenizer: Tokenizer, router: str, kvstore: str):
+    def __init__(self, model: ModelInfo, tokenizer: Tokenizer, router: str, kvstore: str,
+                 auth: Authenticator | None = None, admission: Admission | None = None):
         self.model, self.tokenizer, self.kvstore = model, tokenizer, kvstore
+        self.auth = auth or Authenticator([])
+        self.admission = admission or Admission()
         self.channels = rpc.ChannelPool()
         self.router = pb_grpc.RouterStub(self.channels.get(router))
 
@@ -73,8 +89,6 @@ class GatewayServicer(pb_grpc.GenerationServicer):
             raise InvalidRequest(request.error)
         if request.model and request.model != self.model.name:
             raise NotFound(f"model {request.model!r} is not served here (serving {self.model.name!r})")
-        if request.adapter:
-            raise NotFound(f"adapter {request.adapter!r} is not loaded")
         if request.priority < 0:
             raise InvalidRequest(f"priority must be >= 0, got {request.priority}")
         if request.deadline_ms < 0:
@@ -117,23 +131,46 @@ class GatewayServicer(pb_grpc.GenerationServicer):
 
     @rpc.mapped
     async def Generate(self, request, context):
+        tenant = self.auth.authenticate(api_key(context))
         ids, params = self._validate(request)
+        tenant.check_request(len(ids), params.max_tokens, request.priority, request.adapter)
+        if request.adapter:
+            raise NotFound(f"adapter {request.adapter!r} is not loaded")
         timeout = self._timeout(request, context)
         client_id = request.request_id or uuid.uuid4().hex
-        work = pb.WorkRequest(request_id=f"{client_id}.{uuid.uuid4().hex[:12]}", prompt_token_ids=ids,
-                              sampling=sampling_to_pb(params), priority=request.priority,
-                              transfer_id=uuid.uuid4().hex, kvstore=self.kvstore)
-        decision = await self._call(self.router.Route(pb.RouteRequest(
-            request_id=work.request_id, prompt_tokens=len(ids), max_tokens=params.max_tokens, prompt_u32=pack_tokens(ids),
-            adapter=work.adapter, cache_salt=work.cache_salt), timeout=timeout))
-        text = _TextStream(self.tokenizer, params.stop)
-        async for ev in self._events(decision, work, timeout):
-            yield pb.GenerateResponse(request_id=client_id, token_ids=ev.token_ids, logprobs=ev.logprobs,
-                                      text=text.push(ev.token_ids, bool(ev.finish_reason)),
-                                      finish_reason=ev.finish_reason, prompt_tokens=ev.prompt_tokens,
-                                      cached_prompt_tokens=ev.cached_prompt_tokens)
-            if ev.finish_reason:
-                return
+        req_id = f"{client_id}.{uuid.uuid4().hex[:12]}"
+        deadline_s = time.monotonic() + timeout if timeout is not None else None
+        ticket = await self.admission.admit(tenant, req_id, len(ids), params.max_tokens, request.priority, deadline_s)
+        outputs = 0
+        try:
+            work = pb.WorkRequest(request_id=req_id, prompt_token_ids=ids, sampling=sampling_to_pb(params),
+                                  priority=request.priority, transfer_id=uuid.uuid4().hex, kvstore=self.kvstore,
+                                  adapter=request.adapter, cache_salt=tenant.cache_salt, tenant=tenant.name,
+                                  weight=tenant.weight, predicted_s=ticket.predicted_s,
+                                  deadline_unix_ms=int((time.time() + timeout) * 1000) if timeout is not None else 0)
+            if deadline_s is not None:  # what is left after the queue
+                timeout = deadline_s - time.monotonic()
+                if timeout <= 0:
+                    raise DeadlineExceeded("the deadline passed in the admission queue")
+            decision = await self._call(self.router.Route(pb.RouteRequest(
+                request_id=req_id, prompt_tokens=len(ids), max_tokens=params.max_tokens, prompt_u32=pack_tokens(ids),
+                adapter=work.adapter, cache_salt=work.cache_salt), timeout=timeout))
+            text = _TextStream(self.tokenizer, params.stop)
+            queue_ms = (ticket.dispatched_s - ticket.arrival_s) * 1e3
+            async for ev in self._events(decision, work, timeout):
+                if outputs == 0 and ev.token_ids:
+                    self.admission.metrics.ttft.record((time.monotonic() - ticket.arrival_s) * 1e3,
+                                                       {"tenant": tenant.name})
+                outputs += len(ev.token_ids)
+                yield pb.GenerateResponse(request_id=client_id, token_ids=ev.token_ids, logprobs=ev.logprobs,
+                                          text=text.push(ev.token_ids, bool(ev.finish_reason)),
+                                          finish_reason=ev.finish_reason, prompt_tokens=ev.prompt_tokens,
+                                          cached_prompt_tokens=ev.cached_prompt_tokens, queue_wait_ms=queue_ms)
+                queue_ms = 0.0
+                if ev.finish_reason:
+                    return
+        finally:
+            self.admission.done(ticket, outputs)
 
     async def _events(self, decision, work, timeout):
         if decision.mode == "unified":

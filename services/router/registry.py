@@ -9,7 +9,8 @@ from __future__ import annotations
 from services.common.errors import Unavailable as NoWorker
 from services.router.views import WorkerView
 
-BEAT_FIELDS = ("block_size", "index_member", "decode_tps", "adapters")
+BEAT_FIELDS = ("block_size", "index_member", "decode_tps", "adapters", "max_num_seqs", "prefill_s_per_token",
+               "decode_s_per_step")
 
 
 class Registry:

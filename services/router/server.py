@@ -64,7 +64,9 @@ class RouterServicer(pb_grpc.RouterServicer):
         self.registry.beat(request.worker_id, request.address, request.role, request.outstanding_tokens,
                            request.kv_capacity_tokens, block_size=request.block_size or 16,
                            index_member=request.index_member, decode_tps=request.decode_tokens_per_s,
-                           adapters=tuple(request.adapters))
+                           adapters=tuple(request.adapters), max_num_seqs=request.max_num_seqs,
+                           prefill_s_per_token=request.prefill_s_per_token,
+                           decode_s_per_step=request.decode_s_per_step)
         return pb.HeartbeatReply(interval_ms=self.beat_ms)
 
     @rpc.mapped
@@ -131,7 +133,9 @@ class RouterServicer(pb_grpc.RouterServicer):
             workers=[pb.WorkerLoad(worker_id=w.worker_id, address=w.address, role=w.role,
                                    outstanding_tokens=w.outstanding_tokens, kv_capacity_tokens=w.capacity_tokens,
                                    block_size=w.block_size, index_member=w.index_member,
-                                   decode_tokens_per_s=w.decode_tps, adapters=list(w.adapters))
+                                   decode_tokens_per_s=w.decode_tps, adapters=list(w.adapters),
+                                   max_num_seqs=w.max_num_seqs, prefill_s_per_token=w.prefill_s_per_token,
+                                   decode_s_per_step=w.decode_s_per_step)
                      for w in self.registry.prune()],
             prefix_index_degraded=bool(self.index is not None and self.index.degraded))
 

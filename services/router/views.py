@@ -24,6 +24,9 @@ class WorkerView:
     index_member: str = ""  # its member in the Redis prefix index ("" = not publishing)
     decode_tps: float = 0.0  # measured decode throughput (0 = unknown)
     adapters: tuple = ()  # LoRA adapters it has loaded
+    max_num_seqs: int = 0  # sequences it batches at once (0 = not reported)
+    prefill_s_per_token: float = 0.0  # its fitted step costs (0 = not yet known)
+    decode_s_per_step: float = 0.0
 
     @property
     def tokens(self) -> int:

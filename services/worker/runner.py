@@ -15,6 +15,7 @@ import queue
 import threading
 
 from services.engine.engine import LLMEngine
+from services.worker.measure import StepCostFit
 
 log = logging.getLogger("meshserve.runner")
 
@@ -29,6 +30,7 @@ class EngineRunner:
         self.running = True
         self.busy_s = 0.0  # time spent in engine steps (read by the heartbeat for the decode rate)
         self.tokens_out = 0  # tokens sampled by those steps
+        self.cost = StepCostFit()  # step time model, reported in heartbeats for the gateway's predictions
         self.thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self.thread.start()
 
@@ -94,8 +96,10 @@ class EngineRunner:
                 log.exception("engine step failed; aborting its requests")
                 self._fail_all()
                 continue
-            if self.engine.last_step is not None:
-                self.busy_s += self.engine.last_step.step_s
+            last = self.engine.last_step
+            if last is not None:
+                self.busy_s += last.step_s
+                self.cost.update(last.num_running, last.num_tokens, last.step_s)
             self.tokens_out += sum(len(out.new_token_ids) for out in outputs)
             for out in outputs:
                 q = self.streams.get(out.req_id)

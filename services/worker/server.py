@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import grpc
 
@@ -23,6 +24,7 @@ from services.common.errors import CapacityExhausted, InvalidRequest, MeshError
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.engine.request import Status
+from services.worker.measure import DecodeRate
 from services.worker.runner import EngineRunner
 
 log = logging.getLogger("meshserve.worker")
@@ -90,8 +92,13 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             raise InvalidRequest(f"this worker's role is {self.role}, not {' or '.join(roles)}")
 
     def _add_kwargs(self, request) -> dict:
+        deadline_s = None
+        if request.deadline_unix_ms:  # wall clock from the gateway -> this engine's monotonic clock
+            deadline_s = time.monotonic() + request.deadline_unix_ms / 1000 - time.time()
         return dict(prompt_token_ids=list(request.prompt_token_ids), params=sampling_from_pb(request.sampling),
-                    priority=request.priority, adapter=request.adapter, cache_salt=request.cache_salt)
+                    priority=request.priority, adapter=request.adapter, cache_salt=request.cache_salt,
+                    tenant=request.tenant, weight=request.weight or 1.0, deadline_s=deadline_s,
+                    predicted_s=request.predicted_s)
 
     @rpc.mapped
     async def Generate(self, request, context):
@@ -194,26 +201,6 @@ def load_of(engine) -> dict:
             "waiting": len(engine.scheduler.waiting)}
 
 
-class DecodeRate:
-    """Measured decode throughput: tokens sampled per second of busy engine time.
-
-    Reported as a decaying peak (each window's rate, or the previous figure x decay, whichever is
-    higher), so a worker that is merely idle does not look slow; windows with under min_busy_s
-    of work are skipped.
-    """
-
-    def __init__(self, decay: float = 0.98, min_busy_s: float = 0.2):
-        self.decay, self.min_busy_s = decay, min_busy_s
-        self.rate, self.busy_s, self.tokens = 0.0, 0.0, 0
-
-    def update(self, busy_s: float, tokens: int) -> float:
-        window_busy, window_tokens = busy_s - self.busy_s, tokens - self.tokens
-        if window_busy >= self.min_busy_s:
-            self.rate = max(window_tokens / window_busy, self.rate * self.decay)
-            self.busy_s, self.tokens = busy_s, tokens
-        return self.rate
-
-
 async def heartbeat_loop(runner: EngineRunner, router: str, worker_id: str, address: str, role: str,
                          on_first=None, publisher=None) -> None:
     """Beat every interval the router asks for (1 s by default); retry quietly while it is away."""
@@ -229,7 +216,10 @@ async def heartbeat_loop(runner: EngineRunner, router: str, worker_id: str, addr
                 kv_capacity_tokens=load["capacity"], kv_used_tokens=load["used"], running=load["running"],
                 waiting=load["waiting"], block_size=block_size,
                 index_member=publisher.member if publisher is not None and publisher.connected else "",
-                decode_tokens_per_s=rate.update(runner.busy_s, runner.tokens_out)), timeout=2.0)
+                decode_tokens_per_s=rate.update(runner.busy_s, runner.tokens_out),
+                max_num_seqs=runner.engine.scheduler.max_num_seqs,
+                prefill_s_per_token=runner.cost.prefill_s_per_token,
+                decode_s_per_step=runner.cost.decode_s_per_step), timeout=2.0)
             interval = max(reply.interval_ms, 50) / 1000
             if first and on_first:
                 await on_first()

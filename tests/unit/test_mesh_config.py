@@ -15,7 +15,12 @@ def test_yaml_and_toml(tmp_path):
 
 
 @pytest.mark.parametrize("text,fragment", [
-    ("tenants: {}\n", "unknown section(s) ['tenants']"),
+    ("autoscaler: {}\n", "unknown section(s) ['autoscaler']"),
+    ("tenants: {}\n", "tenants must be a list"),
+    ("tenants: [{name: a}]\n", "api_key_hashes is required"),
+    ("tenants: [{name: a, api_key_hashes: [x]}]\n", "is not sha256$"),
+    ("admission: {policy: lottery}\n", "unknown arbitration policy"),
+    ("mesh: {policy: prefix-aware}\nrouting: {weights: {cache: 1}}\n", "unknown scorer"),
     ("mesh: {workers: 3}\n", "unknown key(s) ['workers'] in mesh"),
     ("engine: {blocksize: 8}\n", "unknown key(s) ['blocksize'] in engine"),
     ("mesh: [1, 2]\n", "must be a mapping"),

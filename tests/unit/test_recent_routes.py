@@ -1,7 +1,9 @@
-"""The router's overlay of recently routed prefixes, and the worker's decode-rate measurement."""
+"""The router's overlay of recently routed prefixes, and the worker's self-measurements."""
+
+import pytest
 
 from services.router.recent import RecentRoutes
-from services.worker.server import DecodeRate
+from services.worker.measure import DecodeRate, StepCostFit
 
 
 class Clock:
@@ -46,3 +48,13 @@ def test_decode_rate_is_a_decaying_peak_over_busy_time():
     assert rate.update(1.0, 400) == 400.0  # 400 tokens in 1 s busy
     assert rate.update(1.5, 450) == 200.0  # a lighter window: the old figure decays, no faster
     assert rate.update(1.5, 450) == 200.0  # idle: unchanged
+
+
+def test_step_cost_fit():
+    fit = StepCostFit(alpha=1.0, min_prefill=32)
+    fit.update(4, 100, 0.5)  # prefill before any decode step: nothing to subtract yet
+    assert fit.prefill_s_per_token == 0.0
+    fit.update(8, 8, 0.02)  # decode only
+    assert fit.decode_s_per_step == 0.02
+    fit.update(2, 102, 0.12)  # 100 prefill tokens took 0.1 s beyond the step
+    assert fit.prefill_s_per_token == pytest.approx(0.001)

@@ -1,0 +1,187 @@
+"""The gateway's admission control: tenants' limits, then the admission queue when the mesh is full.
+
+Thin and asyncio-bound; the decisions are the pure objects' (services.common.tenants,
+services.common.admission, services.common.arbitration). The mesh's capacity comes from the
+router's view of the workers (update_view(), fed by the gateway's poll of ListWorkers): the
+serving workers' batch slots (max_num_seqs) and KV token capacity, and their fitted step costs
+for predicted service times. What this gateway has dispatched and not yet seen finish is
+counted locally (no heartbeat lag); the workers' own outstanding tokens count too, for load
+from elsewhere. A request waits in the queue only while the mesh is at capacity.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from opentelemetry import metrics
+
+from services.common.admission import AdmissionQueue, CostModel, Pending
+from services.common.arbitration import make_policy
+from services.common.errors import CapacityExhausted, DeadlineExceeded, MeshError
+from services.common.tenants import Tenant, TenantState
+
+log = logging.getLogger("meshserve.gateway.admission")
+
+
+@dataclass
+class MeshView:
+    slots: int = 0  # batch slots of the serving workers (0 = unknown: admit one at a time)
+    kv_tokens: int = 0  # their KV token capacity
+    outstanding_tokens: int = 0  # what they report as outstanding
+
+
+class GatewayMetrics:
+    """Per tenant: queued, admitted, rejected by reason, tokens served, queue wait, TTFT."""
+
+    def __init__(self, meter: metrics.Meter | None = None):
+        meter = meter or metrics.get_meter("meshserve.gateway")
+        self.requests = meter.create_counter("meshserve.gateway.requests", description=(
+            "requests by tenant and outcome (queued, admitted, rejected) and rejection reason"))
+        self.tokens = meter.create_counter("meshserve.gateway.tokens_served", unit="{token}",
+                                           description="prompt and output tokens served, by tenant and kind")
+        self.queue_wait = meter.create_histogram("meshserve.gateway.queue_wait", unit="ms",
+                                                 description="time in the admission queue, by tenant")
+        self.ttft = meter.create_histogram("meshserve.gateway.ttft", unit="ms", description="time to first token")
+
+    def outcome(self, tenant: str, outcome: str, reason: str = "") -> None:
+        self.requests.add(1, {"tenant": tenant, "outcome": outcome, **({"reason": reason} if reason else {})})
+
+
+class Admission:
+    def __init__(self, policy_name: str = "fair-deadline", starvation_s: float = 30.0, clock=time.monotonic,
+                 meter=None):
+        self.clock = clock
+        self.queue = AdmissionQueue(make_policy(policy_name, starvation_s), starvation_s=starvation_s)
+        self.cost = CostModel()
+        self.view = MeshView()
+        self.states: dict[str, TenantState] = {}
+        self.waiters: dict[int, asyncio.Future] = {}
+        self.running_requests = 0
+        self.running_tokens = 0
+        self.metrics = GatewayMetrics(meter)
+
+    def state(self, tenant: Tenant, now: float) -> TenantState:
+        st = self.states.get(tenant.name)
+        if st is None:
+            st = self.states[tenant.name] = TenantState(tenant, now)
+        return st
+
+    def update_view(self, workers: list, role: str) -> None:
+        """From the router's ListWorkers: capacity and step costs of the workers of `role`."""
+        serving = [w for w in workers if w.role == role]
+        self.view = MeshView(sum(w.max_num_seqs for w in serving), sum(w.kv_capacity_tokens for w in serving),
+                             sum(w.outstanding_tokens for w in serving))
+        self.queue.slots = max(self.view.slots, 1)
+        fitted = [w for w in serving if w.prefill_s_per_token > 0 and w.decode_s_per_step > 0]
+        if fitted:
+            self.cost.update(sum(w.prefill_s_per_token for w in fitted) / len(fitted),
+                             sum(w.decode_s_per_step for w in fitted) / len(fitted))
+        self.pump()
+
+    def _has_room(self, p: Pending) -> bool:
+        v = self.view
+        if self.running_requests == 0:
+            return True  # never stall an idle mesh on a stale or empty view
+        if v.slots and self.running_requests >= v.slots:
+            return False
+        load = max(self.running_tokens, v.outstanding_tokens)
+        return not v.kv_tokens or load + p.input_tokens + p.max_tokens <= v.kv_tokens
+
+    async def admit(self, tenant: Tenant, req_id: str, prompt_tokens: int, max_tokens: int, priority: int,
+                    deadline_s: float | None) -> Pending:
+        """Wait for a dispatch slot; raises the tenant's and the queue's rejections. Call done() after."""
+        now = self.clock()
+        st = self.state(tenant, now)
+        try:
+            st.admit_rates(prompt_tokens + max_tokens, now)
+            p = Pending(req_id, tenant.name, tenant.weight, now, 0, prompt_tokens, max_tokens, priority=priority,
+                        deadline_s=deadline_s, predicted_s=self.cost.predict(prompt_tokens, max_tokens),
+                        max_queued=tenant.limits.max_queued)
+            self.queue.offer(p, now)
+        except MeshError as e:
+            self.metrics.outcome(tenant.name, "rejected", _reason(e))
+            raise
+        fut = asyncio.get_running_loop().create_future()
+        self.waiters[id(p)] = fut
+        st.queued += 1
+        self.metrics.outcome(tenant.name, "queued")
+        try:
+            self.pump()
+            await fut
+        except BaseException:
+            self.queue.cancel(p)
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                self._release(p, 0)  # dispatched just as the caller went away
+            raise
+        finally:
+            self.waiters.pop(id(p), None)
+            st.queued -= 1
+        self.metrics.outcome(tenant.name, "admitted")
+        self.metrics.queue_wait.record((p.dispatched_s - p.arrival_s) * 1e3, {"tenant": tenant.name})
+        return p
+
+    def done(self, p: Pending, output_tokens: int) -> None:
+        """A dispatched request ended (any way): free its share of capacity; refund unused reservation."""
+        self._release(p, output_tokens)
+        self.metrics.tokens.add(p.input_tokens, {"tenant": p.tenant, "kind": "prompt"})
+        self.metrics.tokens.add(output_tokens, {"tenant": p.tenant, "kind": "output"})
+        self.pump()
+
+    def _release(self, p: Pending, output_tokens: int) -> None:
+        if p.dispatched_s is None or getattr(p, "released", False):
+            return
+        p.released = True
+        self.running_requests -= 1
+        self.running_tokens -= p.input_tokens + p.max_tokens
+        self.states[p.tenant].running -= 1
+        self.queue.finished(p, output_tokens)
+
+    def pump(self) -> None:
+        """Drop what can no longer meet its deadline; dispatch while there is room."""
+        now = self.clock()
+        for p in self.queue.expired(now):
+            self.metrics.outcome(p.tenant, "rejected", "deadline")
+            _settle(self.waiters.get(id(p)), DeadlineExceeded(
+                f"the deadline cannot be met: it passed or too little time is left after "
+                f"{(now - p.arrival_s) * 1e3:.0f} ms in the admission queue"))
+        while self.queue.queue:
+            p = self.queue.next(now, can_run=self._can_run)
+            if p is None:
+                return
+            self.running_requests += 1
+            self.running_tokens += p.input_tokens + p.max_tokens
+            self.states[p.tenant].running += 1
+            _settle(self.waiters.get(id(p)), None)
+
+    def _can_run(self, p: Pending) -> bool:
+        limit = self.states[p.tenant].tenant.limits.max_concurrent
+        if limit is not None and self.states[p.tenant].running >= limit:
+            return False
+        return self._has_room(p)
+
+    async def tick(self, period_s: float = 0.05) -> None:
+        """Expire and dispatch on a clock too (deadlines pass without any event)."""
+        while True:
+            await asyncio.sleep(period_s)
+            if self.queue.queue:
+                self.pump()
+
+
+def _settle(fut: asyncio.Future | None, error: Exception | None) -> None:
+    if fut is None or fut.done():
+        return
+    if error is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(error)
+
+
+def _reason(e: MeshError) -> str:
+    if isinstance(e, DeadlineExceeded):
+        return "deadline"
+    if isinstance(e, CapacityExhausted):
+        return "limit" if "tenant" in str(e) else "overload"
+    return e.code.lower()
