@@ -41,11 +41,16 @@ def run_online(gateway: str, reqs: list, arrivals: list | None) -> tuple[list[Ti
 
 
 class LoadSampler:
-    """Polls every worker's outstanding tokens every period_s in a thread; max/mean while the mean is > 0."""
+    """Polls every worker's outstanding tokens (and requests held) every period_s in a thread.
+
+    imbalance(): the mean over samples of max/mean outstanding tokens, over samples where the mean is
+    > 0; with busy=True only over samples where the mesh holds at least one request per worker (at
+    lower occupancy max/mean is high whatever the policy: one request alone on 4 workers gives 4)."""
 
     def __init__(self, addresses: list[str], period_s: float = 0.1):
         self.addresses, self.period_s = addresses, period_s
         self.samples: list[list[int]] = []
+        self.requests: list[int] = []  # requests held by all workers, per sample
         self.stop_flag = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
 
@@ -62,12 +67,15 @@ class LoadSampler:
         stubs = [pb_grpc.WorkerStub(c) for c in channels]
         while not self.stop_flag.wait(self.period_s):
             try:
-                self.samples.append([s.Stats(pb.StatsRequest(), timeout=2).outstanding_tokens for s in stubs])
+                stats = [s.Stats(pb.StatsRequest(), timeout=2) for s in stubs]
             except grpc.RpcError:
-                pass
+                continue
+            self.samples.append([st.outstanding_tokens for st in stats])
+            self.requests.append(sum(st.running + st.waiting for st in stats))
         for c in channels:
             c.close()
 
-    def imbalance(self) -> float | None:
-        ratios = [max(s) / (sum(s) / len(s)) for s in self.samples if sum(s) > 0]
+    def imbalance(self, busy: bool = False) -> float | None:
+        ratios = [max(s) / (sum(s) / len(s)) for s, n in zip(self.samples, self.requests)
+                  if sum(s) > 0 and (not busy or n >= len(s))]
         return round(sum(ratios) / len(ratios), 3) if ratios else None

@@ -77,7 +77,8 @@ def run(args) -> int:
         s = summarize(timings, wall)
         systems_out[policy] = {"prefill_tokens_computed": prompt - cached,
                                "prefix_hit_rate": round(cached / prompt, 4), **s,
-                               "imbalance_max_over_mean": sampler.imbalance()}
+                               "imbalance_max_over_mean": sampler.imbalance(),
+                               "imbalance_busy_max_over_mean": sampler.imbalance(busy=True)}
         log(f"{policy}: {systems_out[policy]}")
     rr, pa = systems_out["round-robin"], systems_out["prefix-aware"]
     ratios = {"prefix-aware/round-robin:prefill_tokens_computed":

@@ -67,7 +67,8 @@ def run(args) -> int:
             log(f"{policy}: {n} requests")
             with LoadSampler([p.address for p in m.workers("unified")]) as sampler:
                 timings, wall = run_online(m.gateway, reqs, arrivals)
-        systems[policy] = {**summarize(timings, wall), "imbalance_max_over_mean": sampler.imbalance()}
+        systems[policy] = {**summarize(timings, wall), "imbalance_max_over_mean": sampler.imbalance(),
+                               "imbalance_busy_max_over_mean": sampler.imbalance(busy=True)}
         log(f"{policy}: {systems[policy]}")
     lo, rr = systems["least-outstanding"], systems["round-robin"]
     ratios = {f"least-outstanding/round-robin:{k}": round(lo[k] / rr[k], 3) for k in ("ttft_ms_p99", "e2e_ms_p99")}

@@ -52,6 +52,7 @@ class MeshSpec:
     threads: int = 1  # torch threads per worker
     env: dict = field(default_factory=dict)  # extra environment for every service
     gateway_port: int = 0  # 0 = any free port
+    http_port: int | None = 0  # the OpenAI-compatible HTTP front (0 = any free port, None = off)
     config_file: str | None = None  # the mesh config file (the gateway reads tenants and admission from it)
     gateway_args: list = field(default_factory=list)  # extra gateway flags (e.g. --admission-policy)
 
@@ -62,6 +63,7 @@ class Mesh:
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="meshserve-"))
         self.procs: list[Proc] = []
         self.gateway = self.router = self.kvstore = ""
+        self.http = ""  # the gateway's OpenAI-compatible HTTP address, when served
         self.redis_url = spec.redis_url
 
     def _spawn(self, name: str, args: list, port: int, grpc_health: bool = True) -> Proc:
@@ -95,8 +97,13 @@ class Mesh:
                               "--redis-url", self.redis_url, "--worker-id", name, "--threads", s.threads,
                               *s.engine_args, *s.worker_args.get(name, []))
         config = ["--config", s.config_file] if s.config_file else []
+        http = []
+        if s.http_port is not None:
+            http_port = s.http_port or free_port()
+            http = ["--http-port", http_port]
+            self.http = f"http://127.0.0.1:{http_port}"
         self.gateway = self._service("gateway", "gateway", "--model", s.model_dir, "--router", self.router,
-                                     "--kvstore", self.kvstore, "--mode", s.mode, *config, *s.gateway_args,
+                                     "--kvstore", self.kvstore, "--mode", s.mode, *config, *http, *s.gateway_args,
                                      port=s.gateway_port).address
         self.wait_healthy(timeout_s)
         return self

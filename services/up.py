@@ -67,8 +67,6 @@ def cmd_up(args) -> int:
     from services.engine.model_init import write_model
     from services.launcher import Mesh, MeshSpec
 
-    if args.http_port:
-        raise SystemExit("--http-port: the OpenAI-compatible HTTP front is not built yet (gRPC only for now)")
     cfg = load_config(args.config)
     mesh_cfg, engine_cfg = cfg.get("mesh", {}), cfg.get("engine", {})
     model = Path(args.model or mesh_cfg.get("model") or DEFAULT_MODEL)
@@ -83,7 +81,7 @@ def cmd_up(args) -> int:
     spec = MeshSpec(str(model), mode=mesh_cfg.get("mode", "disaggregated"), prefill=mesh_cfg.get("prefill", 1),
                     decode=mesh_cfg.get("decode", 2), unified=mesh_cfg.get("unified", 1), engine_args=engine_args,
                     policy=mesh_cfg.get("policy", "least-outstanding"), routing=cfg.get("routing") or {},
-                    gateway_port=args.port, config_file=args.config)
+                    gateway_port=args.port, http_port=args.http_port, config_file=args.config)
     mesh = Mesh(spec)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -95,8 +93,9 @@ def cmd_up(args) -> int:
     try:
         mesh.start()
         print(mesh.gateway, flush=True)
+        print(mesh.http, flush=True)
         print(f"try: meshserve client --target {mesh.gateway} --input requests.jsonl --output out.jsonl", flush=True)
-        print(f"meshserve is ready: gateway {mesh.gateway}, router {mesh.router}, kvstore {mesh.kvstore}, "
+        print(f"meshserve is ready: gateway {mesh.gateway}, HTTP {mesh.http}, router {mesh.router}, kvstore {mesh.kvstore}, "
               f"redis {mesh.redis_url}", flush=True)
         while not stop.wait(0.5):
             dead = [p.name for p in mesh.procs if p.popen.poll() is not None]
@@ -114,6 +113,7 @@ def request_from_line(obj: dict) -> pb.GenerateRequest:
     """A JSONL line (shared/INTERFACES.md) as a GenerateRequest."""
     s = pb.Sampling(max_tokens=int(obj.get("max_tokens", 16)), top_k=int(obj.get("top_k", 0)),
                     ignore_eos=bool(obj.get("ignore_eos", False)), logprobs=bool(obj.get("logprobs", False)),
+                    min_tokens=int(obj.get("min_tokens") or 0),
                     stop_token_ids=obj.get("stop_token_ids") or [])
     stop = obj.get("stop") or []
     s.stop.extend(x.encode() for x in ([stop] if isinstance(stop, str) else stop))
@@ -169,7 +169,7 @@ def add_parsers(sub) -> None:
     up.add_argument("--model", help="model folder (default: models/tiny, generated if absent)")
     up.add_argument("--config", help="mesh config file (YAML or TOML)")
     up.add_argument("--port", type=int, default=0, help="gateway gRPC port (0 = any free port)")
-    up.add_argument("--http-port", type=int, default=0, help="HTTP front port (the HTTP front is not built yet: a non-zero value is refused)")
+    up.add_argument("--http-port", type=int, default=0, help="the OpenAI-compatible HTTP port (0 = any free port)")
     up.set_defaults(func=cmd_up)
     client = sub.add_parser("client", help="send JSONL requests through a running gateway")
     client.add_argument("--target", required=True, help="gateway HOST:PORT")

@@ -83,3 +83,13 @@ class Unavailable(MeshError):
 
     code = "UNAVAILABLE"
     http_status = 503
+
+
+HTTP_STATUS = {"INVALID_ARGUMENT": 400, "OUT_OF_RANGE": 400, "NOT_FOUND": 404, "UNAUTHENTICATED": 401,
+               "PERMISSION_DENIED": 403, "RESOURCE_EXHAUSTED": 429, "DEADLINE_EXCEEDED": 504, "UNAVAILABLE": 503,
+               "CANCELLED": 499, "FAILED_PRECONDITION": 500, "INTERNAL": 500}
+
+
+def http_status(err: MeshError) -> int:
+    """The HTTP status of an error (by its gRPC code, so errors forwarded from downstream map too)."""
+    return HTTP_STATUS.get(err.code, 500)

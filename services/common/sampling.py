@@ -19,6 +19,7 @@ class SamplingParams:
     stop_token_ids: tuple = ()  # token ids that end generation besides EOS
     ignore_eos: bool = False  # keep generating past EOS
     logprobs: bool = False  # report the log-probability of each sampled token
+    min_tokens: int = 0  # EOS, stop tokens and stop strings cannot end generation before this many tokens
 
     def validate(self) -> None:
         _check(isinstance(self.max_tokens, int) and self.max_tokens > 0, f"max_tokens must be a positive integer, got {self.max_tokens!r}")
@@ -28,6 +29,8 @@ class SamplingParams:
         _check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63), f"seed must be an integer in [0, 2^63), got {self.seed!r}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be integers >= 0")
+        _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+               f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
 
     @property
     def greedy(self) -> bool:
@@ -41,3 +44,38 @@ def _finite(x) -> bool:
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise InvalidRequest(message)
+
+
+PARAM_FIELDS = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "seed": int,
+                 "ignore_eos": bool, "logprobs": bool, "min_tokens": int}
+def parse_params(obj: dict) -> SamplingParams:
+    """SamplingParams from a JSON object, with type errors as InvalidRequest."""
+    kw = {}
+    for name, kind in PARAM_FIELDS.items():
+        if obj.get(name) is None:
+            continue
+        value = obj[name]
+        ok = isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value, ok = float(value), True
+        if not ok:
+            raise InvalidRequest(f"field {name!r} must be {kind.__name__}, got {value!r}")
+        kw[name] = value
+    kw["stop"] = tuple(_string_list(obj, "stop"))
+    kw["stop_token_ids"] = tuple(_int_list(obj, "stop_token_ids"))
+    return SamplingParams(**kw)
+
+
+def _string_list(obj: dict, name: str) -> list:
+    value = obj.get(name) or []
+    value = [value] if isinstance(value, str) else value
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise InvalidRequest(f"field {name!r} must be a string or a list of strings")
+    return value
+
+
+def _int_list(obj: dict, name: str) -> list:
+    value = obj.get(name) or []
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise InvalidRequest(f"field {name!r} must be a list of integers")
+    return value

@@ -17,11 +17,12 @@ class Tokenizer:
         self._tk = HFTokenizer.from_file(str(path))
         self.vocab_size = self._tk.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids as the tokenizer produces by default (its post-processor decides BOS)."""
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids as the tokenizer produces by default (its post-processor decides BOS; a rendered
+        chat template carries its own special tokens, so it is encoded with add_special_tokens=False)."""
         if not isinstance(text, str):
             raise InvalidRequest("prompt must be a string")
-        return self._tk.encode(text).ids
+        return self._tk.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int]) -> str:
         """Text of ids; ids the tokenizer lacks (a model vocabulary may be larger) are skipped."""

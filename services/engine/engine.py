@@ -79,7 +79,7 @@ class LLMEngine:
                                    clock=clock)
         kernel = paged_attention() if self.model.dtype == torch.float32 else None
         self.attention = TorchAttention(mc.num_heads, mc.num_kv_heads, mc.head_dim, cc.block_size, kernel=kernel)
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler(config.seed, loaded.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._seq = itertools.count()
         self.last_step: StepStats | None = None
@@ -199,6 +199,8 @@ class LLMEngine:
         p = req.params
         if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.info.eos_token_ids):
             return "stop"
+        if req.num_output < p.min_tokens:
+            return "length" if req.num_output >= p.max_tokens else None
         if p.stop and self.tokenizer and cut_at_stop(self.tokenizer.decode(req.output_token_ids), p.stop)[1]:
             return "stop"
         if req.num_output >= p.max_tokens:

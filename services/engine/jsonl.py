@@ -16,12 +16,11 @@ from tqdm import tqdm
 
 from services.common.errors import InvalidRequest, MeshError, error_dict
 from services.engine.engine import LLMEngine
-from services.engine.request import Request, SamplingParams
+from services.common.sampling import PARAM_FIELDS, parse_params
+from services.engine.request import Request
 
-_PARAM_FIELDS = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "seed": int,
-                 "ignore_eos": bool, "logprobs": bool}
 _LINE_FIELDS = {"id", "prompt", "prompt_token_ids", "stop", "stop_token_ids", "priority", "deadline_ms", "adapter",
-                *_PARAM_FIELDS}
+                *PARAM_FIELDS}
 
 
 @dataclass
@@ -31,39 +30,6 @@ class Line:
     result: dict | None = None  # the output object once done
     request: Request | None = None
     deadline_s: float | None = None  # engine clock
-
-
-def parse_params(obj: dict) -> SamplingParams:
-    """SamplingParams from a JSON object, with type errors as InvalidRequest."""
-    kw = {}
-    for name, kind in _PARAM_FIELDS.items():
-        if obj.get(name) is None:
-            continue
-        value = obj[name]
-        ok = isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))
-        if kind is float and isinstance(value, int) and not isinstance(value, bool):
-            value, ok = float(value), True
-        if not ok:
-            raise InvalidRequest(f"field {name!r} must be {kind.__name__}, got {value!r}")
-        kw[name] = value
-    kw["stop"] = tuple(_string_list(obj, "stop"))
-    kw["stop_token_ids"] = tuple(_int_list(obj, "stop_token_ids"))
-    return SamplingParams(**kw)
-
-
-def _string_list(obj: dict, name: str) -> list:
-    value = obj.get(name) or []
-    value = [value] if isinstance(value, str) else value
-    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
-        raise InvalidRequest(f"field {name!r} must be a string or a list of strings")
-    return value
-
-
-def _int_list(obj: dict, name: str) -> list:
-    value = obj.get(name) or []
-    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-        raise InvalidRequest(f"field {name!r} must be a list of integers")
-    return value
 
 
 def submit(engine: LLMEngine, line: Line, text: str | bytes) -> None:

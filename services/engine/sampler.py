@@ -4,6 +4,7 @@ Random rows sample by the exponential race: argmax(p / q) with q ~ Exp(1), which
 A seeded request draws its q from its own generator, so the same seed gives the same tokens
 alone or inside any batch; unseeded rows share the engine's generator. All-greedy batches take
 one argmax. Logprobs, when asked, are of the model's raw distribution at the sampled token.
+A request short of its min_tokens cannot sample EOS or its stop tokens (their logits are masked).
 """
 
 from __future__ import annotations
@@ -14,19 +15,33 @@ from services.engine.request import Request
 
 
 class Sampler:
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, eos_token_ids: tuple = ()):
         self.generator = torch.Generator().manual_seed(seed)
+        self.eos_token_ids = tuple(eos_token_ids)
 
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[float] | None]:
         """Sampled token per row, and logprobs per row when any request asked (else None)."""
+        raw = logits
+        logits = self._ban_early_stops(logits, reqs)
         if all(r.params.greedy for r in reqs):
             tokens = logits.argmax(dim=-1)
         else:
             tokens = self._sample(logits, reqs)
         logprobs = None
         if any(r.params.logprobs for r in reqs):
-            logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1).tolist()
+            logprobs = torch.log_softmax(raw, dim=-1).gather(1, tokens[:, None]).squeeze(1).tolist()
         return tokens.tolist(), logprobs
+
+    def _ban_early_stops(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        rows = [(i, r) for i, r in enumerate(reqs) if r.num_output < r.params.min_tokens]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        for i, r in rows:
+            banned = list(r.params.stop_token_ids) + ([] if r.params.ignore_eos else list(self.eos_token_ids))
+            if banned:
+                logits[i, banned] = float("-inf")
+        return logits
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         temps = torch.tensor([r.params.temperature or 1.0 for r in reqs], dtype=logits.dtype)

@@ -53,12 +53,28 @@ async def serve(args) -> None:
     add_to_server(servicer, server.server)
     tasks = [asyncio.create_task(watch_mesh(server, args.router, args.mode, admission)),
              asyncio.create_task(admission.tick())]
+    http = None
+    if args.http_port is not None:
+        from services.gateway.http import HttpFront, http_server
+        http, sock = http_server(HttpFront(servicer, args.model), args.host, args.http_port)
+        tasks.append(asyncio.create_task(http.serve(sockets=[sock])))
+        print(f"gateway HTTP (OpenAI-compatible) on http://{args.host}:{sock.getsockname()[1]}", flush=True)
     print(f"gateway listening on {server.address}; " + (f"{len(tenants)} tenant(s)" if tenants else
           "no tenants configured: one open default tenant (no API key needed)") +
           f"; admission {admission.queue.policy.name}, starvation bound {admission.queue.starvation_s:g} s", flush=True)
-    await server.run(grace_s=args.grace_s)
+
+    async def stop_http():
+        if http is not None:
+            http.should_exit = True  # stop accepting; in-flight responses finish within the grace period
+
+    await server.run(grace_s=args.grace_s, on_stop=stop_http)
     for t in tasks:
         t.cancel()
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value else None
 
 
 def main() -> None:
@@ -73,6 +89,8 @@ def main() -> None:
                     help="the mesh config file: its tenants and admission sections")
     ap.add_argument("--admission-policy", default="fair-deadline", help="fcfs, priority, deadline, fair, fair-deadline")
     ap.add_argument("--starvation-s", type=float, default=30.0, help="the longest a request may wait to start")
+    ap.add_argument("--http-port", type=int, default=_env_int("GATEWAY_HTTP_PORT"),
+                    help="serve the OpenAI-compatible HTTP API on this port (0 = any free port; default: off)")
     rpc.add_server_flags(ap, "GATEWAY_PORT", grace_s=10.0)
     args = ap.parse_args()
     try:

@@ -119,8 +119,8 @@ class GatewayServicer(pb_grpc.GenerationServicer):
         return ids
 
     @staticmethod
-    def _timeout(request, context) -> float | None:
-        limits = [t for t in (context.time_remaining(), request.deadline_ms / 1000 if request.deadline_ms else None)
+    def _timeout(request, time_remaining: float | None) -> float | None:
+        limits = [t for t in (time_remaining, request.deadline_ms / 1000 if request.deadline_ms else None)
                   if t is not None]
         timeout = min(limits) if limits else None
         if timeout is not None and timeout <= 0:
@@ -131,12 +131,18 @@ class GatewayServicer(pb_grpc.GenerationServicer):
 
     @rpc.mapped
     async def Generate(self, request, context):
-        tenant = self.auth.authenticate(api_key(context))
+        async for response in self.generate(request, api_key(context), context.time_remaining()):
+            yield response
+
+    async def generate(self, request, key: str | None, time_remaining: float | None = None):
+        """The one generation path of both faces (gRPC and HTTP): the tenant by its key, validation,
+        admission, routing, and the token stream as GenerateResponses. Raises MeshError."""
+        tenant = self.auth.authenticate(key)
         ids, params = self._validate(request)
         tenant.check_request(len(ids), params.max_tokens, request.priority, request.adapter)
         if request.adapter:
             raise NotFound(f"adapter {request.adapter!r} is not loaded")
-        timeout = self._timeout(request, context)
+        timeout = self._timeout(request, time_remaining)
         client_id = request.request_id or uuid.uuid4().hex
         req_id = f"{client_id}.{uuid.uuid4().hex[:12]}"
         deadline_s = time.monotonic() + timeout if timeout is not None else None

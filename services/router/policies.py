@@ -32,6 +32,7 @@ class RoundRobin:
     def on_routed(self, worker: WorkerView, cost: int) -> None:
         self.turn[worker.role] = self.turn.get(worker.role, 0) + 1
         worker.routed_since_beat += cost
+        worker.routed_requests += 1
 
 
 class LeastOutstanding:
@@ -46,6 +47,7 @@ class LeastOutstanding:
 
     def on_routed(self, worker: WorkerView, cost: int) -> None:
         worker.routed_since_beat += cost
+        worker.routed_requests += 1
 
 
 class PrefixAware:
@@ -68,6 +70,7 @@ class PrefixAware:
 
     def on_routed(self, worker: WorkerView, cost: int) -> None:
         worker.routed_since_beat += cost
+        worker.routed_requests += 1
 
 
 POLICIES = {p.name: p for p in (RoundRobin, LeastOutstanding, PrefixAware)}

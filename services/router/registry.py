@@ -10,7 +10,7 @@ from services.common.errors import Unavailable as NoWorker
 from services.router.views import WorkerView
 
 BEAT_FIELDS = ("block_size", "index_member", "decode_tps", "adapters", "max_num_seqs", "prefill_s_per_token",
-               "decode_s_per_step")
+               "decode_s_per_step", "running", "waiting")
 
 
 class Registry:
@@ -27,7 +27,7 @@ class Registry:
         if w is None or w.address != address or w.role != role:
             w = self.workers[worker_id] = WorkerView(worker_id, address, role)
         w.outstanding_tokens, w.capacity_tokens = outstanding, max(capacity, 1)
-        w.routed_since_beat, w.last_seen_s = 0, self.clock()
+        w.routed_since_beat, w.routed_requests, w.last_seen_s = 0, 0, self.clock()
         for name, value in extra.items():
             setattr(w, name, value)
 

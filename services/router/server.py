@@ -66,7 +66,8 @@ class RouterServicer(pb_grpc.RouterServicer):
                            index_member=request.index_member, decode_tps=request.decode_tokens_per_s,
                            adapters=tuple(request.adapters), max_num_seqs=request.max_num_seqs,
                            prefill_s_per_token=request.prefill_s_per_token,
-                           decode_s_per_step=request.decode_s_per_step)
+                           decode_s_per_step=request.decode_s_per_step, running=request.running,
+                           waiting=request.waiting)
         return pb.HeartbeatReply(interval_ms=self.beat_ms)
 
     @rpc.mapped
@@ -135,7 +136,7 @@ class RouterServicer(pb_grpc.RouterServicer):
                                    block_size=w.block_size, index_member=w.index_member,
                                    decode_tokens_per_s=w.decode_tps, adapters=list(w.adapters),
                                    max_num_seqs=w.max_num_seqs, prefill_s_per_token=w.prefill_s_per_token,
-                                   decode_s_per_step=w.decode_s_per_step)
+                                   decode_s_per_step=w.decode_s_per_step, running=w.running, waiting=w.waiting)
                      for w in self.registry.prune()],
             prefix_index_degraded=bool(self.index is not None and self.index.degraded))
 

@@ -1,9 +1,12 @@
 """What the router knows of a worker and of a prompt, as plain data for the pure policies.
 
-Load is outstanding tokens (remaining prefill + expected decode, from the last heartbeat, plus
-what was routed since: the in-flight correction) over the worker's capacity. Capacity is the
-token capacity of its KV pool, scaled by its measured decode throughput relative to the fastest
-candidate's when every candidate has reported one (so a worker half as fast counts as half as big).
+A worker's load is the utilisation of its tighter resource, whichever is fuller:
+- tokens: outstanding tokens (remaining prefill + expected decode, from the last heartbeat, plus
+  what was routed since: the in-flight correction) over the token capacity of its KV pool,
+  scaled by its measured decode throughput relative to the fastest candidate's when every
+  candidate has reported one (so a worker half as fast counts as half as big);
+- slots: requests it holds (running + waiting, plus those routed since its last heartbeat) over
+  the sequences it batches at once (max_num_seqs), when it reports that.
 """
 
 from __future__ import annotations
@@ -19,6 +22,9 @@ class WorkerView:
     outstanding_tokens: int = 0  # from the last heartbeat
     capacity_tokens: int = 1  # KV pool token capacity
     routed_since_beat: int = 0  # tokens routed to it since its last heartbeat (in-flight correction)
+    routed_requests: int = 0  # requests routed to it since its last heartbeat
+    running: int = 0  # requests in its batch, from the last heartbeat
+    waiting: int = 0  # requests queued in its engine
     last_seen_s: float = 0.0  # clock of the last heartbeat
     block_size: int = 16  # KV block size (for hashing prompts)
     index_member: str = ""  # its member in the Redis prefix index ("" = not publishing)
@@ -39,11 +45,16 @@ class WorkerView:
 
 
 def loads(workers: list[WorkerView]) -> list[float]:
-    """Each worker's load: tokens / (KV capacity x relative decode throughput, when all are known)."""
+    """Each worker's load (see the module docstring): the fuller of its token and slot utilisation."""
     rates = [w.decode_tps for w in workers]
     top = max(rates, default=0.0)
     known = top > 0 and min(rates) > 0
-    return [w.tokens / (max(w.capacity_tokens, 1) * (w.decode_tps / top if known else 1.0)) for w in workers]
+    out = []
+    for w in workers:
+        tokens = w.tokens / (max(w.capacity_tokens, 1) * (w.decode_tps / top if known else 1.0))
+        slots = (w.running + w.waiting + w.routed_requests) / w.max_num_seqs if w.max_num_seqs > 0 else 0.0
+        out.append(max(tokens, slots))
+    return out
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ class EngineRunner:
         self.running = True
         self.busy_s = 0.0  # time spent in engine steps (read by the heartbeat for the decode rate)
         self.tokens_out = 0  # tokens sampled by those steps
+        self.aborted = 0  # requests aborted before they finished
         self.cost = StepCostFit()  # step time model, reported in heartbeats for the gateway's predictions
         self.thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self.thread.start()
@@ -71,7 +72,9 @@ class EngineRunner:
         """Abort if still live (safe to call from the event loop at any time)."""
         def abort(engine):
             self.forget(req_id)
-            return engine.abort(req_id)
+            aborted = engine.abort(req_id)
+            self.aborted += aborted
+            return aborted
         self.call(abort)
 
     def forget(self, req_id: str) -> None:

@@ -187,7 +187,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         return pb.WorkerStats(worker_id=self.worker_id, role=self.role, blocks_used=b["used"],
                               blocks_cached=b["cached"], blocks_free=b["free"], blocks_total=b["total"],
                               running=stats["running"], waiting=stats["waiting"],
-                              outstanding_tokens=load["outstanding"])
+                              outstanding_tokens=load["outstanding"], aborted=self.runner.aborted)
 
 
 def load_of(engine) -> dict:

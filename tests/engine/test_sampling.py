@@ -4,7 +4,7 @@ import torch
 
 from services.engine.request import Request, SamplingParams
 from services.engine.sampler import Sampler
-from tests.support.reference import make_engine, random_prompts
+from tests.support.reference import make_engine, random_prompts, run_all
 
 
 def test_same_seed_same_tokens_alone_and_in_a_batch_of_32(tiny_model):
@@ -64,3 +64,14 @@ def test_logprobs_are_the_models_log_probabilities(tiny_model):
         engine.step()
     assert len(req.logprobs) == 4
     assert all(lp <= 0.0 for lp in req.logprobs)
+
+
+def test_min_tokens_bans_stop_tokens_until_reached(tiny_model):
+    engine = make_engine(tiny_model)
+    prompt = list(range(5, 30))
+    free = run_all(engine, [prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0]
+    stop_at_first = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, stop_token_ids=(free[0],))
+    assert run_all(engine, [prompt], stop_at_first)[0] == free[:1]  # the stop token ends it at once
+    held = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, stop_token_ids=(free[0],), min_tokens=3)
+    out = run_all(engine, [prompt], held)[0]
+    assert len(out) >= 3 and free[0] not in out[:3]

@@ -74,6 +74,29 @@ def test_loads_use_kv_capacity_and_measured_throughput(tokens, capacity, tps, ex
     assert loads(ws) == pytest.approx(expected)
 
 
+@pytest.mark.parametrize("tokens,running,waiting,seqs,expected", [
+    (100, 2, 0, 16, 0.125),  # slots fuller than the KV pool (100 / 1000 = 0.1)
+    (500, 2, 0, 16, 0.5),  # KV fuller
+    (100, 10, 10, 16, 1.25),  # more requests than slots: queued in the engine
+    (100, 50, 0, 0, 0.1),  # slots not reported: KV alone
+])
+def test_load_is_the_fuller_of_kv_and_slots(tokens, running, waiting, seqs, expected):
+    w = WorkerView("w0", "", "unified", outstanding_tokens=tokens, capacity_tokens=1000, running=running,
+                   waiting=waiting, max_num_seqs=seqs)
+    assert loads([w]) == pytest.approx([expected])
+
+
+def test_in_flight_correction_counts_requests_against_slots():
+    ws = [WorkerView(f"w{i}", "", "unified", capacity_tokens=10**6, max_num_seqs=4) for i in range(2)]
+    policy = make_policy("least-outstanding")
+    picks = []
+    for _ in range(4):
+        w, _ = policy.select(ws, 1)
+        policy.on_routed(w, 1)
+        picks.append(w.worker_id)
+    assert picks == ["w0", "w1", "w0", "w1"]
+
+
 def test_adapter_scorer_is_the_affinity_slot():
     ws = [WorkerView("w0", "", "unified", adapters=("sql",)), WorkerView("w1", "", "unified")]
     assert AdapterScorer().score(ws, RouteContext(adapter="sql")) == [1.0, 0.0]

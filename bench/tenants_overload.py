@@ -1,0 +1,211 @@
+"""Workload tenants-overload: FCFS vs fair vs fair-deadline admission under 2x overload.
+
+2 unified workers, bench preset, one torch thread each, 16 sequences per batch. Capacity C is
+the saturation throughput (requests/s) measured first in the same run (a burst at once). Three
+tenants with weights 1 : 1 : 2 send Poisson streams for 3 minutes: A at 1.25 C (5x its share),
+B at 0.25 C, C at 0.5 C, so the offered load is 2 C. Prompts are uniform 64-512 tokens, outputs
+uniform 32-256 (greedy, EOS ignored); 30% of requests carry an end-to-end deadline of k x their
+predicted solo latency, k uniform in [1.5, 4] (solo latency = a + b x prompt + c x output, fitted
+by least squares on requests sent one at a time in the same run). The gateway's admission
+policy and every engine's slot policy are the system under test; nothing retries.
+
+Metrics per system (service counted in the fairness unit: prompt tokens + 2 x output tokens,
+of requests that finished within the 3-minute window):
+- jain_index over x_i = service_i / fair_share_i, where fair shares are the weighted max-min
+  fair split of the total service delivered, given each tenant's offered demand in the window
+  (B and C are owed their full demand, A the rest); 1.0 = everyone got exactly its share.
+- victim_ttft_p99_ratio: max over B and C of TTFT p99 here / TTFT p99 of that tenant alone
+  (each alone on a fresh mesh at its own rate, for 1 minute). Rejected requests are counted
+  in `rejected_by_tenant`, not in TTFT.
+- deadline_attainment: deadline-carrying requests finished within their deadline / all of them.
+- max_queue_wait_ms: the longest admitted request's wait in the admission queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import yaml
+
+from bench.common import default_model, log, machine, print_table, write_result
+from bench.latency import percentile, poisson_arrivals
+from services.common.pb import meshserve_pb2_grpc as pb_grpc
+from services.common.tenants import hash_key
+from services.launcher import Mesh, MeshSpec
+from services.up import request_from_line
+
+SYSTEMS = ("fcfs", "fair", "fair-deadline")
+TENANTS = {"A": (1.0, 1.25), "B": (1.0, 0.25), "C": (2.0, 0.5)}  # name: (weight, rate as a multiple of C)
+ENGINE = ["--max-num-batched-tokens", "512", "--max-num-seqs", "16", "--kv-cache-gb", "0.25"]
+
+
+def add_flags(p) -> None:
+    g = p.add_argument_group("tenants-overload")
+    g.add_argument("--duration-s", type=float, default=180.0, help="how long the tenants send")
+
+
+def _request(rng: random.Random, i: int, tenant: str) -> dict:
+    return {"id": f"{tenant}-{i}", "tenant": tenant,
+            "prompt_token_ids": [rng.randrange(3, 32000) for _ in range(rng.randint(64, 512))],
+            "max_tokens": rng.randint(32, 256), "temperature": 0.0, "ignore_eos": True}
+
+
+def run(args) -> int:
+    model_dir = Path(args.model) if args.model else default_model("bench")
+    duration = 40.0 if args.quick else args.duration_s
+    solo_s = min(duration, 60.0)
+    rng = random.Random(args.seed)
+    workdir = Path(tempfile.mkdtemp(prefix="meshserve-tenants-"))
+    keys = {t: f"bench-key-{t}" for t in TENANTS}
+    cfg = {"tenants": [{"name": t, "api_key_hashes": [hash_key(keys[t])], "weight": w}
+                       for t, (w, _) in TENANTS.items()]}
+    (workdir / "mesh.yaml").write_text(yaml.safe_dump(cfg))
+
+    def mesh(policy):
+        return Mesh(MeshSpec(str(model_dir), mode="unified", unified=2, engine_args=ENGINE + ["--policy", policy],
+                             config_file=str(workdir / "mesh.yaml"), gateway_args=["--admission-policy", policy]))
+
+    # Capacity and the solo-latency model, on one mesh.
+    with mesh("fcfs") as m:
+        n_sat = 24 if args.quick else 64
+        burst = [_request(rng, i, "C") for i in range(n_sat)]
+        log(f"saturation: {n_sat} requests at once")
+        _drive(m.gateway, keys, [(0.0, r) for r in burst[:4]])  # warm-up
+        t0 = time.perf_counter()
+        _drive(m.gateway, keys, [(0.0, r) for r in burst])
+        cap = n_sat / (time.perf_counter() - t0)
+        solo = [_request(rng, i, "C") for i in range(12)]
+        log("solo latencies for the deadline model")
+        lat = [_drive(m.gateway, keys, [(0.0, r)])[0] for r in solo]
+    x = np.array([[1.0, len(r["prompt_token_ids"]), r["max_tokens"]] for r in solo])
+    y = np.array([o["e2e_ms"] for o in lat])
+    coef = np.linalg.lstsq(x, y, rcond=None)[0]
+    log(f"capacity C = {cap:.2f} req/s; solo latency ms = {coef[0]:.1f} + {coef[1]:.3f} x prompt + "
+        f"{coef[2]:.2f} x output")
+
+    # The workload: each tenant's Poisson stream over `duration`; 30% with deadlines.
+    schedule = []
+    for t, (_, mult) in TENANTS.items():
+        rate = mult * cap
+        for i, at in enumerate(a for a in poisson_arrivals(int(rate * duration * 1.5) + 10, rate, rng.randrange(1 << 30))
+                               if a < duration):
+            r = _request(rng, i, t)
+            if rng.random() < 0.3:
+                predicted = coef[0] + coef[1] * len(r["prompt_token_ids"]) + coef[2] * r["max_tokens"]
+                r["deadline_ms"] = int(max(predicted, 1.0) * rng.uniform(1.5, 4.0))
+            schedule.append((at, r))
+    schedule.sort(key=lambda e: e[0])
+    demand = {t: sum(_service(len(r["prompt_token_ids"]), r["max_tokens"]) for _, r in schedule if r["tenant"] == t)
+              for t in TENANTS}
+    log(f"{len(schedule)} requests over {duration:.0f} s: " + ", ".join(
+        f"{t} {sum(r['tenant'] == t for _, r in schedule)}" for t in TENANTS))
+
+    alone = {}
+    for t in ("B", "C"):
+        with mesh("fair-deadline") as m:
+            log(f"{t} alone for {solo_s:.0f} s")
+            outs = _drive(m.gateway, keys, [(at, r) for at, r in schedule if r["tenant"] == t and at < solo_s])
+        alone[t] = percentile([o["ttft_ms"] for o in outs if "ttft_ms" in o], 0.99)
+
+    systems = {}
+    for policy in SYSTEMS:
+        with mesh(policy) as m:
+            log(f"{policy}: {len(schedule)} requests")
+            outs = _drive(m.gateway, keys, schedule)
+        systems[policy] = _metrics(outs, schedule, demand, duration, alone)
+        log(f"{policy}: {systems[policy]}")
+    result = {"workload": "tenants-overload", "command": args.command_line, "machine": machine(),
+              "config": {"duration_s": duration, "capacity_req_per_s": round(cap, 3),
+                         "tenants": {t: {"weight": w, "rate_req_per_s": round(m_ * cap, 3)}
+                                     for t, (w, m_) in TENANTS.items()},
+                         "requests": len(schedule), "engine_args": ENGINE, "workers": 2, "threads_per_worker": 1,
+                         "solo_latency_ms_model": [round(float(c), 4) for c in coef],
+                         "alone_ttft_ms_p99": alone, "starvation_s": 30.0, "model": str(model_dir)},
+              "systems": systems,
+              "ratios": {"fair-deadline/fcfs:deadline_attainment":
+                         round(systems["fair-deadline"]["deadline_attainment"] /
+                               max(systems["fcfs"]["deadline_attainment"], 1e-9), 3)}}
+    write_result(result, args.out)
+    print_table(result)
+    return 0
+
+
+def _service(prompt: int, output: int) -> float:
+    return prompt + 2 * output
+
+
+def _drive(gateway: str, keys: dict, schedule: list) -> list[dict]:
+    return asyncio.run(_drive_async(gateway, keys, schedule))
+
+
+async def _drive_async(gateway: str, keys: dict, schedule: list) -> list[dict]:
+    async with grpc.aio.insecure_channel(gateway) as ch:
+        stub = pb_grpc.GenerationStub(ch)
+        t0 = time.perf_counter()
+
+        async def one(at, r):
+            await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
+            start = time.perf_counter()
+            out = {"tenant": r["tenant"], "deadline_ms": r.get("deadline_ms"), "arrival_s": start - t0,
+                   "prompt": len(r["prompt_token_ids"]), "output": 0}
+            try:
+                async for resp in stub.Generate(request_from_line(r), metadata=(("x-api-key", keys[r["tenant"]]),),
+                                                timeout=600):
+                    now = time.perf_counter()
+                    if resp.token_ids and "ttft_ms" not in out:
+                        out["ttft_ms"] = (now - start) * 1e3
+                        out["queue_wait_ms"] = resp.queue_wait_ms
+                    out["output"] += len(resp.token_ids)
+                out["e2e_ms"] = (time.perf_counter() - start) * 1e3
+                out["end_s"] = time.perf_counter() - t0
+            except grpc.aio.AioRpcError as e:
+                out["error"] = e.code().name
+            return out
+
+        return list(await asyncio.gather(*(one(at, r) for at, r in schedule)))
+
+
+def _max_min_shares(total: float, demand: dict, weights: dict) -> dict:
+    """Weighted max-min fair split of `total` given demands (water-filling)."""
+    share, left, active = {t: 0.0 for t in demand}, total, set(demand)
+    while active and left > 1e-9:
+        per_weight = left / sum(weights[t] for t in active)
+        capped = {t for t in active if demand[t] - share[t] <= per_weight * weights[t]}
+        if not capped:
+            for t in active:
+                share[t] += per_weight * weights[t]
+            break
+        for t in capped:
+            left -= demand[t] - share[t]
+            share[t] = demand[t]
+        active -= capped
+    return share
+
+
+def _metrics(outs: list, schedule: list, demand: dict, duration: float, alone: dict) -> dict:
+    weights = {t: w for t, (w, _) in TENANTS.items()}
+    served = {t: sum(_service(o["prompt"], o["output"]) for o in outs
+                     if o["tenant"] == t and "error" not in o and o["end_s"] <= duration) for t in TENANTS}
+    shares = _max_min_shares(sum(served.values()), demand, weights)
+    xs = [served[t] / shares[t] for t in TENANTS if shares[t] > 0]
+    jain = sum(xs) ** 2 / (len(xs) * sum(x * x for x in xs))
+    ttft = {t: percentile([o["ttft_ms"] for o in outs if o["tenant"] == t and "ttft_ms" in o], 0.99) for t in TENANTS}
+    victim = max(ttft[t] / alone[t] for t in ("B", "C") if ttft[t] is not None and alone[t])
+    with_deadline = [o for o in outs if o["deadline_ms"]]
+    met = sum(1 for o in with_deadline if "error" not in o and o["e2e_ms"] <= o["deadline_ms"])
+    waits = [o["queue_wait_ms"] for o in outs if "queue_wait_ms" in o]
+    r = lambda v: None if v is None else round(v, 3)  # noqa: E731
+    return {"jain_index": r(jain), "victim_ttft_p99_ratio": r(victim),
+            "deadline_attainment": r(met / len(with_deadline)) if with_deadline else None,
+            "max_queue_wait_ms": r(max(waits)) if waits else None,
+            "service_share": {t: r(served[t] / max(sum(served.values()), 1e-9)) for t in TENANTS},
+            "fair_share": {t: r(shares[t] / max(sum(shares.values()), 1e-9)) for t in TENANTS},
+            "ttft_ms_p99": {t: r(ttft[t]) for t in TENANTS},
+            "rejected_by_tenant": {t: sum(1 for o in outs if o["tenant"] == t and "error" in o) for t in TENANTS},
+            "requests": len(outs)}

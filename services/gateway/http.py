@@ -1,0 +1,453 @@
+"""The OpenAI-compatible HTTP face of the gateway (Starlette under uvicorn, on the gateway's event loop).
+
+One implementation, two faces: each HTTP request becomes GenerateRequests that go through
+GatewayServicer.generate(), the same tenant, admission, routing and streaming path as gRPC.
+
+- POST /v1/completions, POST /v1/chat/completions: stream (Server-Sent Events ending with
+  `data: [DONE]`) or not; usage with prompt_tokens_details.cached_tokens; stream_options.include_usage.
+  A list of prompts gives one choice per prompt.
+- GET /v1/models, GET /health.
+- Extensions load generators send are honoured: ignore_eos, min_tokens, top_k,
+  repetition_penalty (1.0 only); meshserve's own: priority, deadline_ms. null means absent.
+- A field that would change the result and that we cannot honour (n > 1, best_of > 1, echo,
+  suffix, tools, response_format other than text, a non-zero penalty, logit_bias, logprobs > 1)
+  is a 400 in the OpenAI error shape naming the field.
+- Authorization: Bearer KEY is the same tenant key as gRPC's. Errors map as in INTERFACES.md
+  (429 carries Retry-After). A client that disconnects aborts its request everywhere.
+- Traced: a server span per request; the mesh calls it makes are its children.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import socket
+import time
+import uuid
+
+import uvicorn
+from opentelemetry import trace
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from services.common.chat import ChatTemplate
+from services.common.convert import sampling_to_pb
+from services.common.errors import CapacityExhausted, InvalidRequest, MeshError, NotFound, http_status
+from services.common.pb import meshserve_pb2 as pb
+from services.common.sampling import parse_params
+
+log = logging.getLogger("meshserve.gateway.http")
+tracer = trace.get_tracer("meshserve.gateway.http")
+
+# Fields that change the result, and the values we can honour (anything else: 400 naming the field).
+HONOURED_ONLY = {
+    "n": lambda v: v == 1, "best_of": lambda v: v == 1, "echo": lambda v: v is False, "suffix": lambda v: v == "",
+    "presence_penalty": lambda v: v == 0, "frequency_penalty": lambda v: v == 0, "repetition_penalty": lambda v: v == 1,
+    "logit_bias": lambda v: v == {}, "tools": lambda v: v == [], "functions": lambda v: v == [],
+    "tool_choice": lambda v: v == "none", "function_call": lambda v: v == "none",
+    "response_format": lambda v: isinstance(v, dict) and v.get("type") == "text",
+    "top_logprobs": lambda v: v in (0, 1), "parallel_tool_calls": lambda v: True, "guided_json": lambda v: False,
+    "guided_regex": lambda v: False, "guided_choice": lambda v: False, "guided_grammar": lambda v: False,
+    "use_beam_search": lambda v: v is False, "prompt_logprobs": lambda v: False,
+}
+
+
+class OpenAIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 retry_after_ms: int | None = None):
+        super().__init__(message)
+        self.status, self.param, self.code, self.retry_after_ms = status, param, code, retry_after_ms
+
+    @staticmethod
+    def of(err: MeshError) -> "OpenAIError":
+        return OpenAIError(http_status(err), str(err), code=err.code.lower(),
+                           retry_after_ms=err.retry_after_ms if isinstance(err, CapacityExhausted) else None)
+
+    def response(self) -> JSONResponse:
+        kind = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 429: "rate_limit_error", 504: "timeout_error",
+                503: "service_unavailable_error"}.get(self.status, "internal_error")
+        headers = {}
+        if self.retry_after_ms is not None and self.status == 429:
+            headers = {"Retry-After": str(max(1, math.ceil(self.retry_after_ms / 1000))),
+                       "retry-after-ms": str(self.retry_after_ms)}
+        return JSONResponse({"error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}},
+                            status_code=self.status, headers=headers)
+
+
+def bad(param: str, message: str) -> OpenAIError:
+    return OpenAIError(400, message, param=param, code="invalid_value")
+
+
+class HttpFront:
+    def __init__(self, servicer, model_dir: str):
+        self.servicer = servicer
+        self.model = servicer.model
+        self.chat_template = ChatTemplate.from_model_dir(model_dir)
+        self.app = Starlette(routes=[
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+        ])
+
+    # ---- simple endpoints ----------------------------------------------------------------------
+
+    async def models(self, request: Request) -> Response:
+        try:
+            self.servicer.auth.authenticate(_bearer(request))
+        except MeshError as e:
+            return OpenAIError.of(e).response()
+        m = self.model
+        return JSONResponse({"object": "list", "data": [
+            {"id": m.name, "object": "model", "created": 0, "owned_by": "meshserve", "max_model_len": m.max_model_len}]})
+
+    async def health(self, request: Request) -> Response:
+        return Response(status_code=200)
+
+    # ---- generation ----------------------------------------------------------------------------
+
+    async def completions(self, request: Request) -> Response:
+        return await self._handle(request, chat=False)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._handle(request, chat=True)
+
+    async def _handle(self, request: Request, chat: bool) -> Response:
+        span = tracer.start_span(f"POST {request.url.path}", kind=trace.SpanKind.SERVER,
+                                 attributes={"http.request.method": "POST", "url.path": request.url.path})
+        try:
+            body = await _json(request)
+            if isinstance(body.get("user"), str):
+                span.set_attribute("enduser.id", body["user"])
+            reqs, stream, include_usage, want_logprobs = self._requests(body, chat)
+        except OpenAIError as e:
+            span.set_attribute("http.response.status_code", e.status)
+            span.end()
+            return e.response()
+        key = _bearer(request)
+        call = _Call(self.servicer, reqs, key, span)
+        first = await call.start()  # errors before the first token (auth, limits, queue) are HTTP statuses
+        if isinstance(first, OpenAIError):
+            return first.response()
+        meta = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "created": int(time.time()),
+                "model": self.model.name}
+        if stream:
+            return StreamingResponse(self._sse(call, meta, chat, include_usage, want_logprobs),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return await self._collect(request, call, meta, chat, want_logprobs)
+
+    def _requests(self, body: dict, chat: bool):
+        """GenerateRequests of one HTTP body (one per prompt), and the response options."""
+        for name, ok in HONOURED_ONLY.items():
+            if body.get(name) is not None and not ok(body[name]):
+                raise bad(name, f"{name}={json.dumps(body[name])} is not supported by this server")
+        model = body.get("model")
+        if model is not None and model != self.model.name:
+            raise OpenAIError(404, f"model {model!r} is not served here (serving {self.model.name!r})",
+                              param="model", code="model_not_found")
+        stream = _bool(body, "stream")
+        opts = body.get("stream_options") or {}
+        if not isinstance(opts, dict):
+            raise bad("stream_options", "stream_options must be an object")
+        include_usage = bool(opts.get("include_usage")) and stream
+        logprobs = body.get("logprobs")
+        if chat:
+            want_logprobs = _bool(body, "logprobs")
+        else:
+            if logprobs is not None and (not isinstance(logprobs, int) or isinstance(logprobs, bool)
+                                         or not 0 <= logprobs <= 1):
+                raise bad("logprobs", "logprobs must be 0 or 1 here (the engine reports the sampled token's only)")
+            want_logprobs = logprobs is not None
+        max_tokens = body.get("max_completion_tokens") if chat else None
+        if max_tokens is None:
+            max_tokens = body.get("max_tokens")
+        prompts = [self._chat_prompt(body)] if chat else _prompts(body)
+        out = []
+        for p in prompts:
+            if max_tokens is None:
+                length = len(p) if isinstance(p, list) else len(self.servicer.tokenizer.encode(p))
+                mt = 16 if not chat else max(self.model.max_model_len - length, 1)
+            else:
+                mt = max_tokens
+            fields = {k: body.get(k) for k in ("temperature", "top_p", "top_k", "seed", "ignore_eos", "min_tokens",
+                                               "stop", "stop_token_ids")}
+            fields["max_tokens"] = mt
+            fields["logprobs"] = want_logprobs
+            try:
+                params = parse_params(fields)
+                params.validate()
+            except InvalidRequest as e:
+                raise bad(_field_of(str(e)), str(e)) from None
+            req = pb.GenerateRequest(request_id=uuid.uuid4().hex, sampling=sampling_to_pb(params),
+                                     priority=_int(body, "priority"), deadline_ms=_int(body, "deadline_ms"))
+            if isinstance(p, list):
+                req.token_ids.ids.extend(p)
+            else:
+                req.text = p.encode()
+            out.append(req)
+        return out, stream, include_usage, want_logprobs
+
+    def _chat_prompt(self, body: dict) -> list:
+        if self.chat_template is None:
+            raise bad("messages", f"model {self.model.name!r} has no chat template (tokenizer_config.json "
+                                  "chat_template); use /v1/completions")
+        try:
+            text = self.chat_template.render(body.get("messages"))
+        except InvalidRequest as e:
+            raise bad("messages", str(e)) from None
+        return self.servicer.tokenizer.encode(text, add_special_tokens=False)
+
+    def _logprobs(self, r, chat: bool) -> dict:
+        """The sampled tokens' logprobs (the engine reports no alternatives)."""
+        tokens = [self.servicer.tokenizer.decode([t]) for t in r.token_ids]
+        if chat:
+            return {"content": [{"token": t, "logprob": x, "top_logprobs": []} for t, x in zip(tokens, r.logprobs)]}
+        return {"tokens": tokens, "token_logprobs": list(r.logprobs), "top_logprobs": None, "text_offset": None}
+
+    async def _sse(self, call: "_Call", meta: dict, chat: bool, include_usage: bool, want_logprobs: bool):
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        try:
+            if chat:
+                for i in range(len(call.reqs)):
+                    yield _event({**meta, "object": kind, "choices": [
+                        {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                         "finish_reason": None}]})
+            async for index, r in call.responses():
+                if isinstance(r, OpenAIError):
+                    yield _event({"error": {"message": str(r), "code": r.code}})
+                    break
+                choice = {"index": index, "logprobs": self._logprobs(r, chat) if want_logprobs else None,
+                          "finish_reason": _finish(r.finish_reason)}
+                if chat:
+                    choice["delta"] = {"content": r.text} if r.text or not r.finish_reason else {}
+                else:
+                    choice["text"] = r.text
+                chunk = {**meta, "object": kind, "choices": [choice]}
+                if include_usage:
+                    chunk["usage"] = None
+                yield _event(chunk)
+            else:
+                if include_usage:
+                    yield _event({**meta, "object": kind, "choices": [], "usage": call.usage()})
+            yield "data: [DONE]\n\n"
+        finally:
+            call.cancel()  # a client that went away: abort everywhere
+
+    async def _collect(self, request: Request, call: "_Call", meta: dict, chat: bool, want_logprobs: bool) -> Response:
+        texts = [[] for _ in call.reqs]
+        finish = [None] * len(call.reqs)
+        lps = [[] for _ in call.reqs]
+
+        async def gather():
+            async for index, r in call.responses():
+                if isinstance(r, OpenAIError):
+                    return r
+                texts[index].append(r.text)
+                if want_logprobs:
+                    lps[index].append(self._logprobs(r, chat))
+                finish[index] = _finish(r.finish_reason) or finish[index]
+            return None
+
+        task = asyncio.ensure_future(gather())
+        try:
+            while not task.done():  # a client that disconnects aborts the request everywhere
+                done, _ = await asyncio.wait({task}, timeout=0.1)
+                if not done and await request.is_disconnected():
+                    task.cancel()
+                    return Response(status_code=499)
+            error = task.result()
+        finally:
+            call.cancel()
+        if error is not None:
+            return error.response()
+        choices = []
+        for i in range(len(call.reqs)):
+            text = "".join(texts[i])
+            lp = _merge_logprobs(lps[i], chat) if want_logprobs else None
+            if chat:
+                choices.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp,
+                                "finish_reason": finish[i]})
+            else:
+                choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": finish[i]})
+        return JSONResponse({**meta, "object": "chat.completion" if chat else "text_completion", "choices": choices,
+                             "usage": call.usage()})
+
+
+class _Call:
+    """The mesh calls of one HTTP request, run in one task under the request's span.
+
+    Each prompt's stream is pumped into a queue; start() waits for the first response of every
+    prompt, so that errors before any token can still be HTTP statuses."""
+
+    def __init__(self, servicer, reqs: list, key: str | None, span):
+        self.servicer, self.reqs, self.key, self.span = servicer, reqs, key, span
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.pending: list = []
+        self.prompt_tokens = [0] * len(reqs)
+        self.cached_tokens = [0] * len(reqs)
+        self.completion_tokens = [0] * len(reqs)
+        self.task: asyncio.Task | None = None
+        self.done = 0
+
+    async def start(self):
+        """None when streams are under way (the first responses are held), or the OpenAIError."""
+        with trace.use_span(self.span, end_on_exit=False):
+            self.task = asyncio.ensure_future(self._run())  # copies the context: the span is the parent
+        firsts = []
+        while len(firsts) < len(self.reqs):
+            index, r = await self.queue.get()
+            if isinstance(r, OpenAIError):
+                self.cancel()
+                return r
+            firsts.append((index, r))
+        self.pending = firsts
+        return None
+
+    async def _run(self) -> None:
+        async def one(index, req):
+            try:
+                async for r in self.servicer.generate(req, self.key):
+                    self._account(index, r)
+                    await self.queue.put((index, r))
+            except MeshError as e:
+                await self.queue.put((index, OpenAIError.of(e)))
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("HTTP generation failed")
+                await self.queue.put((index, OpenAIError(500, "internal error", code="internal")))
+            finally:
+                await self.queue.put((index, None))
+
+        try:
+            await asyncio.gather(*(one(i, r) for i, r in enumerate(self.reqs)))
+        finally:
+            self.span.end()
+
+    def _account(self, index: int, r) -> None:
+        self.prompt_tokens[index] = r.prompt_tokens or self.prompt_tokens[index]
+        self.cached_tokens[index] = max(self.cached_tokens[index], r.cached_prompt_tokens)
+        self.completion_tokens[index] += len(r.token_ids)
+
+    async def responses(self):
+        """(choice index, GenerateResponse or OpenAIError) until every prompt's stream has ended."""
+        for item in self.pending:
+            yield item
+        self.pending = []
+        while self.done < len(self.reqs):
+            index, r = await self.queue.get()
+            if r is None:
+                self.done += 1
+                continue
+            yield index, r
+
+    def usage(self) -> dict:
+        p, c = sum(self.prompt_tokens), sum(self.completion_tokens)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+                "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens)}}
+
+    def cancel(self) -> None:
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+
+
+def _event(obj: dict) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+def _finish(reason: str) -> str | None:
+    return reason or None
+
+
+def _merge_logprobs(parts: list, chat: bool) -> dict:
+    if chat:
+        return {"content": [c for p in parts for c in p["content"]]}
+    return {"tokens": [t for p in parts for t in p["tokens"]],
+            "token_logprobs": [x for p in parts for x in p["token_logprobs"]], "top_logprobs": None,
+            "text_offset": None}
+
+
+def _bearer(request: Request) -> str | None:
+    value = request.headers.get("authorization", "")
+    if value.lower().startswith("bearer "):
+        return value[7:].strip() or None
+    return request.headers.get("x-api-key")
+
+
+async def _json(request: Request) -> dict:
+    raw = await request.body()
+    try:
+        body = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise OpenAIError(400, "the request body is not valid UTF-8", code="invalid_json") from None
+    except json.JSONDecodeError as e:
+        raise OpenAIError(400, f"the request body is not valid JSON ({e})", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise OpenAIError(400, "the request body must be a JSON object", code="invalid_json")
+    return body
+
+
+def _prompts(body: dict) -> list:
+    """Completions' prompt: a string, a list of strings, token ids, or a list of token-id lists."""
+    p = body.get("prompt")
+    if isinstance(p, str):
+        return [p]
+    if isinstance(p, list) and p:
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            return [p]
+        if all(isinstance(s, str) for s in p):
+            return p
+        if all(isinstance(s, list) and s and all(isinstance(t, int) and not isinstance(t, bool) for t in s)
+               for s in p):
+            return p
+    raise bad("prompt", "prompt must be a string, a list of strings, a list of token ids or a list of such lists")
+
+
+def _bool(body: dict, name: str) -> bool:
+    v = body.get(name)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise bad(name, f"{name} must be a boolean")
+    return v
+
+
+def _int(body: dict, name: str) -> int:
+    v = body.get(name)
+    if v is None:
+        return 0
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        raise bad(name, f"{name} must be an integer >= 0")
+    return v
+
+
+def _field_of(message: str) -> str | None:
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "stop", "min_tokens",
+                 "ignore_eos", "logprobs"):
+        if name in message:
+            return name
+    return None
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn without its own signal handling: the gateway's gRPC server owns SIGTERM and stops this one."""
+
+    def capture_signals(self):
+        return contextlib.nullcontext()
+
+
+def http_server(front: HttpFront, host: str, port: int) -> tuple[_Uvicorn, socket.socket]:
+    """A uvicorn server for the front on the running loop, and its bound socket (port 0 = any free port)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(1024)
+    sock.setblocking(False)
+    server = _Uvicorn(uvicorn.Config(front.app, log_level="warning", lifespan="off", timeout_keep_alive=30))
+    return server, sock

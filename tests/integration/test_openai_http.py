@@ -1,0 +1,160 @@
+"""The OpenAI-compatible HTTP front, with the official `openai` client against a real mesh on loopback:
+completions and chat, streaming and not, equal to the gRPC path; usage (cached tokens too); each error
+status for its cause; a client disconnect frees the request's KV blocks."""
+
+import time
+import urllib.error
+import urllib.request
+
+import grpc
+import openai
+import pytest
+import yaml
+
+from services.common.chat import ChatTemplate
+from services.common.errors import HTTP_STATUS
+from services.common.pb import meshserve_pb2 as pb
+from services.common.pb import meshserve_pb2_grpc as pb_grpc
+from services.common.tenants import hash_key
+from services.common.tokenizer import Tokenizer
+from tests.integration.conftest import start_mesh, worker_stats
+
+KEY, LIMITED = "key-main", "key-limited"
+PROMPT = "The quick brown fox jumps over the lazy dog"
+
+
+@pytest.fixture(scope="module")
+def mesh(tiny_model, tmp_path_factory):
+    cfg = {"tenants": [
+        {"name": "main", "api_key_hashes": [hash_key(KEY)], "priorities": [0]},
+        {"name": "limited", "api_key_hashes": [hash_key(LIMITED)], "limits": {"requests_per_s": 0.05}},
+    ]}
+    path = tmp_path_factory.mktemp("openai") / "mesh.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    m = start_mesh(tiny_model, tmp_path_factory, "unified", config_file=str(path))
+    yield m
+    m.stop()
+
+
+@pytest.fixture(scope="module")
+def client(mesh):
+    return openai.OpenAI(base_url=mesh.http + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def grpc_generate(mesh, ids, max_tokens):
+    req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), sampling=pb.Sampling(
+        max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    with grpc.insecure_channel(mesh.gateway) as ch:
+        out = list(pb_grpc.GenerationStub(ch).Generate(req, metadata=(("x-api-key", KEY),), timeout=60))
+    return [t for r in out for t in r.token_ids], "".join(r.text for r in out)
+
+
+def test_models_and_health(mesh, client):
+    assert [m.id for m in client.models.list()] == ["tiny"]
+    with urllib.request.urlopen(mesh.http + "/health", timeout=10) as r:
+        assert r.status == 200
+
+
+def test_completions_equal_the_grpc_path(mesh, client, tiny_model):
+    ids = Tokenizer(tiny_model).encode(PROMPT)
+    tokens, text = grpc_generate(mesh, ids, 12)
+    kw = dict(model="tiny", max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    done = client.completions.create(prompt=PROMPT, **kw)
+    assert done.choices[0].text == text and done.choices[0].finish_reason == "length"
+    assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (len(ids), len(tokens))
+    as_ids = client.completions.create(prompt=ids, **kw)
+    assert as_ids.choices[0].text == text
+    chunks = list(client.completions.create(prompt=PROMPT, stream=True, stream_options={"include_usage": True}, **kw))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(tokens)
+    with_lp = client.completions.create(prompt=PROMPT, logprobs=1, **kw)
+    assert len(with_lp.choices[0].logprobs.token_logprobs) == 12
+    assert all(x <= 0 for x in with_lp.choices[0].logprobs.token_logprobs)
+
+
+def test_a_list_of_prompts_gives_one_choice_each(client):
+    out = client.completions.create(model="tiny", prompt=["one two", "three four five"], max_tokens=3, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in out.choices) == [0, 1] and out.usage.completion_tokens == 6
+
+
+def test_chat_equals_the_grpc_path_with_the_models_template(mesh, client, tiny_model):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    rendered = ChatTemplate.from_model_dir(tiny_model).render(messages)
+    ids = Tokenizer(tiny_model).encode(rendered, add_special_tokens=False)
+    tokens, text = grpc_generate(mesh, ids, 10)
+    kw = dict(model="tiny", messages=messages, max_completion_tokens=10, temperature=0,
+              extra_body={"ignore_eos": True})
+    done = client.chat.completions.create(**kw)
+    assert done.choices[0].message.role == "assistant" and done.choices[0].message.content == text
+    assert done.usage.prompt_tokens == len(ids) and done.usage.completion_tokens == len(tokens)
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw)
+                       if c.choices)
+    assert streamed == text
+
+
+def test_usage_counts_cached_tokens_after_a_repeated_prompt(client):
+    prompt = " ".join(f"word{i}" for i in range(60))
+    kw = dict(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
+    first = client.completions.create(**kw)
+    second = client.completions.create(**kw)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached > 0 and cached % 16 == 0 and cached < second.usage.prompt_tokens
+
+
+def test_error_statuses(mesh, client):
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=mesh.http + "/v1", api_key="wrong", max_retries=0).completions.create(
+            model="tiny", prompt="x", max_tokens=1)
+    with pytest.raises(openai.PermissionDeniedError):
+        client.completions.create(model="tiny", prompt="x", max_tokens=1, extra_body={"priority": 3})
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-5", prompt="x", max_tokens=1)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="x", max_tokens=1, n=2)
+    assert e.value.body["param"] == "n"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=1,
+                                       response_format={"type": "json_object"})
+    assert e.value.body["param"] == "response_format"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="x", max_tokens=5000)  # beyond the context
+    with pytest.raises(openai.APIStatusError) as e:
+        client.completions.create(model="tiny", prompt="x", max_tokens=1, extra_body={"deadline_ms": 1})
+    assert e.value.status_code == 504
+    limited = openai.OpenAI(base_url=mesh.http + "/v1", api_key=LIMITED, max_retries=0)
+    limited.completions.create(model="tiny", prompt="x", max_tokens=1)
+    with pytest.raises(openai.RateLimitError) as e:
+        limited.completions.create(model="tiny", prompt="x", max_tokens=1)
+    assert int(e.value.response.headers["retry-after"]) >= 1
+    req = urllib.request.Request(mesh.http + "/v1/completions", data=b"{not json",
+                                 headers={"authorization": f"Bearer {KEY}"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=10)
+    assert e.value.code == 400 and b"invalid_request_error" in e.value.read()
+
+
+def test_status_mapping_table():
+    assert HTTP_STATUS == {"INVALID_ARGUMENT": 400, "OUT_OF_RANGE": 400, "NOT_FOUND": 404, "UNAUTHENTICATED": 401,
+                           "PERMISSION_DENIED": 403, "RESOURCE_EXHAUSTED": 429, "DEADLINE_EXCEEDED": 504,
+                           "UNAVAILABLE": 503, "CANCELLED": 499, "FAILED_PRECONDITION": 500, "INTERNAL": 500}
+
+
+def test_client_disconnect_frees_the_kv_blocks(mesh, client):
+    stream = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=1500, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    aborted_before = sum(worker_stats(p.address).aborted for p in mesh.workers("unified"))
+    chunks = iter(stream)
+    for _ in range(3):
+        next(chunks)
+    assert sum(worker_stats(p.address).blocks_used for p in mesh.workers("unified")) > 0
+    stream.close()  # the client goes away mid-stream
+    deadline = time.monotonic() + 15
+    while sum(worker_stats(p.address).aborted for p in mesh.workers("unified")) == aborted_before:
+        assert time.monotonic() < deadline, "the worker never aborted the request"
+        time.sleep(0.05)
+    deadline = time.monotonic() + 15  # the abort travels asynchronously
+    while sum(worker_stats(p.address).blocks_used for p in mesh.workers("unified")) > 0:
+        assert time.monotonic() < deadline, "blocks still held after the client went away"
+        time.sleep(0.1)
