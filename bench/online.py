@@ -9,7 +9,8 @@ import time
 
 import grpc
 
-from bench.latency import Timing
+from bench.common import log
+from bench.latency import Timing, poisson_arrivals
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.up import request_from_line
@@ -79,3 +80,34 @@ class LoadSampler:
         ratios = [max(s) / (sum(s) / len(s)) for s, n in zip(self.samples, self.requests)
                   if sum(s) > 0 and (not busy or n >= len(s))]
         return round(sum(ratios) / len(ratios), 3) if ratios else None
+
+
+def warm(mesh) -> None:
+    """A few short requests so every worker has run a step (their prompts share nothing with a workload)."""
+    reqs = [{"id": f"warm-{i}", "prompt_token_ids": [5 + i] * 24, "max_tokens": 4, "temperature": 0.0,
+             "ignore_eos": True} for i in range(8)]
+    run_online(mesh.gateway, reqs, [0.0] * len(reqs))
+
+
+def compare_policies(make_mesh, reqs: list, n_sat: int, load: float, policies, seed: int) -> tuple[dict, dict]:
+    """Saturation first (the first n_sat requests at once, least-outstanding), then each routing policy on a
+    fresh mesh (cold caches) with the same Poisson arrivals at load x saturation.
+
+    Returns ({policy: (timings, wall_s, LoadSampler)}, {"saturation_req_per_s", "offered_req_per_s"})."""
+    with make_mesh("least-outstanding") as m:
+        log(f"saturation: the first {n_sat} requests at once, least-outstanding")
+        warm(m)
+        _, wall = run_online(m.gateway, reqs[:n_sat], [0.0] * n_sat)
+    sat = n_sat / wall
+    rate = load * sat
+    arrivals = poisson_arrivals(len(reqs), rate, seed)
+    log(f"saturation {sat:.2f} req/s; offered {rate:.2f} req/s")
+    runs = {}
+    for policy in policies:
+        with make_mesh(policy) as m:
+            warm(m)
+            log(f"{policy}: {len(reqs)} requests")
+            with LoadSampler([p.address for p in m.workers("unified")]) as sampler:
+                timings, wall = run_online(m.gateway, reqs, arrivals)
+        runs[policy] = (timings, wall, sampler)
+    return runs, {"saturation_req_per_s": round(sat, 3), "offered_req_per_s": round(rate, 3)}

@@ -18,8 +18,8 @@ import random
 from pathlib import Path
 
 from bench.common import default_model, log, machine, print_table, write_result
-from bench.latency import poisson_arrivals, summarize
-from bench.online import LoadSampler, run_online
+from bench.latency import summarize
+from bench.online import compare_policies
 from services.launcher import Mesh, MeshSpec
 
 POLICIES = ("round-robin", "least-outstanding", "prefix-aware")
@@ -57,26 +57,13 @@ def run(args) -> int:
     def mesh(policy):
         return Mesh(MeshSpec(str(model_dir), mode="unified", unified=4, engine_args=engine, policy=policy))
 
-    with mesh("least-outstanding") as m:
-        log(f"saturation: the first {n_sat} requests at once, least-outstanding")
-        _warm(m)
-        _, wall = run_online(m.gateway, reqs[:n_sat], [0.0] * n_sat)
-    sat = n_sat / wall
-    rate = args.prefix_load * sat
-    arrivals = poisson_arrivals(n, rate, args.seed)
-    log(f"saturation {sat:.2f} req/s; offered {rate:.2f} req/s")
+    runs, rates = compare_policies(mesh, reqs, n_sat, args.prefix_load, POLICIES, args.seed)
     systems_out = {}
-    for policy in POLICIES:
-        with mesh(policy) as m:
-            _warm(m)
-            log(f"{policy}: {n} requests")
-            with LoadSampler([p.address for p in m.workers("unified")]) as sampler:
-                timings, wall = run_online(m.gateway, reqs, arrivals)
+    for policy, (timings, wall, sampler) in runs.items():
         prompt = sum(t.prompt_tokens for t in timings)
         cached = sum(t.cached_tokens for t in timings)
-        s = summarize(timings, wall)
         systems_out[policy] = {"prefill_tokens_computed": prompt - cached,
-                               "prefix_hit_rate": round(cached / prompt, 4), **s,
+                               "prefix_hit_rate": round(cached / prompt, 4), **summarize(timings, wall),
                                "imbalance_max_over_mean": sampler.imbalance(),
                                "imbalance_busy_max_over_mean": sampler.imbalance(busy=True)}
         log(f"{policy}: {systems_out[policy]}")
@@ -85,18 +72,10 @@ def run(args) -> int:
               round(pa["prefill_tokens_computed"] / rr["prefill_tokens_computed"], 3),
               "prefix-aware/round-robin:ttft_ms_p50": round(pa["ttft_ms_p50"] / rr["ttft_ms_p50"], 3)}
     result = {"workload": "prefix-shared", "command": args.command_line, "machine": machine(),
-              "config": {"requests": n, "saturation_requests": n_sat, "load": args.prefix_load,
-                         "saturation_req_per_s": round(sat, 3), "offered_req_per_s": round(rate, 3),
+              "config": {"requests": n, "saturation_requests": n_sat, "load": args.prefix_load, **rates,
                          "workers": 4, "threads_per_worker": 1, "engine_args": engine,
                          "system_prompt_tokens": [len(x) for x in systems], "model": str(model_dir)},
               "systems": systems_out, "ratios": ratios}
     write_result(result, args.out)
     print_table(result)
     return 0
-
-
-def _warm(mesh: Mesh) -> None:
-    """A few short requests so every worker has run a step (their prompts share nothing with the workload)."""
-    warm = [{"id": f"warm-{i}", "prompt_token_ids": [5 + i] * 24, "max_tokens": 4, "temperature": 0.0,
-             "ignore_eos": True} for i in range(8)]
-    run_online(mesh.gateway, warm, [0.0] * len(warm))

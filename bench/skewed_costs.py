@@ -15,9 +15,8 @@ import random
 from pathlib import Path
 
 from bench.common import default_model, log, machine, print_table, write_result
-from bench.latency import percentile, poisson_arrivals, summarize
-from bench.online import LoadSampler, run_online
-from bench.prefix_shared import _warm
+from bench.latency import percentile, summarize
+from bench.online import compare_policies
 from services.launcher import Mesh, MeshSpec
 
 POLICIES = ("round-robin", "least-outstanding")
@@ -52,29 +51,16 @@ def run(args) -> int:
         return Mesh(MeshSpec(str(model_dir), mode="unified", unified=2, engine_args=["--max-num-batched-tokens", "512"],
                              worker_args={"unified-0": BIG, "unified-1": SMALL}, policy=policy))
 
-    with mesh("least-outstanding") as m:
-        log(f"saturation: the first {n_sat} requests at once, least-outstanding")
-        _warm(m)
-        _, wall = run_online(m.gateway, reqs[:n_sat], [0.0] * n_sat)
-    sat = n_sat / wall
-    rate = args.skew_load * sat
-    arrivals = poisson_arrivals(n, rate, args.seed)
-    log(f"saturation {sat:.2f} req/s; offered {rate:.2f} req/s")
+    runs, rates = compare_policies(mesh, reqs, n_sat, args.skew_load, POLICIES, args.seed)
     systems = {}
-    for policy in POLICIES:
-        with mesh(policy) as m:
-            _warm(m)
-            log(f"{policy}: {n} requests")
-            with LoadSampler([p.address for p in m.workers("unified")]) as sampler:
-                timings, wall = run_online(m.gateway, reqs, arrivals)
+    for policy, (timings, wall, sampler) in runs.items():
         systems[policy] = {**summarize(timings, wall), "imbalance_max_over_mean": sampler.imbalance(),
-                               "imbalance_busy_max_over_mean": sampler.imbalance(busy=True)}
+                           "imbalance_busy_max_over_mean": sampler.imbalance(busy=True)}
         log(f"{policy}: {systems[policy]}")
     lo, rr = systems["least-outstanding"], systems["round-robin"]
     ratios = {f"least-outstanding/round-robin:{k}": round(lo[k] / rr[k], 3) for k in ("ttft_ms_p99", "e2e_ms_p99")}
     result = {"workload": "skewed-costs", "command": args.command_line, "machine": machine(),
-              "config": {"requests": n, "saturation_requests": n_sat, "load": args.skew_load,
-                         "saturation_req_per_s": round(sat, 3), "offered_req_per_s": round(rate, 3),
+              "config": {"requests": n, "saturation_requests": n_sat, "load": args.skew_load, **rates,
                          "workers": {"unified-0": BIG, "unified-1": SMALL}, "threads_per_worker": 1,
                          "output_tokens_median": percentile(outs, 0.5), "output_tokens_p99": percentile(outs, 0.99),
                          "model": str(model_dir)},

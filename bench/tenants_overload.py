@@ -6,7 +6,7 @@ tenants with weights 1 : 1 : 2 send Poisson streams for 3 minutes: A at 1.25 C (
 B at 0.25 C, C at 0.5 C, so the offered load is 2 C. Prompts are uniform 64-512 tokens, outputs
 uniform 32-256 (greedy, EOS ignored); 30% of requests carry an end-to-end deadline of k x their
 predicted solo latency, k uniform in [1.5, 4] (solo latency = a + b x prompt + c x output, fitted
-by least squares on requests sent one at a time in the same run). The gateway's admission
+by least squares, no negative term, on 24 requests sent one at a time in the same run). The gateway's admission
 policy and every engine's slot policy are the system under test; nothing retries.
 
 Metrics per system (service counted in the fairness unit: prompt tokens + 2 x output tokens,
@@ -80,12 +80,10 @@ def run(args) -> int:
         t0 = time.perf_counter()
         _drive(m.gateway, keys, [(0.0, r) for r in burst])
         cap = n_sat / (time.perf_counter() - t0)
-        solo = [_request(rng, i, "C") for i in range(12)]
-        log("solo latencies for the deadline model")
+        solo = [_request(rng, i, "C") for i in range(24)]
+        log("24 solo latencies for the deadline model")
         lat = [_drive(m.gateway, keys, [(0.0, r)])[0] for r in solo]
-    x = np.array([[1.0, len(r["prompt_token_ids"]), r["max_tokens"]] for r in solo])
-    y = np.array([o["e2e_ms"] for o in lat])
-    coef = np.linalg.lstsq(x, y, rcond=None)[0]
+    coef = _fit([(len(r["prompt_token_ids"]), r["max_tokens"]) for r in solo], [o["e2e_ms"] for o in lat])
     log(f"capacity C = {cap:.2f} req/s; solo latency ms = {coef[0]:.1f} + {coef[1]:.3f} x prompt + "
         f"{coef[2]:.2f} x output")
 
@@ -134,6 +132,20 @@ def run(args) -> int:
     write_result(result, args.out)
     print_table(result)
     return 0
+
+
+def _fit(lengths: list, e2e_ms: list) -> list:
+    """Least squares e2e = a + b x prompt + c x output, with no negative term (a negative one is dropped)."""
+    x, y = np.array([[1.0, p, o] for p, o in lengths]), np.array(e2e_ms)
+    keep = [0, 1, 2]
+    while True:
+        c = np.linalg.lstsq(x[:, keep], y, rcond=None)[0]
+        if (c >= 0).all() or len(keep) == 1:
+            coef = [0.0, 0.0, 0.0]
+            for k, v in zip(keep, c):
+                coef[k] = max(float(v), 0.0)
+            return coef
+        keep.pop(int(np.argmin(c)))
 
 
 def _service(prompt: int, output: int) -> float:

@@ -9,9 +9,11 @@ capacity frees. The queue adds what only it can know:
   requests served at once, a request starts no later than (remaining predicted work of the
   running requests + predicted work of those dispatched before it) / slots from now. Whenever
   dispatching the policy's choice out of arrival order would push some request past its
-  start-by time (arrival + bound), the oldest goes next instead. A request whose predicted wait
-  at the back of the queue already exceeds the bound is rejected at arrival with
-  RESOURCE_EXHAUSTED and a retry-after hint, as is one that would overflow its tenant's queue.
+  start-by time (arrival + bound), the oldest goes next instead. When the work queued would
+  make a newcomer wait past the bound, the policy's victim is rejected with RESOURCE_EXHAUSTED
+  and a retry-after hint: the newcomer itself under FCFS, the newest request of the most
+  over-served tenant under the fair policies (push-out); so is a request that would overflow
+  its tenant's queue.
 - deadlines: with a deadline-aware policy, a request whose slack (deadline - now - predicted
   service time) is negative is rejected at arrival with DEADLINE_EXCEEDED rather than served
   late, and one whose slack runs out while queued is dropped the same way (expired()). Under
@@ -83,24 +85,37 @@ class AdmissionQueue:
     def queued(self, tenant: str) -> int:
         return sum(1 for p in self.queue if p.tenant == tenant)
 
-    def offer(self, p: Pending, now: float) -> None:
-        """Queue p, or raise DEADLINE_EXCEEDED / RESOURCE_EXHAUSTED (see the module docstring)."""
+    def offer(self, p: Pending, now: float) -> list[Pending]:
+        """Queue p, or raise DEADLINE_EXCEEDED / RESOURCE_EXHAUSTED (see the module docstring).
+
+        When the queue holds more work than the bound allows, the policy's victim goes (push-out,
+        as fair queueing drops from the most over-served flow): under a fair policy that is the
+        newest request of the tenant furthest above its share, under FCFS the newcomer itself.
+        Returns the requests pushed out, for the caller to reject."""
         if p.deadline_s is not None and (p.deadline_s <= now or self.policy.uses_deadlines and slack(p, now) < 0):
             raise DeadlineExceeded(f"the deadline cannot be met: {max(p.deadline_s - now, 0) * 1e3:.0f} ms left, "
                                    f"predicted service {p.predicted_s * 1e3:.0f} ms")
         if p.max_queued is not None and self.queued(p.tenant) >= p.max_queued:
             raise CapacityExhausted(f"tenant {p.tenant!r} already has {p.max_queued} requests queued (its limit)",
                                     retry_after_ms=math.ceil(self.predicted_wait(now, self.queue) * 1000) or 100)
-        wait = self.predicted_wait(now, self.queue)
-        if wait > self.starvation_s:
-            raise CapacityExhausted(
-                f"the mesh is overloaded: predicted queue wait {wait:.1f} s exceeds the {self.starvation_s:g} s bound",
-                retry_after_ms=math.ceil((wait - self.starvation_s) * 1000))
         backlogged = self.backlogged()
         if p.tenant not in backlogged:
             self.policy.activate(p.tenant, backlogged)
         p.seq_no, self._seq = self._seq, self._seq + 1
+        pushed = []
+        while (wait := self.predicted_wait(now, self.queue)) > self.starvation_s:
+            victim = self.policy.victim([q for q in self.queue if now - q.arrival_s < self.starvation_s] + [p], now)
+            if victim is p:
+                for q in pushed:  # nothing gained: put them back
+                    self.queue.append(q)
+                self.queue.sort(key=lambda q: q.seq_no)
+                raise CapacityExhausted(
+                    f"the mesh is overloaded: predicted queue wait {wait:.1f} s exceeds the {self.starvation_s:g} s "
+                    "bound", retry_after_ms=math.ceil((wait - self.starvation_s) * 1000))
+            self.queue.remove(victim)
+            pushed.append(victim)
         self.queue.append(p)
+        return pushed
 
     def predicted_wait(self, now: float, ahead: list) -> float:
         """Latest start, from now, of a request dispatched after `ahead` (list-scheduling bound)."""

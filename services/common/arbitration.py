@@ -78,6 +78,12 @@ class ArbitrationPolicy:
         """The claim to preempt first: the last one in serving order (None when empty)."""
         return max(claims, key=lambda c: self.rank(c, now), default=None)
 
+    def should_preempt(self, waiting: SlotClaim, running: SlotClaim, now: float, margin: float) -> bool:
+        """Every slot is taken: should `running` yield its slot to `waiting`? `margin` is the waiting claim's
+        own weighted cost, the hysteresis that keeps two claims from taking the slot from each other in turn.
+        By default never (FCFS and deadline order do not preempt for slots)."""
+        return False
+
     def activate(self, tenant: str, backlogged: Iterable[str]) -> None:
         """tenant had nothing queued and now has; `backlogged` are the tenants with queued claims."""
 
@@ -97,6 +103,9 @@ class PriorityPolicy(ArbitrationPolicy):
 
     def rank(self, claim: SlotClaim, now: float) -> tuple:
         return (claim.priority, claim.arrival_s, claim.seq_no)
+
+    def should_preempt(self, waiting: SlotClaim, running: SlotClaim, now: float, margin: float) -> bool:
+        return waiting.priority < running.priority
 
 
 class DeadlinePolicy(ArbitrationPolicy):
@@ -121,6 +130,9 @@ class FairPolicy(ArbitrationPolicy):
 
     def rank(self, claim: SlotClaim, now: float) -> tuple:
         return (self.counter(claim.tenant), claim.arrival_s, claim.seq_no)
+
+    def should_preempt(self, waiting: SlotClaim, running: SlotClaim, now: float, margin: float) -> bool:
+        return self.counter(running.tenant) - self.counter(waiting.tenant) > margin
 
     def activate(self, tenant: str, backlogged: Iterable[str]) -> None:
         others = [self.counter(t) for t in set(backlogged) if t != tenant]

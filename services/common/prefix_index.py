@@ -146,36 +146,37 @@ class IndexPublisher:
 
     async def flush(self, snapshot) -> bool:
         """Send what is pending (or the whole state when due); False while Redis is unreachable."""
-        if not self.backoff.ready():
-            return False
-        try:
-            if self.resync:
-                await self._republish(await snapshot())
-            elif self.pending:
-                await self._send(self.pending)
-            self.pending = []
-            self._up()
-            return True
-        except (RedisError, OSError) as e:
-            self._down(e)
-            return False
+        return await self._guarded(self._flush, snapshot)
 
     async def keepalive(self, snapshot) -> bool:
         """Refresh the live key; republish everything when it was gone (Redis restarted or we were away)."""
+        return await self._guarded(self._keepalive, snapshot)
+
+    async def _guarded(self, step, snapshot) -> bool:
         if not self.backoff.ready():
             return False
         try:
-            if not self.resync and await self.client.set(self.live_key, "1", ex=self.live_ttl_s, get=True) is None:
-                log.info("prefix index: live key %s was missing; republishing the whole state", self.live_key)
-                self.resync = True
-            if self.resync:
-                await self._republish(await snapshot())
-                self.pending = []
-            self._up()
-            return True
+            await step(snapshot)
         except (RedisError, OSError) as e:
             self._down(e)
             return False
+        self._up()
+        return True
+
+    async def _flush(self, snapshot) -> None:
+        if self.resync:
+            await self._republish(await snapshot())
+        elif self.pending:
+            await self._send(self.pending)
+        self.pending = []
+
+    async def _keepalive(self, snapshot) -> None:
+        if not self.resync and await self.client.set(self.live_key, "1", ex=self.live_ttl_s, get=True) is None:
+            log.info("prefix index: live key %s was missing; republishing the whole state", self.live_key)
+            self.resync = True
+        if self.resync:
+            await self._republish(await snapshot())
+            self.pending = []
 
     async def withdraw(self) -> None:
         """On a clean stop: our entries stop counting at once."""

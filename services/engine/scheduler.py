@@ -6,8 +6,9 @@ Running requests come first (decodes take one token, partial prefills the rest o
 then waiting requests in the arbitration policy's order, their prompts chunked to the budget
 left and reusing cached prefix blocks. When blocks run out, the policy's victim among the
 requests not yet scheduled this step is preempted: its blocks are freed and it recomputes
-later (its sampled tokens are kept, so its output is unchanged). A step that preempted admits
-nobody new. The policy learns of service through charge(): prompt tokens computed when a
+later (its sampled tokens are kept, so its output is unchanged). When every slot is taken and a
+waiting request ranks before the policy's victim among the running, the victim yields its slot
+the same way. A step that preempted admits nobody new. The policy learns of service through charge(): prompt tokens computed when a
 request is first admitted (the engine charges output tokens as they are sampled), and of a
 tenant becoming backlogged through activate().
 """
@@ -17,7 +18,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from services.common.arbitration import ArbitrationPolicy
+from services.common.arbitration import ArbitrationPolicy, cost
 from services.engine.kv_manager import KVCacheManager
 from services.engine.request import Request, Status
 
@@ -68,11 +69,24 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         now = self.clock()
+        self._preempt_for_slot(out, now)
         budget = self._schedule_running(out, self.budget, now)
         if not out.preempted:
             self._schedule_waiting(out, budget, now)
         out.num_tokens = sum(s.num_new for s in out.seqs)
         return out
+
+    def _preempt_for_slot(self, out: SchedulerOutput, now: float) -> None:
+        """Every slot is taken and the policy says the best waiting request should have the victim's slot
+        (a more urgent class; a tenant further below the victim's counter than the waiting request's own
+        whole cost, so that serving it cannot lift it past the victim and the two never swap back and
+        forth): the victim yields it and recomputes later. FCFS and deadline order never preempt for slots."""
+        if len(self.running) < self.max_num_seqs or not self.waiting:
+            return
+        best, victim = self.policy.pick(self.waiting, now), self.policy.victim(self.running, now)
+        margin = cost(best.num_prompt, best.params.max_tokens, best.weight)
+        if self.policy.should_preempt(best, victim, now, margin):
+            self._preempt(victim, out)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, now: float) -> int:
         queue = self.policy.order(self.running, now)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -100,10 +101,15 @@ class Admission:
             p = Pending(req_id, tenant.name, tenant.weight, now, 0, prompt_tokens, max_tokens, priority=priority,
                         deadline_s=deadline_s, predicted_s=self.cost.predict(prompt_tokens, max_tokens),
                         max_queued=tenant.limits.max_queued)
-            self.queue.offer(p, now)
+            pushed = self.queue.offer(p, now)
         except MeshError as e:
             self.metrics.outcome(tenant.name, "rejected", _reason(e))
             raise
+        for q in pushed:
+            self.metrics.outcome(q.tenant, "rejected", "pushed-out")
+            _settle(self.waiters.get(id(q)), CapacityExhausted(
+                f"pushed out of the admission queue: the mesh is overloaded and tenant {q.tenant!r} is the furthest "
+                f"over its share", retry_after_ms=math.ceil(self.queue.starvation_s * 1000)))
         fut = asyncio.get_running_loop().create_future()
         self.waiters[id(p)] = fut
         st.queued += 1
@@ -157,10 +163,21 @@ class Admission:
             _settle(self.waiters.get(id(p)), None)
 
     def _can_run(self, p: Pending) -> bool:
-        limit = self.states[p.tenant].tenant.limits.max_concurrent
-        if limit is not None and self.states[p.tenant].running >= limit:
+        st = self.states[p.tenant]
+        limit = st.tenant.limits.max_concurrent
+        if limit is not None and st.running >= limit:
             return False
-        return self._has_room(p)
+        return self._has_room(p) or self._under_share(st)
+
+    def _under_share(self, st: TenantState) -> bool:
+        """A tenant holding fewer slots than its weighted share (among tenants with work) may go in even when
+        the mesh is full: the engines' schedulers then preempt the most over-served tenant's request for it
+        (same policy), instead of the newcomer waiting for a long request to finish."""
+        if not self.queue.policy.name.startswith("fair") or not self.view.slots:
+            return False
+        active = [x for x in self.states.values() if x.running or x.queued]
+        total = sum(x.tenant.weight for x in active) or st.tenant.weight
+        return st.running < self.view.slots * st.tenant.weight / total
 
     async def tick(self, period_s: float = 0.05) -> None:
         """Expire and dispatch on a clock too (deadlines pass without any event)."""

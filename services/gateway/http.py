@@ -299,14 +299,18 @@ class _Call:
         """None when streams are under way (the first responses are held), or the OpenAIError."""
         with trace.use_span(self.span, end_on_exit=False):
             self.task = asyncio.ensure_future(self._run())  # copies the context: the span is the parent
-        firsts = []
-        while len(firsts) < len(self.reqs):
+        held, started = [], set()
+        while len(started) < len(self.reqs):
             index, r = await self.queue.get()
             if isinstance(r, OpenAIError):
                 self.cancel()
                 return r
-            firsts.append((index, r))
-        self.pending = firsts
+            started.add(index)
+            if r is None:  # that prompt's stream has ended already
+                self.done += 1
+            else:
+                held.append((index, r))
+        self.pending = held
         return None
 
     async def _run(self) -> None:

@@ -42,3 +42,21 @@ def test_deadline_policy_in_the_engine_serves_least_slack_first(tiny_model):
     while engine.has_unfinished():
         finished += [o.req_id for o in engine.step() if o.finished]
     assert finished == ["tight", "lax", "none"]
+
+
+def test_a_backlogged_light_tenant_preempts_once_the_heavy_one_is_a_whole_request_ahead(tiny_model):
+    engine = make_engine(tiny_model, num_blocks=64, block_size=16, budget=64, max_seqs=1, policy="fair")
+    heavy = engine.add_request("heavy", list(range(3, 40)), SamplingParams(max_tokens=120, ignore_eos=True),
+                               tenant="heavy")
+    engine.step()
+    light = [engine.add_request(f"light-{i}", list(range(50 + i, 60 + i)),
+                                SamplingParams(max_tokens=4, ignore_eos=True), tenant="light") for i in range(2)]
+    policy, finished, order = engine.scheduler.policy, [], []
+    while engine.has_unfinished():
+        finished += [o.req_id for o in engine.step() if o.finished]
+        order.append(policy.counter("heavy") - policy.counter("light"))
+        engine.kv.check_integrity()
+    # light waited until heavy was more than a whole light request (10 + 2 x 4 = 18) ahead, then both light
+    # requests ran before heavy finished; heavy was preempted once and never took the slot back early
+    assert finished == ["light-0", "light-1", "heavy"]
+    assert heavy.num_preemptions == 1 and all(r.num_preemptions == 0 for r in light)

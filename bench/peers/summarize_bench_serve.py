@@ -1,0 +1,27 @@
+"""Side-by-side table of `vllm bench serve` results saved by vllm_bench_serve.sh (argv[1] = their folder)."""
+
+import json
+import sys
+from pathlib import Path
+
+METRICS = [("output_throughput", "output tok/s"), ("request_throughput", "req/s"), ("median_ttft_ms", "TTFT p50 ms"),
+           ("p99_ttft_ms", "TTFT p99 ms"), ("median_tpot_ms", "TPOT p50 ms"), ("p99_tpot_ms", "TPOT p99 ms"),
+           ("completed", "completed")]
+
+
+def main(folder: str) -> None:
+    out = {}
+    for run in ("inf", "rate4"):
+        for system in ("meshserve", "vllm"):
+            path = Path(folder) / f"{system}-{run}.json"
+            if path.exists():
+                out[(run, system)] = json.loads(path.read_text())
+    print(f"{'run':8}{'system':11}" + "".join(f"{label:>14}" for _, label in METRICS))
+    for (run, system), r in sorted(out.items()):
+        print(f"{run:8}{system:11}" + "".join(f"{r.get(k, float('nan')):>14.1f}" for k, _ in METRICS))
+    summary = {f"{system}:{run}": {k: out[(run, system)].get(k) for k, _ in METRICS} for run, system in out}
+    (Path(folder) / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
