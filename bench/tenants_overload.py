@@ -183,6 +183,13 @@ async def _drive_async(gateway: str, keys: dict, schedule: list) -> list[dict]:
         return list(await asyncio.gather(*(one(at, r) for at, r in schedule)))
 
 
+def _count(items) -> dict:
+    out: dict = {}
+    for x in items:
+        out[x] = out.get(x, 0) + 1
+    return out
+
+
 def _max_min_shares(total: float, demand: dict, weights: dict) -> dict:
     """Weighted max-min fair split of `total` given demands (water-filling)."""
     share, left, active = {t: 0.0 for t in demand}, total, set(demand)
@@ -220,4 +227,6 @@ def _metrics(outs: list, schedule: list, demand: dict, duration: float, alone: d
             "fair_share": {t: r(shares[t] / max(sum(shares.values()), 1e-9)) for t in TENANTS},
             "ttft_ms_p99": {t: r(ttft[t]) for t in TENANTS},
             "rejected_by_tenant": {t: sum(1 for o in outs if o["tenant"] == t and "error" in o) for t in TENANTS},
+            "errors_by_tenant": {t: _count(o["error"] for o in outs if o["tenant"] == t and "error" in o)
+                                 for t in TENANTS},
             "requests": len(outs)}

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from services.common.arbitration import ArbitrationPolicy, slack
+from services.common.arbitration import ArbitrationPolicy, FairPolicy, slack
 from services.common.errors import CapacityExhausted, DeadlineExceeded
 
 
@@ -77,6 +77,7 @@ class AdmissionQueue:
     slots: int = 1  # requests the mesh serves at once (the caller keeps this current)
     queue: list = field(default_factory=list)
     running: dict = field(default_factory=dict)  # dispatched, not finished: id(p) -> p
+    calibration: float = 1.0  # EWMA of actual / predicted service time of finished requests
     _seq: int = 0
 
     def backlogged(self) -> set[str]:
@@ -88,10 +89,11 @@ class AdmissionQueue:
     def offer(self, p: Pending, now: float) -> list[Pending]:
         """Queue p, or raise DEADLINE_EXCEEDED / RESOURCE_EXHAUSTED (see the module docstring).
 
-        When the queue holds more work than the bound allows, the policy's victim goes (push-out,
-        as fair queueing drops from the most over-served flow): under a fair policy that is the
-        newest request of the tenant furthest above its share, under FCFS the newcomer itself.
-        Returns the requests pushed out, for the caller to reject."""
+        When the queue holds more work than the bound allows, something goes: under FCFS (and the
+        other unfair orders) the newcomer itself; under the fair policies the newest request of the
+        tenant with the most queued work per unit of weight (push-out from the longest weighted
+        queue, as fair queueing manages its buffer), which is the newcomer only if its own tenant
+        is that one. Returns the requests pushed out, for the caller to reject."""
         if p.deadline_s is not None and (p.deadline_s <= now or self.policy.uses_deadlines and slack(p, now) < 0):
             raise DeadlineExceeded(f"the deadline cannot be met: {max(p.deadline_s - now, 0) * 1e3:.0f} ms left, "
                                    f"predicted service {p.predicted_s * 1e3:.0f} ms")
@@ -104,7 +106,7 @@ class AdmissionQueue:
         p.seq_no, self._seq = self._seq, self._seq + 1
         pushed = []
         while (wait := self.predicted_wait(now, self.queue)) > self.starvation_s:
-            victim = self.policy.victim([q for q in self.queue if now - q.arrival_s < self.starvation_s] + [p], now)
+            victim = self._push_out_victim(p, now)
             if victim is p:
                 for q in pushed:  # nothing gained: put them back
                     self.queue.append(q)
@@ -117,10 +119,22 @@ class AdmissionQueue:
         self.queue.append(p)
         return pushed
 
+    def _push_out_victim(self, p: Pending, now: float) -> Pending:
+        if not isinstance(self.policy, FairPolicy):
+            return p
+        candidates = [q for q in self.queue if now - q.arrival_s < self.starvation_s] + [p]
+        work: dict[str, float] = {}
+        for q in candidates:
+            work[q.tenant] = work.get(q.tenant, 0.0) + q.predicted_s / q.weight
+        longest = max(work, key=lambda t: (work[t], t == p.tenant))
+        return max((q for q in candidates if q.tenant == longest), key=lambda q: (q.arrival_s, q.seq_no))
+
     def predicted_wait(self, now: float, ahead: list) -> float:
-        """Latest start, from now, of a request dispatched after `ahead` (list-scheduling bound)."""
-        remaining = sum(max(0.0, r.predicted_s - (now - r.dispatched_s)) for r in self.running.values())
-        return (remaining + sum(p.predicted_s for p in ahead)) / max(self.slots, 1)
+        """Latest start, from now, of a request dispatched after `ahead` (list-scheduling bound), with
+        predictions scaled by how long dispatched requests have actually taken (calibration)."""
+        remaining = sum(max(0.0, r.predicted_s * self.calibration - (now - r.dispatched_s))
+                        for r in self.running.values())
+        return (remaining + sum(p.predicted_s for p in ahead) * self.calibration) / max(self.slots, 1)
 
     def next(self, now: float, can_run=lambda p: True) -> Pending | None:
         """Remove and return the request to dispatch now (None if none may run)."""
@@ -139,14 +153,15 @@ class AdmissionQueue:
 
     def _would_starve(self, oldest: list, choice: Pending, now: float) -> bool:
         """Would dispatching `choice` first push some request past arrival + bound?"""
-        remaining = sum(max(0.0, r.predicted_s - (now - r.dispatched_s)) for r in self.running.values())
-        ahead = remaining + choice.predicted_s
+        c = self.calibration
+        remaining = sum(max(0.0, r.predicted_s * c - (now - r.dispatched_s)) for r in self.running.values())
+        ahead = remaining + choice.predicted_s * c
         for p in oldest:
             if p is choice:
                 continue
             if now + ahead / max(self.slots, 1) > p.arrival_s + self.starvation_s:
                 return True
-            ahead += p.predicted_s
+            ahead += p.predicted_s * c
         return False
 
     def expired(self, now: float) -> list[Pending]:
@@ -161,9 +176,13 @@ class AdmissionQueue:
         if p in self.queue:
             self.queue.remove(p)
 
-    def finished(self, p: Pending, output_tokens: int) -> None:
-        """A dispatched request ended: refund the reserved output tokens it did not generate."""
+    def finished(self, p: Pending, output_tokens: int, now: float | None = None) -> None:
+        """A dispatched request ended: refund the reserved output tokens it did not generate; with `now`,
+        learn how far its predicted service time was off (for a request that ran to its max_tokens)."""
         self.running.pop(id(p), None)
+        if now is not None and p.predicted_s > 0 and p.dispatched_s is not None and output_tokens >= p.max_tokens:
+            ratio = min(max((now - p.dispatched_s) / p.predicted_s, 0.1), 10.0)
+            self.calibration = 0.9 * self.calibration + 0.1 * ratio
         unused = p.max_tokens - output_tokens
         if unused > 0:
             self.policy.charge(p.tenant, p.weight, 0, -unused)

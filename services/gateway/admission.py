@@ -143,7 +143,7 @@ class Admission:
         self.running_requests -= 1
         self.running_tokens -= p.input_tokens + p.max_tokens
         self.states[p.tenant].running -= 1
-        self.queue.finished(p, output_tokens)
+        self.queue.finished(p, output_tokens, self.clock())
 
     def pump(self) -> None:
         """Drop what can no longer meet its deadline; dispatch while there is room."""

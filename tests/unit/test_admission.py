@@ -90,9 +90,10 @@ def test_queue_rejects_what_it_cannot_serve_in_time():
     for i in range(29):  # 2 + 29 x 2 = 60 s of work ahead over 2 slots: a newcomer starts by 30 s, just within
         q.offer(pending(f"b{i}", 0.0, tenant="B", predicted_s=2.0), 0.0)
     q.offer(pending("just-in", 0.0, tenant="C", predicted_s=2.0), 0.0)
-    with pytest.raises(CapacityExhausted, match="predicted queue wait 31.0 s") as e:
-        q.offer(pending("too-many", 0.0, tenant="C", predicted_s=2.0), 0.0)
+    with pytest.raises(CapacityExhausted, match="predicted queue wait 31.0 s") as e:  # B's queue is the longest
+        q.offer(pending("too-many", 0.0, tenant="B", predicted_s=2.0), 0.0)
     assert e.value.retry_after_ms > 0
+    assert [p.req_id for p in q.offer(pending("c1", 0.0, tenant="C", predicted_s=2.0), 0.0)] == ["b28"]
     assert [p.req_id for p in q.expired(8.5)] == ["ok"]  # 10 - 8.5 - 2 < 0: dropped, not served late
 
 
@@ -203,3 +204,26 @@ def test_no_admitted_request_waits_past_the_starvation_bound(specs, slots, bound
     specs = [(w, [(t % 5, p, o) for t, p, o in reqs]) for w, reqs in specs]
     _, waits, rejected = simulate(FairDeadlinePolicy(starvation_s=bound), specs, slots, starvation_s=bound, speed=20)
     assert waits and max(waits) <= bound
+
+
+def test_push_out_takes_from_the_longest_weighted_queue_not_the_newcomer():
+    q = AdmissionQueue(FairPolicy(), starvation_s=10.0, slots=1)
+    for i in range(6):
+        q.offer(pending(f"a{i}", 0.0, tenant="A", predicted_s=2.0), 0.0)  # 12 s of A's work queued
+    pushed = q.offer(pending("b0", 0.1, tenant="B", predicted_s=2.0), 0.1)
+    assert [p.req_id for p in pushed] == ["a5"] and [p.req_id for p in q.queue][-1] == "b0"
+    fcfs = AdmissionQueue(make_policy("fcfs"), starvation_s=10.0, slots=1)
+    for i in range(6):
+        fcfs.offer(pending(f"a{i}", 0.0, tenant="A", predicted_s=2.0), 0.0)
+    with pytest.raises(CapacityExhausted):  # FCFS: the newcomer is the one turned away
+        fcfs.offer(pending("b0", 0.1, tenant="B", predicted_s=2.0), 0.1)
+
+
+def test_predictions_are_calibrated_by_what_requests_actually_took():
+    q = AdmissionQueue(FairPolicy(), starvation_s=100.0, slots=1)
+    q.offer(pending("a", 0.0, predicted_s=1.0), 0.0)
+    p = q.next(0.0)
+    q.finished(p, p.max_tokens, now=3.0)  # took 3x its prediction
+    assert q.calibration == pytest.approx(1.2)
+    q.offer(pending("b", 3.0, predicted_s=1.0), 3.0)
+    assert q.predicted_wait(3.0, q.queue) == pytest.approx(1.2)
