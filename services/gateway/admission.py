@@ -172,9 +172,13 @@ class Admission:
     def _under_share(self, st: TenantState) -> bool:
         """A tenant holding fewer slots than its weighted share (among tenants with work) may go in even when
         the mesh is full: the engines' schedulers then preempt the most over-served tenant's request for it
-        (same policy), instead of the newcomer waiting for a long request to finish."""
+        (same policy), instead of the newcomer waiting for a long request to finish. Suspended while any
+        queued request has waited half the starvation bound, so the bypass cannot starve the queue."""
         if not self.queue.policy.name.startswith("fair") or not self.view.slots:
             return False
+        now = self.clock()
+        if any(now - q.arrival_s >= self.queue.starvation_s / 2 for q in self.queue.queue):
+            return False  # someone has waited half the bound: freed room goes to the queue, in its order
         active = [x for x in self.states.values() if x.running or x.queued]
         total = sum(x.tenant.weight for x in active) or st.tenant.weight
         return st.running < self.view.slots * st.tenant.weight / total
