@@ -243,22 +243,38 @@ async def _drain(events) -> None:
 
 
 class _TextStream:
-    """Incremental detokenization; the text is cut before the first stop string, and a trailing
-    incomplete UTF-8 sequence is held back until the next token completes it."""
+    """Incremental detokenization (as vLLM's: each push decodes only the tokens since the last text
+    boundary, never the whole output again); the text is cut before the first stop string, and a
+    trailing incomplete UTF-8 sequence is held back until the next token completes it."""
 
     def __init__(self, tokenizer: Tokenizer, stops):
         self.tokenizer, self.stops = tokenizer, stops
+        self.longest_stop = max((len(x) for x in stops), default=0)
         self.tokens: list = []
-        self.sent = ""
+        self.prefix_offset = self.read_offset = 0  # tokens[prefix:read] were decoded into the text already
+        self.text = ""  # everything decoded so far
+        self.sent = 0  # characters of text already returned
+        self.stopped = False
 
     def push(self, token_ids, final: bool) -> str:
-        self.tokens.extend(token_ids)
-        text = cut_at_stop(self.tokenizer.decode(self.tokens), self.stops)[0]
-        if not final and text.endswith("\ufffd"):
-            text = text.rstrip("\ufffd")
-        if not text.startswith(self.sent):
+        if self.stopped:
             return ""
-        delta, self.sent = text[len(self.sent):], text
+        self.tokens.extend(token_ids)
+        decode = self.tokenizer.decode
+        before = decode(self.tokens[self.prefix_offset:self.read_offset])
+        now = decode(self.tokens[self.prefix_offset:])
+        if len(now) > len(before) and (final or not now.endswith("\ufffd")):
+            self.text += now[len(before):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+        end = len(self.text)
+        if self.stops:  # a stop string can only end in the new text (or straddle its start)
+            cut, found = cut_at_stop(self.text[max(self.sent - self.longest_stop, 0):], self.stops)
+            if found:
+                end, self.stopped = max(self.sent - self.longest_stop, 0) + len(cut), True
+            elif not final:
+                end = max(self.sent, len(self.text) - self.longest_stop + 1)  # may still become a stop
+        delta = self.text[self.sent:end]
+        self.sent = max(self.sent, end)
         return delta
 
 
