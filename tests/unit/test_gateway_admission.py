@@ -10,6 +10,7 @@ from services.common.errors import CapacityExhausted
 from services.common.pb import meshserve_pb2 as pb
 from services.common.tenants import Limits, Tenant
 from services.gateway.admission import Admission
+from tests.support.metrics import metric_points
 
 A, B = Tenant("A", weight=1.0), Tenant("B", weight=1.0, limits=Limits(requests_per_s=1))
 
@@ -19,15 +20,6 @@ class Clock:
 
     def __call__(self):
         return self.now
-
-
-def points(reader):
-    out = {}
-    for rm in reader.get_metrics_data().resource_metrics:
-        for sm in rm.scope_metrics:
-            for m in sm.metrics:
-                out[m.name] = list(m.data.data_points)
-    return out
 
 
 def test_queue_when_full_dispatch_on_finish_and_per_tenant_metrics():
@@ -47,7 +39,7 @@ def test_queue_when_full_dispatch_on_finish_and_per_tenant_metrics():
         await adm.admit(B, "b1", 10, 5, 0, None)
         with pytest.raises(CapacityExhausted, match="requests/s"):
             await adm.admit(B, "b2", 10, 5, 0, None)
-        p = points(reader)
+        p = metric_points(reader)
         outcomes = {(d.attributes["tenant"], d.attributes["outcome"], d.attributes.get("reason", "")): d.value
                     for d in p["meshserve.gateway.requests"]}
         assert outcomes[("A", "admitted", "")] == 2 and outcomes[("B", "rejected", "limit")] == 1

@@ -13,6 +13,7 @@ from services.common.prefix_index import IndexPublisher, PrefixIndex, connect, c
 from services.router.policies import make_policy
 from services.router.registry import Registry
 from services.router.server import RouterServicer
+from tests.support.metrics import metric_points
 from tests.support.redis_server import RedisServer
 
 BS = 16
@@ -63,15 +64,6 @@ async def publish(client, worker_id, blocks):
 
 async def route(router, prompt=PROMPT):
     return await router.Route(pb.RouteRequest(prompt_tokens=len(prompt), max_tokens=8, prompt_token_ids=prompt), None)
-
-
-def metric_points(reader):
-    out = {}
-    for rm in reader.get_metrics_data().resource_metrics:
-        for sm in rm.scope_metrics:
-            for m in sm.metrics:
-                out[m.name] = list(m.data.data_points)
-    return out
 
 
 def test_prefix_aware_routes_to_the_worker_holding_the_prompt(server):
