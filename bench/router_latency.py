@@ -23,7 +23,7 @@ from services.common.block_hash import extra_keys, hash_blocks, pack_tokens
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.common.prefix_index import IndexPublisher, connect
-from services.launcher import _signal_group, free_port, redis_command, serving
+from services.launcher import signal_group, free_port, redis_command, serving
 
 WORKERS, PROMPTS, PROMPT_TOKENS, BLOCK = 8, 8, 4096, 16
 
@@ -49,7 +49,7 @@ def run(args) -> int:
         figures = asyncio.run(_measure(url, f"127.0.0.1:{router_port}", n, args.seed))
     finally:
         for p in procs:
-            _signal_group(p, 15)
+            signal_group(p, 15)
             p.wait()
     systems = {"router": figures}
     result = {"workload": "router-latency", "command": args.command_line, "machine": machine(),

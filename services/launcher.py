@@ -130,14 +130,14 @@ class Mesh:
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM every process group (gateway first, Redis last), SIGKILL what outlives the grace period."""
         for p in reversed(self.procs):
-            _signal_group(p.popen, signal.SIGTERM)
+            signal_group(p.popen, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         for p in reversed(self.procs):
             try:
                 p.popen.wait(max(deadline - time.monotonic(), 0.1))
             except subprocess.TimeoutExpired:
                 pass
-            _signal_group(p.popen, signal.SIGKILL)
+            signal_group(p.popen, signal.SIGKILL)
             p.popen.wait()
 
     def __enter__(self) -> "Mesh":
@@ -154,7 +154,7 @@ def redis_command(port: int) -> list[str]:
     return [redis_server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
 
 
-def _signal_group(popen: subprocess.Popen, sig: int) -> None:
+def signal_group(popen: subprocess.Popen, sig: int) -> None:
     try:
         os.killpg(popen.pid, sig)
     except (ProcessLookupError, PermissionError):

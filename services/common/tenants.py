@@ -159,11 +159,6 @@ class TenantState:
                 raise CapacityExhausted(f"tenant {name!r} is over its {self.tenant.limits.tokens_per_min:g} tokens/min",
                                         retry_after_ms=_ms(wait))
 
-    def check_concurrency(self) -> None:
-        lim = self.tenant.limits
-        if lim.max_queued is not None and self.queued >= lim.max_queued:
-            raise CapacityExhausted(f"tenant {self.tenant.name!r} has {self.queued} requests queued "
-                                    f"(limit {lim.max_queued})", retry_after_ms=500)
 
 
 def _ms(seconds: float) -> int:

@@ -137,9 +137,8 @@ class Admission:
         self.pump()
 
     def _release(self, p: Pending, output_tokens: int) -> None:
-        if p.dispatched_s is None or getattr(p, "released", False):
-            return
-        p.released = True
+        if id(p) not in self.queue.running:
+            return  # never dispatched, or released already
         self.running_requests -= 1
         self.running_tokens -= p.input_tokens + p.max_tokens
         self.states[p.tenant].running -= 1

@@ -51,7 +51,7 @@ HONOURED_ONLY = {
     "logit_bias": lambda v: v == {}, "tools": lambda v: v == [], "functions": lambda v: v == [],
     "tool_choice": lambda v: v == "none", "function_call": lambda v: v == "none",
     "response_format": lambda v: isinstance(v, dict) and v.get("type") == "text",
-    "top_logprobs": lambda v: v in (0, 1), "parallel_tool_calls": lambda v: True, "guided_json": lambda v: False,
+    "top_logprobs": lambda v: v in (0, 1), "guided_json": lambda v: False,
     "guided_regex": lambda v: False, "guided_choice": lambda v: False, "guided_grammar": lambda v: False,
     "use_beam_search": lambda v: v is False, "prompt_logprobs": lambda v: False,
 }
@@ -223,7 +223,7 @@ class HttpFront:
                     yield _event({"error": {"message": str(r), "code": r.code}})
                     break
                 choice = {"index": index, "logprobs": self._logprobs(r, chat) if want_logprobs else None,
-                          "finish_reason": _finish(r.finish_reason)}
+                          "finish_reason": r.finish_reason or None}
                 if chat:
                     choice["delta"] = {"content": r.text} if r.text or not r.finish_reason else {}
                 else:
@@ -251,7 +251,7 @@ class HttpFront:
                 texts[index].append(r.text)
                 if want_logprobs:
                     lps[index].append(self._logprobs(r, chat))
-                finish[index] = _finish(r.finish_reason) or finish[index]
+                finish[index] = r.finish_reason or finish[index]
             return None
 
         task = asyncio.ensure_future(gather())
@@ -363,10 +363,6 @@ class _Call:
 
 def _event(obj: dict) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
-
-
-def _finish(reason: str) -> str | None:
-    return reason or None
 
 
 def _merge_logprobs(parts: list, chat: bool) -> dict:
