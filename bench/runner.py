@@ -6,10 +6,11 @@ import argparse
 import shlex
 import sys
 
-from bench import engine_mixed, mesh_mixed, prefix_shared, router_latency, skewed_costs, tenants_overload
+from bench import engine_mixed, mesh_mixed, prefix_shared, router_latency, sampler, skewed_costs, tenants_overload
 
 WORKLOADS = {"engine-mixed": engine_mixed, "mesh-mixed": mesh_mixed, "prefix-shared": prefix_shared,
-             "skewed-costs": skewed_costs, "router-latency": router_latency, "tenants-overload": tenants_overload}
+             "skewed-costs": skewed_costs, "router-latency": router_latency, "tenants-overload": tenants_overload,
+             "sampler": sampler}
 
 
 def add_bench_parser(sub, func) -> None:

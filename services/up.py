@@ -117,7 +117,7 @@ def request_from_line(obj: dict) -> pb.GenerateRequest:
                     stop_token_ids=obj.get("stop_token_ids") or [])
     stop = obj.get("stop") or []
     s.stop.extend(x.encode() for x in ([stop] if isinstance(stop, str) else stop))
-    for name in ("temperature", "top_p", "seed"):
+    for name in ("temperature", "top_p", "min_p", "seed"):
         if obj.get(name) is not None:
             setattr(s, name, obj[name])
     req = pb.GenerateRequest(request_id=str(obj.get("id", "")), sampling=s, priority=int(obj.get("priority", 0)),

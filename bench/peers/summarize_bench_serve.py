@@ -1,4 +1,7 @@
-"""Side-by-side table of `vllm bench serve` results saved by vllm_bench_serve.sh (argv[1] = their folder)."""
+"""Side-by-side table of `vllm bench serve` results saved by vllm_bench_serve.sh (argv[1] = their folder).
+
+Runs: inf and rate4 at the client's default sampling (temperature 1.0), inf-t0 and rate4-t0 greedy.
+"""
 
 import json
 import sys
@@ -11,14 +14,14 @@ METRICS = [("output_throughput", "output tok/s"), ("request_throughput", "req/s"
 
 def main(folder: str) -> None:
     out = {}
-    for run in ("inf", "rate4"):
+    for run in ("inf", "rate4", "inf-t0", "rate4-t0"):
         for system in ("meshserve", "vllm"):
             path = Path(folder) / f"{system}-{run}.json"
             if path.exists():
                 out[(run, system)] = json.loads(path.read_text())
-    print(f"{'run':8}{'system':11}" + "".join(f"{label:>14}" for _, label in METRICS))
+    print(f"{'run':10}{'system':11}" + "".join(f"{label:>14}" for _, label in METRICS))
     for (run, system), r in sorted(out.items()):
-        print(f"{run:8}{system:11}" + "".join(f"{r.get(k, float('nan')):>14.1f}" for k, _ in METRICS))
+        print(f"{run:10}{system:11}" + "".join(f"{r.get(k, float('nan')):>14.1f}" for k, _ in METRICS))
     summary = {f"{system}:{run}": {k: out[(run, system)].get(k) for k, _ in METRICS} for run, system in out}
     (Path(folder) / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
 

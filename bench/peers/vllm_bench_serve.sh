@@ -2,8 +2,10 @@
 # `vllm bench serve` (vLLM's own OpenAI-API load generator) against `meshserve up` and against
 # `vllm serve`, one after the other on the same model folder, same requests, same 2 cores.
 #   bash bench/peers/vllm_bench_serve.sh VLLM_VENV MODEL_DIR OUT_DIR
-# VLLM_VENV: made by ../shared/peers/vllm_cpu/setup.sh. Results: OUT_DIR/{meshserve,vllm}-{inf,rate4}.json
-# and a side-by-side table (bench/peers/summarize_bench_serve.py). Never run in CI.
+# VLLM_VENV: made by ../shared/peers/vllm_cpu/setup.sh. Each system runs at unlimited rate and at 4 req/s,
+# each at the client's default sampling (no temperature sent: both servers sample at 1.0) and with
+# --temperature 0 (greedy). Results: OUT_DIR/{meshserve,vllm}-{inf,rate4}{,-t0}.json and a side-by-side
+# table (bench/peers/summarize_bench_serve.py). Never run in CI.
 set -euo pipefail
 VENV=${1:?vLLM venv}; MODEL=${2:?model folder}; OUT=${3:?output folder}
 HERE=$(cd "$(dirname "$0")/../.." && pwd)
@@ -13,12 +15,16 @@ mkdir -p "$OUT"
 free_port() { "$HERE/.venv/bin/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
 bench() {  # $1 = system label, $2 = base url
-  for rate in inf 4; do
-    $CLI bench serve --backend openai --base-url "$2" --endpoint /v1/completions --model "$NAME" \
-      --tokenizer "$MODEL" --dataset-name random --random-input-len 256 --random-output-len 128 \
-      --num-prompts 200 --request-rate "$rate" --ignore-eos --seed 0 \
-      --percentile-metrics ttft,tpot,itl,e2el --save-result --result-dir "$OUT" \
-      --result-filename "$1-$([ "$rate" = inf ] && echo inf || echo rate$rate).json" 2>&1 | tail -25
+  for temp in default 0; do
+    for rate in inf 4; do
+      extra=(); suffix=""
+      if [ "$temp" != default ]; then extra=(--temperature "$temp"); suffix="-t$temp"; fi
+      $CLI bench serve --backend openai --base-url "$2" --endpoint /v1/completions --model "$NAME" \
+        --tokenizer "$MODEL" --dataset-name random --random-input-len 256 --random-output-len 128 \
+        --num-prompts 200 --request-rate "$rate" --ignore-eos --seed 0 "${extra[@]}" \
+        --percentile-metrics ttft,tpot,itl,e2el --save-result --result-dir "$OUT" \
+        --result-filename "$1-$([ "$rate" = inf ] && echo inf || echo rate$rate)$suffix.json" 2>&1 | tail -25
+    done
   done
 }
 

@@ -18,7 +18,7 @@ def sampling_from_pb(s: pb.Sampling) -> SamplingParams:
     """Validated SamplingParams (InvalidRequest on any bad value)."""
     params = SamplingParams(
         max_tokens=s.max_tokens, temperature=s.temperature if s.HasField("temperature") else 1.0,
-        top_p=s.top_p if s.HasField("top_p") else 1.0, top_k=s.top_k,
+        top_p=s.top_p if s.HasField("top_p") else 1.0, top_k=s.top_k, min_p=s.min_p,
         seed=s.seed if s.HasField("seed") else None, stop=tuple(utf8(b, "stop") for b in s.stop),
         stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos, logprobs=s.logprobs, min_tokens=s.min_tokens)
     params.validate()
@@ -26,7 +26,7 @@ def sampling_from_pb(s: pb.Sampling) -> SamplingParams:
 
 
 def sampling_to_pb(p: SamplingParams) -> pb.Sampling:
-    s = pb.Sampling(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+    s = pb.Sampling(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
                     stop=[x.encode() for x in p.stop], stop_token_ids=list(p.stop_token_ids),
                     ignore_eos=p.ignore_eos, logprobs=p.logprobs, min_tokens=p.min_tokens)
     if p.seed is not None:

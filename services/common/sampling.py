@@ -14,6 +14,7 @@ class SamplingParams:
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0  # nucleus mass kept, in (0, 1]
     top_k: int = 0  # keep the k most likely tokens; 0 = all
+    min_p: float = 0.0  # keep tokens at least this fraction as likely as the most likely; 0 = off
     seed: int | None = None  # per-request seed: same seed, same tokens, whatever the batch
     stop: tuple = ()  # stop strings (not included in the output text)
     stop_token_ids: tuple = ()  # token ids that end generation besides EOS
@@ -26,6 +27,7 @@ class SamplingParams:
         _check(_finite(self.temperature) and self.temperature >= 0, f"temperature must be >= 0, got {self.temperature!r}")
         _check(_finite(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
         _check(isinstance(self.top_k, int) and self.top_k >= 0, f"top_k must be an integer >= 0, got {self.top_k!r}")
+        _check(_finite(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}")
         _check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63), f"seed must be an integer in [0, 2^63), got {self.seed!r}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be integers >= 0")
@@ -46,7 +48,7 @@ def _check(ok: bool, message: str) -> None:
         raise InvalidRequest(message)
 
 
-PARAM_FIELDS = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "seed": int,
+PARAM_FIELDS = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "min_p": float, "seed": int,
                  "ignore_eos": bool, "logprobs": bool, "min_tokens": int}
 def parse_params(obj: dict) -> SamplingParams:
     """SamplingParams from a JSON object, with type errors as InvalidRequest."""

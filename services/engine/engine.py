@@ -9,6 +9,7 @@ prefilled in one engine continues decoding in another with identical output.
 from __future__ import annotations
 
 import itertools
+import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +21,7 @@ from services.common.errors import CapacityExhausted, InvalidRequest, NotFound, 
 from services.engine.attention import KVCache, SeqLayout, TorchAttention
 from services.engine.block_pool import BlockPool
 from services.engine.config import EngineConfig
-from services.engine.kernels import paged_attention
+from services.engine.kernels import paged_attention, sampler
 from services.engine.kv_manager import KVCacheManager
 from services.engine.kv_transfer import KVExport, decode_block, encode_block
 from services.engine.loader import load_model
@@ -79,7 +80,8 @@ class LLMEngine:
                                    clock=clock)
         kernel = paged_attention() if self.model.dtype == torch.float32 else None
         self.attention = TorchAttention(mc.num_heads, mc.num_kv_heads, mc.head_dim, cc.block_size, kernel=kernel)
-        self.sampler = Sampler(config.seed, loaded.eos_token_ids)
+        self.sampler = Sampler(loaded.eos_token_ids, kernel=sampler())
+        self._seeds = random.Random(config.seed)  # a sampling seed for each request that brings none
         self.requests: dict[str, Request] = {}
         self._seq = itertools.count()
         self.last_step: StepStats | None = None
@@ -100,13 +102,16 @@ class LLMEngine:
             raise InvalidRequest(f"weight must be > 0, got {weight}")
         req = Request(req_id, ids, params, arrival_s=self.clock(), seq_no=next(self._seq), priority=priority,
                       adapter=adapter, cache_salt=cache_salt, tenant=tenant, weight=weight, deadline_s=deadline_s,
-                      predicted_s=predicted_s)
+                      predicted_s=predicted_s, sample_seed=self._sample_seed(params))
         if kv is not None:
             self._import(req, kv)
         else:
             self.scheduler.add(req)
         self.requests[req_id] = req
         return req
+
+    def _sample_seed(self, params: SamplingParams) -> int:
+        return params.seed if params.seed is not None else self._seeds.getrandbits(63)
 
     def _prompt_ids(self, ids, prompt) -> list[int]:
         if (ids is None) == (prompt is None):
@@ -224,7 +229,7 @@ class LLMEngine:
             token_ids=list(req.tokens), num_prompt=req.num_prompt, num_computed=req.num_computed,
             block_size=self.kv.block_size, dtype=str(self.model.dtype).removeprefix("torch."),
             blocks=self.kv_blocks(req_id, first_block, -(-req.num_computed // self.kv.block_size)),
-            rng_state=bytes(req.generator.get_state().numpy()) if req.generator else None)
+            sample_seed=req.sample_seed)
 
     def kv_blocks(self, req_id: str, start: int, end: int) -> list[bytes]:
         """Raw bytes of blocks [start, end) of a running request's table."""
@@ -250,7 +255,7 @@ class LLMEngine:
         self._begin(req, kv.num_computed)
         try:
             self._write_blocks(req, 0, kv.blocks)
-            self._end(req, kv.token_ids, kv.num_prompt, kv.num_computed, len(kv.blocks), kv.rng_state)
+            self._end(req, kv.token_ids, kv.num_prompt, kv.num_computed, len(kv.blocks), kv.sample_seed)
         except InvalidRequest:
             self.kv.forget(req)
             raise
@@ -263,7 +268,7 @@ class LLMEngine:
         self._validate(req_id, ids, params, adapter)
         req = Request(req_id, ids, params, arrival_s=self.clock(), seq_no=next(self._seq), priority=priority,
                       adapter=adapter, cache_salt=cache_salt, tenant=tenant, weight=weight, deadline_s=deadline_s,
-                      predicted_s=predicted_s)
+                      predicted_s=predicted_s, sample_seed=self._sample_seed(params))
         self._begin(req, len(ids))
         self.requests[req_id] = req
         return req
@@ -280,10 +285,10 @@ class LLMEngine:
         return len(blocks)
 
     def end_import(self, req_id: str, token_ids: list, num_prompt: int, num_computed: int, num_blocks: int,
-                   rng_state: bytes | None) -> Request:
-        """Check the finished import and join the request to the running batch."""
+                   sample_seed: int) -> Request:
+        """Check the finished import and join the request to the running batch (sampling on with sample_seed)."""
         req = self._receiving(req_id)
-        self._end(req, token_ids, num_prompt, num_computed, num_blocks, rng_state)
+        self._end(req, token_ids, num_prompt, num_computed, num_blocks, sample_seed)
         return req
 
     def _receiving(self, req_id: str) -> Request:
@@ -308,14 +313,12 @@ class LLMEngine:
             raise InvalidRequest(f"imported KV block is malformed: {e}") from None
 
     def _end(self, req: Request, token_ids: list, num_prompt: int, num_computed: int, num_blocks: int,
-             rng_state: bytes | None) -> None:
+             sample_seed: int) -> None:
         if list(token_ids[:num_prompt]) != req.prompt_token_ids or not num_prompt <= num_computed < len(token_ids):
             raise InvalidRequest("imported KV belongs to a different prompt")
         if num_blocks != len(self.kv.block_table(req)) or -(-num_computed // self.kv.block_size) != num_blocks:
             raise InvalidRequest(f"imported KV has {num_blocks} blocks for {num_computed} tokens")
-        req.tokens = list(token_ids)
-        if rng_state and req.generator is not None:
-            req.generator.set_state(torch.frombuffer(bytearray(rng_state), dtype=torch.uint8))
+        req.tokens, req.sample_seed = list(token_ids), sample_seed
         req.num_computed, req.status = num_computed, Status.RUNNING
         self.kv.commit(req)
         self.scheduler.running.append(req)

@@ -19,7 +19,7 @@ class KVExport:
     block_size: int  # tokens per block
     dtype: str  # torch dtype name of the block bytes
     blocks: list  # bytes per block, in sequence order
-    rng_state: bytes | None = None  # the request's sampling generator state, when seeded
+    sample_seed: int  # the request's sampling seed: decoding continues its noise stream
 
 
 def encode_block(t: torch.Tensor) -> bytes:

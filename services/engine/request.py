@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-import torch
-
 from services.common.sampling import SamplingParams
 
 
@@ -36,15 +34,15 @@ class Request:
     num_cached_prompt: int = 0  # prompt tokens served from the prefix cache at first schedule
     status: Status = Status.WAITING
     finish_reason: str | None = None  # stop | length | abort
-    generator: torch.Generator | None = None  # per-request RNG when seeded
+    sample_seed: int | None = None  # keys the sampling noise: params.seed, else drawn at admission
     logprobs: list = field(default_factory=list)  # per output token, when asked
     num_preemptions: int = 0
 
     def __post_init__(self):
         if not self.tokens:
             self.tokens = list(self.prompt_token_ids)
-        if self.params.seed is not None and self.generator is None:
-            self.generator = torch.Generator().manual_seed(self.params.seed)
+        if self.sample_seed is None:
+            self.sample_seed = self.params.seed or 0
 
     @property
     def num_prompt(self) -> int:

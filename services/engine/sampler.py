@@ -1,72 +1,182 @@
-"""Token sampling for the rows of a batch: greedy, temperature, top-k, top-p, per-request seeds.
+"""Token sampling for the rows of a batch: greedy, temperature, min-p, top-k, top-p, per-request seeds.
 
-Random rows sample by the exponential race: argmax(p / q) with q ~ Exp(1), which draws from p.
-A seeded request draws its q from its own generator, so the same seed gives the same tokens
-alone or inside any batch; unseeded rows share the engine's generator. All-greedy batches take
-one argmax. Logprobs, when asked, are of the model's raw distribution at the sampled token.
-A request short of its min_tokens cannot sample EOS or its stop tokens (their logits are masked).
+Random rows sample by Gumbel-max: argmax over tokens of x / T + g, g = -log(-log u), which draws
+from softmax(x / T). The uniform u of token v is counter-based: SplitMix64 of a row key made from
+the request's seed and its output position, and of v (csrc/sampler.cpp says how). No generator
+holds state, so a request draws the same tokens alone or in any batch, in any worker, across a
+preemption or a KV export/import. Unseeded requests get a seed drawn at admission (the engine).
+
+Masks are thresholds on the scaled logits, applied in vLLM's order: min-p (keep p >= min_p * p_max),
+top-k (keep values >= the k-th largest), then top-p over what is left (keep the fewest top values
+holding at least top_p of its mass; tokens within e^-40 of nothing are ignored). Greedy rows take
+the argmax. A request short of its min_tokens cannot sample EOS or its stop tokens. Logprobs, when
+asked, are of the model's raw distribution at the sampled token.
+
+The compiled kernel (services.engine.kernels.sampler) does all of it in one parallel pass;
+sample_torch() is the PyTorch fallback, which computes the same noise bit for bit and so gives the
+same tokens for the same seeds (to float rounding of the top-p mass at its exact boundary).
 """
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
 
 import torch
 
 from services.engine.request import Request
 
+MASK64 = (1 << 64) - 1
+GOLDEN = 0x9E3779B97F4A7C15
+MIX1, MIX2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+# Cephes' logf polynomial, highest degree first, as the exact floats csrc/sampler.cpp uses.
+LOG_POLY = tuple(float.fromhex(h) for h in (
+    "0x1.204376p-4", "-0x1.d7a370p-4", "0x1.de4a34p-4", "-0x1.fcba9ep-4", "0x1.23d37ep-3", "-0x1.555ca0p-3",
+    "0x1.999d58p-3", "-0x1.fffff8p-3", "0x1.555554p-2"))
+SQRT2, LN2 = float.fromhex("0x1.6a09e6p+0"), float.fromhex("0x1.62e430p-1")
+TAIL_SPAN = 40.0  # top-p ignores tokens more than this below the max
+
+
+@dataclass(frozen=True)
+class SamplingBatch:
+    """Per-row sampling parameters as the tensors the kernel takes, in its argument order."""
+
+    temperature: torch.Tensor  # [B] float32, 0 = greedy
+    top_k: torch.Tensor  # [B] int64, 0 = off
+    top_p: torch.Tensor  # [B] float32, 1 = off
+    log_min_p: torch.Tensor  # [B] float32, log(min_p); -inf = off
+    seeds: torch.Tensor  # [B] int64, the request's sampling seed
+    positions: torch.Tensor  # [B] int64, the output index being sampled (the noise counter)
+    ban_offsets: torch.Tensor  # [B + 1] int64: row b may not sample ban_ids[ban_offsets[b]:ban_offsets[b + 1]]
+    ban_ids: torch.Tensor  # int64
+    want_logprobs: torch.Tensor  # [B] bool
+
+    @classmethod
+    def of(cls, reqs: list[Request], eos_token_ids: tuple = ()) -> SamplingBatch:
+        offsets, bans = [0], []
+        for r in reqs:
+            if r.num_output < r.params.min_tokens:
+                bans += list(r.params.stop_token_ids) + ([] if r.params.ignore_eos else list(eos_token_ids))
+            offsets.append(len(bans))
+        p = [r.params for r in reqs]
+        return cls(
+            temperature=torch.tensor([x.temperature for x in p], dtype=torch.float32),
+            top_k=torch.tensor([x.top_k for x in p], dtype=torch.int64),
+            top_p=torch.tensor([x.top_p for x in p], dtype=torch.float32),
+            log_min_p=torch.tensor([math.log(x.min_p) if x.min_p > 0 else -math.inf for x in p], dtype=torch.float32),
+            seeds=torch.tensor([r.sample_seed for r in reqs], dtype=torch.int64),
+            positions=torch.tensor([r.num_output for r in reqs], dtype=torch.int64),
+            ban_offsets=torch.tensor(offsets, dtype=torch.int64), ban_ids=torch.tensor(bans, dtype=torch.int64),
+            want_logprobs=torch.tensor([x.logprobs for x in p], dtype=torch.bool))
+
+    def tensors(self) -> tuple:
+        return (self.temperature, self.top_k, self.top_p, self.log_min_p, self.seeds, self.positions,
+                self.ban_offsets, self.ban_ids, self.want_logprobs)
+
 
 class Sampler:
-    def __init__(self, seed: int = 0, eos_token_ids: tuple = ()):
-        self.generator = torch.Generator().manual_seed(seed)
+    def __init__(self, eos_token_ids: tuple = (), kernel=None):
         self.eos_token_ids = tuple(eos_token_ids)
+        self.kernel = kernel  # services.engine.kernels.sampler() module, or None for sample_torch
 
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[float] | None]:
         """Sampled token per row, and logprobs per row when any request asked (else None)."""
-        raw = logits
-        logits = self._ban_early_stops(logits, reqs)
-        if all(r.params.greedy for r in reqs):
-            tokens = logits.argmax(dim=-1)
+        batch = SamplingBatch.of(reqs, self.eos_token_ids)
+        logits = logits.float().contiguous()
+        if self.kernel is not None:
+            tokens, logprobs = self.kernel.sample(logits, *batch.tensors())
         else:
-            tokens = self._sample(logits, reqs)
-        logprobs = None
-        if any(r.params.logprobs for r in reqs):
-            logprobs = torch.log_softmax(raw, dim=-1).gather(1, tokens[:, None]).squeeze(1).tolist()
-        return tokens.tolist(), logprobs
-
-    def _ban_early_stops(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-        rows = [(i, r) for i, r in enumerate(reqs) if r.num_output < r.params.min_tokens]
-        if not rows:
-            return logits
-        logits = logits.clone()
-        for i, r in rows:
-            banned = list(r.params.stop_token_ids) + ([] if r.params.ignore_eos else list(self.eos_token_ids))
-            if banned:
-                logits[i, banned] = float("-inf")
-        return logits
-
-    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-        temps = torch.tensor([r.params.temperature or 1.0 for r in reqs], dtype=logits.dtype)
-        scaled = logits / temps[:, None]
-        scaled = _filter_top_k_top_p(scaled, reqs)
-        probs = torch.softmax(scaled, dim=-1)
-        q = torch.empty_like(probs)
-        for i, r in enumerate(reqs):
-            q[i].exponential_(generator=r.generator or self.generator)
-        sampled = (probs / q).argmax(dim=-1)
-        greedy = torch.tensor([r.params.greedy for r in reqs])
-        return torch.where(greedy, logits.argmax(dim=-1), sampled)
+            tokens, logprobs = sample_torch(logits, batch)
+        return tokens.tolist(), (logprobs.tolist() if batch.want_logprobs.any() else None)
 
 
-def _filter_top_k_top_p(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-    top_k = [r.params.top_k for r in reqs]
-    top_p = [r.params.top_p for r in reqs]
-    if not any(top_k) and all(p >= 1.0 for p in top_p):
-        return logits
-    vocab = logits.shape[-1]
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ks = torch.tensor([min(k, vocab) if k else vocab for k in top_k])
-    drop = torch.arange(vocab)[None, :] >= ks[:, None]
-    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
-    before = probs.cumsum(dim=-1) - probs  # mass strictly ahead of each token
-    drop |= before >= torch.tensor(top_p, dtype=logits.dtype)[:, None]
-    drop[:, 0] = False
-    return logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+# ---- the PyTorch fallback: the kernel's arithmetic, operation for operation --------------------------
+
+def _mix64(z: int) -> int:
+    z = ((z ^ (z >> 30)) * MIX1) & MASK64
+    z = ((z ^ (z >> 27)) * MIX2) & MASK64
+    return z ^ (z >> 31)
+
+
+def row_key(seed: int, position: int) -> int:
+    return _mix64((_mix64(seed & MASK64) + (position + 1) * GOLDEN) & MASK64)
+
+
+def _signed(x: int) -> int:
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 lanes holding uint64 bits."""
+    return (z >> s) & ((1 << (64 - s)) - 1)
+
+
+def uniforms(keys: list[int], vocab: int) -> torch.Tensor:
+    """u of every token of each row: [len(keys), vocab] float32 in (0, 1), as uniform() in the kernel."""
+    v = torch.arange(1, vocab + 1, dtype=torch.int64)
+    z = torch.tensor([_signed(k) for k in keys], dtype=torch.int64)[:, None] + v[None, :] * _signed(GOLDEN)
+    z = (z ^ _shr(z, 30)) * _signed(MIX1)
+    z = (z ^ _shr(z, 27)) * _signed(MIX2)
+    z = z ^ _shr(z, 31)
+    return (_shr(z, 41).to(torch.float32) + 0.5) * 2.0 ** -23
+
+
+def log_poly(x: torch.Tensor) -> torch.Tensor:
+    """log(x) for normal x > 0, exactly as log_poly() in the kernel."""
+    bits = x.view(torch.int32)
+    e = ((bits >> 23) - 127).to(torch.float32)
+    m = ((bits & 0x007FFFFF) | 0x3F800000).view(torch.float32)
+    big = m > SQRT2
+    m, e = torch.where(big, m * 0.5, m), torch.where(big, e + 1.0, e)
+    f = m - 1.0
+    z = f * f
+    y = torch.full_like(f, LOG_POLY[0])
+    for c in LOG_POLY[1:]:
+        y = y * f + c
+    y = y * f * z
+    y = y - 0.5 * z
+    return f + y + e * LN2
+
+
+def gumbel_scores(xs: torch.Tensor, keys: list[int]) -> torch.Tensor:
+    return xs - log_poly(-log_poly(uniforms(keys, xs.shape[-1])))
+
+
+def _top_k_threshold(xs: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    vocab = xs.shape[-1]
+    on = (top_k > 0) & (top_k < vocab)
+    if not on.any():
+        return torch.full((xs.shape[0],), -math.inf)
+    k = torch.where(on, top_k, 1)
+    kth = xs.topk(int(k.max()), dim=-1).values.gather(1, (k - 1)[:, None]).squeeze(1)
+    return torch.where(on, kth, -math.inf)
+
+
+def _top_p_threshold(xs: torch.Tensor, mx: torch.Tensor, floor: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    on = top_p < 1.0
+    if not on.any():
+        return torch.full((xs.shape[0],), -math.inf)
+    lo = torch.maximum(floor, mx - TAIL_SPAN)[:, None]
+    values, _ = xs.sort(dim=-1, descending=True)
+    mass = torch.where(values >= lo, torch.exp(values - mx[:, None]), 0.0)
+    cum = mass.cumsum(dim=-1)
+    first = (cum >= top_p[:, None] * cum[:, -1:]).int().argmax(dim=-1)  # the first top prefix holding p
+    return torch.where(on, values.gather(1, first[:, None]).squeeze(1), -math.inf)
+
+
+def sample_torch(logits: torch.Tensor, b: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's sample() in PyTorch: (tokens [B] int64, logprobs [B] float32, NaN where not asked)."""
+    rows = logits.shape[0]
+    greedy = b.temperature <= 0
+    xs = logits / torch.where(greedy, 1.0, b.temperature)[:, None]
+    for r in range(rows):
+        xs[r, b.ban_ids[b.ban_offsets[r]:b.ban_offsets[r + 1]]] = -math.inf
+    mx = xs.max(dim=-1).values
+    thr = torch.where(b.log_min_p > -math.inf, mx + b.log_min_p, -math.inf)
+    thr = torch.maximum(thr, _top_k_threshold(xs, b.top_k))
+    thr = torch.maximum(thr, _top_p_threshold(xs, mx, thr, b.top_p))
+    masked = torch.where(xs >= thr[:, None], xs, -math.inf)
+    keys = [row_key(int(s), int(p)) for s, p in zip(b.seeds, b.positions)]
+    tokens = torch.where(greedy, xs.argmax(dim=-1), gumbel_scores(masked, keys).argmax(dim=-1))
+    logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)
+    return tokens, torch.where(b.want_logprobs, logprobs, math.nan)

@@ -7,7 +7,7 @@ GatewayServicer.generate(), the same tenant, admission, routing and streaming pa
   `data: [DONE]`) or not; usage with prompt_tokens_details.cached_tokens; stream_options.include_usage.
   A list of prompts gives one choice per prompt.
 - GET /v1/models, GET /health.
-- Extensions load generators send are honoured: ignore_eos, min_tokens, top_k,
+- Extensions load generators send are honoured: ignore_eos, min_tokens, top_k, min_p,
   repetition_penalty (1.0 only); meshserve's own: priority, deadline_ms. null means absent.
 - A field that would change the result and that we cannot honour (n > 1, best_of > 1, echo,
   suffix, tools, response_format other than text, a non-zero penalty, logit_bias, logprobs > 1)
@@ -175,7 +175,7 @@ class HttpFront:
                 mt = 16 if not chat else max(self.model.max_model_len - length, 1)
             else:
                 mt = max_tokens
-            fields = {k: body.get(k) for k in ("temperature", "top_p", "top_k", "seed", "ignore_eos", "min_tokens",
+            fields = {k: body.get(k) for k in ("temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos", "min_tokens",
                                                "stop", "stop_token_ids")}
             fields["max_tokens"] = mt
             fields["logprobs"] = want_logprobs
@@ -428,7 +428,7 @@ def _int(body: dict, name: str) -> int:
 
 
 def _field_of(message: str) -> str | None:
-    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "stop", "min_tokens",
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "stop", "min_tokens",
                  "ignore_eos", "logprobs"):
         if name in message:
             return name

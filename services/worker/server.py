@@ -55,7 +55,7 @@ class KVSender:
             self._push(kv.blocks)
             meta = pb.KVMeta(token_ids=kv.token_ids, num_prompt=kv.num_prompt, num_computed=kv.num_computed,
                              block_size=kv.block_size, dtype=kv.dtype, num_blocks=self.sent,
-                             rng_state=kv.rng_state or b"")
+                             sample_seed=kv.sample_seed)
             self._put(pb.KVChunk(transfer_id=self.transfer_id, index=-1, meta=meta, last=True))
             self.runner.forget(req_id)
             engine.abort(req_id)
@@ -158,7 +158,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 await stub.Release(pb.ReleaseRequest(transfer_id=request.transfer_id))
                 return await self.runner.end_import(
                     req_id, token_ids=list(m.token_ids), num_prompt=m.num_prompt, num_computed=m.num_computed,
-                    num_blocks=m.num_blocks, rng_state=m.rng_state or None)
+                    num_blocks=m.num_blocks, sample_seed=m.sample_seed)
             first = written
             written += await self.runner.call(lambda engine: engine.import_blocks(req_id, first, chunk.data))
         raise InvalidRequest(f"transfer {request.transfer_id} ended without its metadata")

@@ -1,10 +1,155 @@
-"""Seeded sampling is reproducible whatever the batch; filters keep only allowed tokens."""
+"""Sampling: the right distribution, masks that hold, seeds that keep their promise, kernel = fallback."""
 
+import math
+import os
+
+import pytest
 import torch
 
+from services.engine.kernels import sampler as sampler_kernel
 from services.engine.request import Request, SamplingParams
-from services.engine.sampler import Sampler
+from services.engine.sampler import Sampler, SamplingBatch, sample_torch
 from tests.support.reference import make_engine, random_prompts, run_all
+
+DRAWS = 200_000
+
+
+def _built_kernel():
+    k = sampler_kernel()
+    if k is None and os.environ.get("MESHSERVE_KERNELS") == "0":
+        pytest.skip("kernels disabled by MESHSERVE_KERNELS=0")
+    assert k is not None, "the sampling kernel failed to build (see the logged warning)"
+    return k
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    return _built_kernel()
+
+
+@pytest.fixture(params=["kernel", "torch"])
+def impl(request):
+    """The compiled kernel, or None for the PyTorch fallback."""
+    return _built_kernel() if request.param == "kernel" else None
+
+
+def _batch(rows, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, positions=None, bans=None,
+           logprobs=False):
+    """A SamplingBatch of `rows` rows with the same parameters (seeds and positions per row)."""
+    bans = bans or []
+    offsets = torch.arange(rows + 1, dtype=torch.int64) * len(bans)
+    ban_ids = torch.tensor(bans * rows, dtype=torch.int64)
+    full = lambda v, dt: torch.full((rows,), v, dtype=dt)  # noqa: E731
+    return SamplingBatch(full(temperature, torch.float32), full(top_k, torch.int64), full(top_p, torch.float32),
+                         full(math.log(min_p) if min_p > 0 else -math.inf, torch.float32),
+                         seeds if seeds is not None else torch.full((rows,), 7, dtype=torch.int64),
+                         positions if positions is not None else torch.arange(rows, dtype=torch.int64),
+                         offsets, ban_ids, full(logprobs, torch.bool))
+
+
+def _draw(kernel, logits, batch):
+    rows = batch.temperature.shape[0]
+    x = logits.expand(rows, -1).contiguous()
+    return kernel.sample(x, *batch.tensors())[0] if kernel is not None else sample_torch(x, batch)[0]
+
+
+def _chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    stat = ((counts - expected) ** 2 / expected).sum()
+    return float(torch.special.gammaincc(torch.tensor((len(probs) - 1) / 2.0), stat / 2))
+
+
+LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.7, 0.3, 0.0, -0.5, -1.0, -1.5, -3.0])
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_draws_follow_the_softmax(impl, temperature):
+    """One seeded request's 200k successive draws (positions 0..N) pass a chi-square test at p > 0.001."""
+    tokens = _draw(impl, LOGITS, _batch(DRAWS, temperature=temperature))
+    counts = torch.bincount(tokens, minlength=len(LOGITS)).double()
+    assert _chi_square_p(counts, torch.softmax(LOGITS.double() / temperature, -1)) > 0.001
+
+
+def test_draws_across_seeds_follow_the_softmax(kernel):
+    """The first token of 200k requests with different seeds: the same distribution."""
+    tokens = _draw(kernel, LOGITS, _batch(DRAWS, seeds=torch.arange(DRAWS), positions=torch.zeros(DRAWS, dtype=torch.int64)))
+    counts = torch.bincount(tokens, minlength=len(LOGITS)).double()
+    assert _chi_square_p(counts, torch.softmax(LOGITS.double(), -1)) > 0.001
+
+
+def test_a_biased_sampler_fails_the_test():
+    """The chi-square check has power: draws from a distribution 5% off on two tokens are rejected."""
+    probs = torch.softmax(LOGITS.double(), -1)
+    skewed = probs.clone()
+    skewed[0] *= 1.05
+    skewed[1] -= probs[0] * 0.05
+    counts = torch.bincount(torch.multinomial(skewed, DRAWS, replacement=True,
+                                              generator=torch.Generator().manual_seed(0)), minlength=10).double()
+    assert _chi_square_p(counts, probs) < 0.001
+
+
+def test_masks_never_emit_a_masked_token(impl):
+    k = impl
+    n = 20_000
+    probs = torch.softmax(LOGITS, -1)
+    assert set(_draw(k, LOGITS, _batch(n, top_k=3)).tolist()) == {0, 1, 2}
+    # top_p 0.6: tokens 0 (0.32), 1 (0.19) hold 0.51 < 0.6, so token 2 (0.12) is the last kept.
+    assert set(_draw(k, LOGITS, _batch(n, top_p=0.6)).tolist()) == {0, 1, 2}
+    kept = {i for i, p in enumerate(probs.tolist()) if p >= 0.2 * probs.max()}
+    assert set(_draw(k, LOGITS, _batch(n, min_p=0.2)).tolist()) == kept
+    # top_k 5 first: renormalised over the five, tokens 0 and 1 hold 0.65 >= 0.6.
+    assert set(_draw(k, LOGITS, _batch(n, top_k=5, top_p=0.6)).tolist()) == {0, 1}
+    assert set(_draw(k, LOGITS, _batch(n, bans=[0, 2])).tolist()) == set(range(10)) - {0, 2}
+    assert set(_draw(k, LOGITS, _batch(n, temperature=0.0)).tolist()) == {0}
+    assert set(_draw(k, LOGITS, _batch(n, temperature=0.0, bans=[0])).tolist()) == {1}
+
+
+def test_top_p_renormalises_over_what_is_kept(kernel):
+    """Among the kept tokens the draws still follow the (renormalised) softmax."""
+    tokens = _draw(kernel, LOGITS, _batch(DRAWS, top_k=4))
+    counts = torch.bincount(tokens, minlength=10).double()[:4]
+    assert _chi_square_p(counts, torch.softmax(LOGITS[:4].double(), -1)) > 0.001
+
+
+@pytest.mark.parametrize("scale", [0.5, 3.0, 12.0])
+def test_fallback_gives_the_kernels_tokens_for_the_same_seeds(kernel, scale):
+    g = torch.Generator().manual_seed(int(scale * 10))
+    rows, vocab = 96, 5000
+    logits = torch.randn(rows, vocab, generator=g) * scale
+    cycle = lambda *vals: torch.tensor([vals[i % len(vals)] for i in range(rows)])  # noqa: E731
+    batch = SamplingBatch(
+        temperature=cycle(1.0, 0.7, 0.0, 1.0, 1.5, 1.0).float(), top_k=cycle(0, 0, 0, 40, 0, 1, 0, 4999),
+        top_p=cycle(1.0, 0.95, 1.0, 1.0, 0.8).float(),
+        log_min_p=cycle(-math.inf, -math.inf, math.log(0.05), -math.inf, -math.inf, -math.inf, -math.inf).float(),
+        seeds=torch.randint(0, 2**62, (rows,), generator=g), positions=torch.randint(0, 4096, (rows,), generator=g),
+        ban_offsets=torch.arange(rows + 1) * 2, ban_ids=logits.topk(2, dim=-1).indices.flatten(),
+        want_logprobs=cycle(True, False))
+    fast, fast_lp = kernel.sample(logits, *batch.tensors())
+    slow, slow_lp = sample_torch(logits, batch)
+    assert fast.tolist() == slow.tolist()
+    asked = batch.want_logprobs
+    assert torch.allclose(fast_lp[asked], slow_lp[asked], atol=1e-5) and fast_lp[~asked].isnan().all()
+
+
+def _req(i, **kw):
+    return Request(f"r{i}", [1], SamplingParams(**kw), arrival_s=0.0, seq_no=i)
+
+
+def test_sampler_keeps_only_allowed_tokens_as_requests_advance():
+    """Through the Sampler (whatever path is built): each row's noise moves with its output position."""
+    logits = torch.tensor([[5.0, 4.0, 3.0, 2.0, 1.0, 0.0]] * 3)
+    reqs = [_req(0, top_k=2, seed=0), _req(1, top_p=0.5, seed=1), _req(2, temperature=0.0)]
+    sampler = Sampler(kernel=sampler_kernel())
+    seen = [set() for _ in reqs]
+    for _ in range(200):
+        tokens, _ = sampler(logits, reqs)
+        for r, s, t in zip(reqs, seen, tokens):
+            s.add(t)
+            r.tokens.append(t)
+    assert seen[0] == {0, 1}
+    # softmax([5,4,...]) puts 0.63 on token 0: the 0.5 nucleus holds token 0 alone.
+    assert seen[1] == {0}
+    assert seen[2] == {0}
 
 
 def test_same_seed_same_tokens_alone_and_in_a_batch_of_32(tiny_model):
@@ -27,6 +172,52 @@ def test_same_seed_same_tokens_alone_and_in_a_batch_of_32(tiny_model):
     assert target.output_token_ids == solo.output_token_ids
 
 
+def _seeded(i):
+    return SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, seed=100 + i, ignore_eos=True)
+
+
+def test_seeded_tokens_survive_preemption(tiny_model):
+    prompts = random_prompts(8, seed=21, lo=40, hi=90, vocab=4000)
+    alone = [run_all(make_engine(tiny_model), [p], _seeded(i))[0] for i, p in enumerate(prompts)]
+    tight = make_engine(tiny_model, num_blocks=20, budget=64)
+    reqs = [tight.add_request(f"p{i}", p, _seeded(i)) for i, p in enumerate(prompts)]
+    while tight.has_unfinished():
+        tight.step()
+        tight.kv.check_integrity()
+    assert sum(r.num_preemptions for r in reqs) > 0, "the pool was meant to force preemptions"
+    assert [r.output_token_ids for r in reqs] == alone
+
+
+@pytest.mark.parametrize("seed", [5, None])
+def test_sampled_tokens_continue_across_export_import(tiny_model, seed):
+    """A request exported after 3 tokens continues in another engine exactly as it would have at home,
+    seeded or not (an unseeded request's drawn seed travels with its KV)."""
+    params = SamplingParams(max_tokens=16, temperature=1.0, seed=seed, ignore_eos=True)
+    prompt = random_prompts(1, seed=41, lo=50, hi=50, vocab=4000)[0]
+    home = make_engine(tiny_model)
+    whole = home.add_request("a", prompt, params)
+    while home.has_unfinished():
+        home.step()
+    source = make_engine(tiny_model)
+    moved = source.add_request("a", prompt, params)
+    assert moved.sample_seed == whole.sample_seed
+    while moved.num_output < 3:
+        source.step()
+    target = make_engine(tiny_model)
+    target.add_request("unrelated", [5, 6, 7], params)  # the target's own seed stream moves on
+    req = target.add_request("a", prompt, params, kv=source.export_kv("a"))
+    while target.has_unfinished():
+        target.step()
+    assert req.output_token_ids == whole.output_token_ids
+
+
+def test_unseeded_requests_draw_their_own_seeds(tiny_model):
+    engine = make_engine(tiny_model)
+    params = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)
+    a, b = run_all(engine, [[9, 10, 11], [9, 10, 11]], params)
+    assert a != b
+
+
 def test_different_seeds_differ(tiny_model):
     engine = make_engine(tiny_model)
     prompt = random_prompts(1, seed=5, lo=10, hi=10, vocab=4000)[0]
@@ -35,25 +226,6 @@ def test_different_seeds_differ(tiny_model):
     while engine.has_unfinished():
         engine.step()
     assert a.output_token_ids != b.output_token_ids
-
-
-def _req(i, **kw):
-    return Request(f"r{i}", [1], SamplingParams(**kw), arrival_s=0.0, seq_no=i)
-
-
-def test_top_k_and_top_p_keep_only_allowed_tokens():
-    logits = torch.tensor([[5.0, 4.0, 3.0, 2.0, 1.0, 0.0]] * 3)
-    reqs = [_req(0, top_k=2, seed=0), _req(1, top_p=0.5, seed=1), _req(2, temperature=0.0)]
-    sampler = Sampler(0)
-    seen = [set() for _ in reqs]
-    for _ in range(200):
-        tokens, _ = sampler(logits, reqs)
-        for s, t in zip(seen, tokens):
-            s.add(t)
-    assert seen[0] == {0, 1}
-    # softmax([5,4,...]) puts 0.63 on token 0: the 0.5 nucleus holds token 0 alone.
-    assert seen[1] == {0}
-    assert seen[2] == {0}
 
 
 def test_logprobs_are_the_models_log_probabilities(tiny_model):
@@ -75,3 +247,10 @@ def test_min_tokens_bans_stop_tokens_until_reached(tiny_model):
     held = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, stop_token_ids=(free[0],), min_tokens=3)
     out = run_all(engine, [prompt], held)[0]
     assert len(out) >= 3 and free[0] not in out[:3]
+
+
+def test_min_p_is_validated():
+    from services.common.errors import InvalidRequest
+
+    with pytest.raises(InvalidRequest, match="min_p"):
+        SamplingParams(min_p=1.5).validate()

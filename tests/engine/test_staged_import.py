@@ -21,7 +21,7 @@ def test_blocks_imported_in_pieces_continue_identically(tiny_model):
     assert target.stats()["blocks"]["used"] == len(kv.blocks)
     assert target.import_blocks("s", 0, b"".join(kv.blocks[:2])) == 2
     assert target.import_blocks("s", 2, b"".join(kv.blocks[2:])) == len(kv.blocks) - 2
-    req = target.end_import("s", kv.token_ids, kv.num_prompt, kv.num_computed, len(kv.blocks), kv.rng_state)
+    req = target.end_import("s", kv.token_ids, kv.num_prompt, kv.num_computed, len(kv.blocks), kv.sample_seed)
     while target.has_unfinished():
         target.step()
         target.kv.check_integrity()
