@@ -35,6 +35,7 @@ LOG_POLY = tuple(float.fromhex(h) for h in (
     "0x1.999d58p-3", "-0x1.fffff8p-3", "0x1.555554p-2"))
 SQRT2, LN2 = float.fromhex("0x1.6a09e6p+0"), float.fromhex("0x1.62e430p-1")
 TAIL_SPAN = 40.0  # top-p ignores tokens more than this below the max
+ROW_BLOCK = 16  # rows per block in the PyTorch fallback's noise
 
 
 @dataclass(frozen=True)
@@ -153,15 +154,16 @@ def _top_k_threshold(xs: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
 
 
 def _top_p_threshold(xs: torch.Tensor, mx: torch.Tensor, floor: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    on = top_p < 1.0
-    if not on.any():
-        return torch.full((xs.shape[0],), -math.inf)
-    lo = torch.maximum(floor, mx - TAIL_SPAN)[:, None]
-    values, _ = xs.sort(dim=-1, descending=True)
-    mass = torch.where(values >= lo, torch.exp(values - mx[:, None]), 0.0)
-    cum = mass.cumsum(dim=-1)
-    first = (cum >= top_p[:, None] * cum[:, -1:]).int().argmax(dim=-1)  # the first top prefix holding p
-    return torch.where(on, values.gather(1, first[:, None]).squeeze(1), -math.inf)
+    out = torch.full((xs.shape[0],), -math.inf)
+    on = (top_p < 1.0).nonzero().flatten()
+    if len(on):
+        lo = torch.maximum(floor[on], mx[on] - TAIL_SPAN)[:, None]
+        values, _ = xs[on].sort(dim=-1, descending=True)
+        mass = torch.where(values >= lo, torch.exp(values - mx[on, None]), 0.0)
+        cum = mass.cumsum(dim=-1)
+        first = (cum >= top_p[on, None] * cum[:, -1:]).int().argmax(dim=-1)  # the first top prefix holding p
+        out[on] = values.gather(1, first[:, None]).squeeze(1)
+    return out
 
 
 def sample_torch(logits: torch.Tensor, b: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,14 +171,18 @@ def sample_torch(logits: torch.Tensor, b: SamplingBatch) -> tuple[torch.Tensor, 
     rows = logits.shape[0]
     greedy = b.temperature <= 0
     xs = logits / torch.where(greedy, 1.0, b.temperature)[:, None]
-    for r in range(rows):
-        xs[r, b.ban_ids[b.ban_offsets[r]:b.ban_offsets[r + 1]]] = -math.inf
+    xs[torch.repeat_interleave(torch.arange(rows), b.ban_offsets.diff()), b.ban_ids] = -math.inf
     mx = xs.max(dim=-1).values
     thr = torch.where(b.log_min_p > -math.inf, mx + b.log_min_p, -math.inf)
     thr = torch.maximum(thr, _top_k_threshold(xs, b.top_k))
     thr = torch.maximum(thr, _top_p_threshold(xs, mx, thr, b.top_p))
-    masked = torch.where(xs >= thr[:, None], xs, -math.inf)
-    keys = [row_key(int(s), int(p)) for s, p in zip(b.seeds, b.positions)]
-    tokens = torch.where(greedy, xs.argmax(dim=-1), gumbel_scores(masked, keys).argmax(dim=-1))
-    logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)
-    return tokens, torch.where(b.want_logprobs, logprobs, math.nan)
+    tokens = xs.argmax(dim=-1)
+    for block in (~greedy).nonzero().flatten().split(ROW_BLOCK):  # random rows, a cache-sized block at a time
+        masked = torch.where(xs[block] >= thr[block, None], xs[block], -math.inf)
+        keys = [row_key(int(b.seeds[r]), int(b.positions[r])) for r in block]
+        tokens[block] = gumbel_scores(masked, keys).argmax(dim=-1)
+    logprobs = torch.full((rows,), math.nan)
+    asked = b.want_logprobs.nonzero().flatten()
+    if len(asked):
+        logprobs[asked] = torch.log_softmax(logits[asked], dim=-1).gather(1, tokens[asked, None]).squeeze(1)
+    return tokens, logprobs
