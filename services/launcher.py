@@ -35,6 +35,7 @@ class Proc:
     popen: subprocess.Popen
     log: Path
     grpc_health: bool = True  # checked with grpc.health.v1 (Redis is not)
+    metrics_url: str = ""  # GET this for the service's Prometheus text ("" for Redis)
 
 
 @dataclass
@@ -76,9 +77,11 @@ class Mesh:
         return proc
 
     def _service(self, name: str, module: str, *flags, port: int = 0) -> Proc:
-        port = port or free_port()
-        return self._spawn(name, [sys.executable, "-m", f"services.{module}", "--port", str(port), *map(str, flags)],
-                           port)
+        port, metrics_port = port or free_port(), free_port()
+        proc = self._spawn(name, [sys.executable, "-m", f"services.{module}", "--port", str(port),
+                                  "--metrics-port", str(metrics_port), *map(str, flags)], port)
+        proc.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+        return proc
 
     def start(self, timeout_s: float = 180.0) -> "Mesh":
         s = self.spec

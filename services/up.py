@@ -95,6 +95,8 @@ def cmd_up(args) -> int:
         print(mesh.gateway, flush=True)
         print(mesh.http, flush=True)
         print(f"try: meshserve client --target {mesh.gateway} --input requests.jsonl --output out.jsonl", flush=True)
+        print("metrics (Prometheus text): " + ", ".join(f"{p.name} {p.metrics_url}" for p in mesh.procs if p.metrics_url),
+              flush=True)
         print(f"meshserve is ready: gateway {mesh.gateway}, HTTP {mesh.http}, router {mesh.router}, kvstore {mesh.kvstore}, "
               f"redis {mesh.redis_url}", flush=True)
         while not stop.wait(0.5):

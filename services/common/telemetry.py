@@ -1,15 +1,35 @@
-"""OpenTelemetry set-up: traces and metrics exported over OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set.
+"""OpenTelemetry set-up shared by every service: traces and metrics over OTLP, metrics as Prometheus text.
 
-Every service calls setup_tracing(name) once at start; gRPC servers and clients are then
-instrumented (W3C trace context travels in gRPC metadata), so one request is one trace across
-gateway, router, prefill, kvstore and decode.
+Every service calls setup_telemetry(name, metrics_port) once at start:
+- traces: when OTEL_EXPORTER_OTLP_ENDPOINT is set, gRPC servers and clients are instrumented
+  (W3C trace context travels in gRPC metadata), so one request is one trace across gateway,
+  router, prefill, kvstore and decode;
+- metrics: one MeterProvider; every instrument is exported over OTLP every interval when the
+  endpoint is set, and rendered as Prometheus text on GET /metrics of the metrics port (and of
+  the gateway's HTTP port).
+
+Instrument names are OpenTelemetry names (dots). Prometheus names are derived once, here: the
+first dot of a `vllm.` or `meshserve.` name becomes a colon and the others underscores, so
+`vllm.num_requests_running` is scraped as `vllm:num_requests_running`, as vLLM's own server names
+it (dashboards and autoscaler recipes work unchanged); counters get `_total`, and a unit the name
+does not already carry becomes a suffix (`ms` -> `_milliseconds`, `s` -> `_seconds`, `By` -> `_bytes`).
+The list of metrics is in docs/METRICS.md.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import os
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from opentelemetry import trace
+from opentelemetry import metrics, trace
+
+log = logging.getLogger("meshserve.telemetry")
+PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+UNIT_SUFFIX = {"ms": "_milliseconds", "s": "_seconds", "By": "_bytes"}
+_reader = None  # the pull reader behind /metrics, once setup_metrics ran
 
 
 def setup_tracing(service_name: str) -> None:
@@ -28,16 +48,124 @@ def setup_tracing(service_name: str) -> None:
     GrpcAioInstrumentorClient().instrument()
 
 
-def setup_metrics(service_name: str, interval_ms: int = 5000) -> None:
-    """Metrics over OTLP (every interval_ms) when an endpoint is set; otherwise instruments are no-ops."""
-    if not os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
-        return
-    from opentelemetry import metrics
-    from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+def setup_metrics(service_name: str, interval_ms: int | None = None) -> None:
+    """The process's MeterProvider: a pull reader for /metrics, plus OTLP export when an endpoint is set.
+
+    interval_ms defaults to OTEL_METRIC_EXPORT_INTERVAL (the SDK's variable), else 5000."""
+    global _reader
     from opentelemetry.sdk.metrics import MeterProvider
-    from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader, PeriodicExportingMetricReader
     from opentelemetry.sdk.resources import Resource
 
-    reader = PeriodicExportingMetricReader(OTLPMetricExporter(insecure=True), export_interval_millis=interval_ms)
+    _reader = InMemoryMetricReader()
+    readers = [_reader]
+    if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+
+        interval = interval_ms or int(os.environ.get("OTEL_METRIC_EXPORT_INTERVAL", "5000"))
+        readers.append(PeriodicExportingMetricReader(OTLPMetricExporter(insecure=True),
+                                                     export_interval_millis=interval))
     metrics.set_meter_provider(MeterProvider(resource=Resource.create({"service.name": service_name}),
-                                             metric_readers=[reader]))
+                                             metric_readers=readers))
+
+
+def setup_telemetry(service_name: str, metrics_port: int | None = None, host: str = "127.0.0.1") -> int | None:
+    """Traces and metrics for a service; serves /metrics on metrics_port (0 = any free port, None or
+    a negative port = not served). Returns the port /metrics is served on, or None."""
+    setup_tracing(service_name)
+    setup_metrics(service_name)
+    if metrics_port is None or metrics_port < 0:
+        return None
+    port = serve_metrics(metrics_port, host)
+    print(f"{service_name} metrics on http://{host}:{port}/metrics", flush=True)
+    return port
+
+
+def add_metrics_flag(ap, env: str = "MESHSERVE_METRICS_PORT") -> None:
+    ap.add_argument("--metrics-port", type=int, default=int(os.environ.get(env, "-1")),
+                    help=f"serve Prometheus text at GET /metrics on this port (0 = any free port; -1 = off; env {env})")
+
+
+# ---- Prometheus text ------------------------------------------------------------------------
+
+def prometheus_text(reader=None) -> str:
+    """Every metric of this process (or of `reader`, an InMemoryMetricReader) in the Prometheus text
+    format; empty before setup_metrics."""
+    reader = reader or _reader
+    if reader is None:
+        return ""
+    data = reader.get_metrics_data()
+    lines: list[str] = []
+    for rm in (data.resource_metrics if data else []):
+        for sm in rm.scope_metrics:
+            for m in sm.metrics:
+                lines += _render(m)
+    return "\n".join(lines) + "\n"
+
+
+def prometheus_name(name: str, unit: str = "", counter: bool = False) -> str:
+    prefix, dot, rest = name.partition(".")
+    base = f"{prefix}:{rest.replace('.', '_')}" if dot and prefix in ("vllm", "meshserve") else name.replace(".", "_")
+    suffix = UNIT_SUFFIX.get(unit, "")
+    if suffix and not base.endswith(suffix):
+        base += suffix
+    return base + ("_total" if counter and not base.endswith("_total") else "")
+
+
+def _render(metric) -> list[str]:
+    from opentelemetry.sdk.metrics.export import Histogram, Sum
+
+    data = metric.data
+    counter = isinstance(data, Sum) and data.is_monotonic
+    name = prometheus_name(metric.name, metric.unit or "", counter)
+    kind = "histogram" if isinstance(data, Histogram) else "counter" if counter else "gauge"
+    out = [f"# HELP {name} {metric.description or metric.name}", f"# TYPE {name} {kind}"]
+    for p in data.data_points:
+        labels = dict(p.attributes or {})
+        if kind != "histogram":
+            out.append(f"{name}{_labels(labels)} {_number(p.value)}")
+            continue
+        cumulative = 0
+        for bound, count in zip(list(p.explicit_bounds) + [math.inf], p.bucket_counts):
+            cumulative += count
+            out.append(f"{name}_bucket{_labels({**labels, 'le': _number(bound)})} {cumulative}")
+        out.append(f"{name}_sum{_labels(labels)} {_number(p.sum)}")
+        out.append(f"{name}_count{_labels(labels)} {p.count}")
+    return out
+
+
+def _labels(labels: dict) -> str:
+    if not labels:
+        return ""
+    quoted = (str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") for v in labels.values())
+    return "{" + ",".join(f'{k.replace(".", "_")}="{v}"' for k, v in zip(labels, quoted)) + "}"
+
+
+def _number(v) -> str:
+    if isinstance(v, float) and math.isinf(v):
+        return "+Inf" if v > 0 else "-Inf"
+    return repr(v) if isinstance(v, float) else str(v)
+
+
+class _MetricsHandler(BaseHTTPRequestHandler):
+    def do_GET(self):  # noqa: N802 (http.server's name)
+        if self.path.split("?")[0] != "/metrics":
+            self.send_error(404, "only /metrics is served here")
+            return
+        body = prometheus_text().encode()
+        self.send_response(200)
+        self.send_header("Content-Type", PROMETHEUS_CONTENT_TYPE)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):  # scrapes are not worth a log line each
+        pass
+
+
+def serve_metrics(port: int, host: str = "127.0.0.1") -> int:
+    """Serve GET /metrics from a daemon thread; returns the bound port."""
+    server = ThreadingHTTPServer((host, port), _MetricsHandler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
+    return server.server_address[1]

@@ -53,6 +53,27 @@ class StepStats:
 
 
 @dataclass(frozen=True)
+class EngineLoad:
+    """What the engine holds now: a snapshot for heartbeats, metrics and stats (read it anywhere)."""
+
+    running: int  # sequences in the batch
+    waiting: int  # queued, or preempted and waiting to recompute
+    receiving: int  # requests whose KV an import is filling
+    blocks_used: int  # KV blocks held by live requests
+    blocks_cached: int  # unreferenced blocks kept for prefix reuse
+    blocks_total: int  # the KV pool
+    block_size: int  # tokens per block
+    outstanding_tokens: int  # prompt tokens still to compute + output tokens still expected
+    queued_prefill_tokens: int  # prompt tokens not yet computed, over running and waiting requests
+    max_num_seqs: int  # sequence slots
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of the KV pool held by live requests, 0..1 (vLLM's kv_cache_usage_perc)."""
+        return self.blocks_used / self.blocks_total if self.blocks_total else 0.0
+
+
+@dataclass(frozen=True)
 class RuntimeInfo:
     num_blocks: int  # KV pool size
     eos_token_ids: tuple  # ids that end generation unless ignore_eos
@@ -324,6 +345,19 @@ class LLMEngine:
         self.scheduler.running.append(req)
 
     # ---- introspection ------------------------------------------------------------------------
+
+    def load(self) -> EngineLoad:
+        outstanding = prefill = receiving = 0
+        for req in self.requests.values():
+            left = max(req.num_tokens - req.num_computed, 0)
+            outstanding += left + req.params.max_tokens - req.num_output
+            receiving += req.status is Status.RECEIVING
+            prefill += 0 if req.status is Status.RECEIVING else max(req.num_prompt - req.num_computed, 0)
+        c = self.kv.pool.counts()
+        return EngineLoad(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting), receiving=receiving,
+                          blocks_used=c["used"], blocks_cached=c["cached"], blocks_total=c["total"],
+                          block_size=self.kv.block_size, outstanding_tokens=outstanding,
+                          queued_prefill_tokens=prefill, max_num_seqs=self.scheduler.max_num_seqs)
 
     def stats(self) -> dict:
         return {"blocks": self.kv.pool.counts(), "running": len(self.scheduler.running),

@@ -11,7 +11,7 @@ import grpc
 from services.common import rpc
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
-from services.common.telemetry import setup_tracing
+from services.common.telemetry import add_metrics_flag, setup_telemetry
 from services.common.arbitration import make_policy
 from services.common.tenants import Authenticator, parse_tenants
 from services.common.tokenizer import Tokenizer
@@ -92,6 +92,7 @@ def main() -> None:
     ap.add_argument("--http-port", type=int, default=_env_int("GATEWAY_HTTP_PORT"),
                     help="serve the OpenAI-compatible HTTP API on this port (0 = any free port; default: off)")
     rpc.add_server_flags(ap, "GATEWAY_PORT", grace_s=10.0)
+    add_metrics_flag(ap)
     args = ap.parse_args()
     try:
         load_tenants(args.config)
@@ -99,7 +100,7 @@ def main() -> None:
     except ValueError as e:
         ap.error(str(e))
     rpc.setup_logging("gateway")
-    setup_tracing("gateway")
+    setup_telemetry("gateway", args.metrics_port, args.host)
     asyncio.run(serve(args))
 
 

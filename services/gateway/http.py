@@ -6,7 +6,7 @@ GatewayServicer.generate(), the same tenant, admission, routing and streaming pa
 - POST /v1/completions, POST /v1/chat/completions: stream (Server-Sent Events ending with
   `data: [DONE]`) or not; usage with prompt_tokens_details.cached_tokens; stream_options.include_usage.
   A list of prompts gives one choice per prompt.
-- GET /v1/models, GET /health.
+- GET /v1/models, GET /health, GET /metrics (the gateway's metrics as Prometheus text).
 - Extensions load generators send are honoured: ignore_eos, min_tokens, top_k, min_p,
   repetition_penalty (1.0 only); meshserve's own: priority, deadline_ms. null means absent.
 - A field that would change the result and that we cannot honour (n > 1, best_of > 1, echo,
@@ -40,6 +40,7 @@ from services.common.convert import sampling_to_pb
 from services.common.errors import CapacityExhausted, InvalidRequest, MeshError, NotFound, http_status
 from services.common.pb import meshserve_pb2 as pb
 from services.common.sampling import parse_params
+from services.common.telemetry import PROMETHEUS_CONTENT_TYPE, prometheus_text
 
 log = logging.getLogger("meshserve.gateway.http")
 tracer = trace.get_tracer("meshserve.gateway.http")
@@ -94,6 +95,7 @@ class HttpFront:
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
         ])
 
     # ---- simple endpoints ----------------------------------------------------------------------
@@ -109,6 +111,9 @@ class HttpFront:
 
     async def health(self, request: Request) -> Response:
         return Response(status_code=200)
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(prometheus_text(), media_type=PROMETHEUS_CONTENT_TYPE)
 
     # ---- generation ----------------------------------------------------------------------------
 

@@ -70,6 +70,16 @@ def api_key(context) -> str | None:
     return None
 
 
+def _left(deadline_s: float | None, where: str) -> float | None:
+    """Seconds left until the request's one absolute deadline (None = no deadline); every hop gets only that."""
+    if deadline_s is None:
+        return None
+    left = deadline_s - time.monotonic()
+    if left <= 0:
+        raise DeadlineExceeded(f"the deadline passed {where}")
+    return left
+
+
 class GatewayServicer(pb_grpc.GenerationServicer):
     def __init__(self, model: ModelInfo, tokenizer: Tokenizer, router: str, kvstore: str,
                  auth: Authenticator | None = None, admission: Admission | None = None):
@@ -154,16 +164,13 @@ class GatewayServicer(pb_grpc.GenerationServicer):
                                   adapter=request.adapter, cache_salt=tenant.cache_salt, tenant=tenant.name,
                                   weight=tenant.weight, predicted_s=ticket.predicted_s,
                                   deadline_unix_ms=int((time.time() + timeout) * 1000) if timeout is not None else 0)
-            if deadline_s is not None:  # what is left after the queue
-                timeout = deadline_s - time.monotonic()
-                if timeout <= 0:
-                    raise DeadlineExceeded("the deadline passed in the admission queue")
+            timeout = _left(deadline_s, "in the admission queue")
             decision = await self._call(self.router.Route(pb.RouteRequest(
                 request_id=req_id, prompt_tokens=len(ids), max_tokens=params.max_tokens, prompt_u32=pack_tokens(ids),
                 adapter=work.adapter, cache_salt=work.cache_salt), timeout=timeout))
             text = _TextStream(self.tokenizer, params.stop)
             queue_ms = (ticket.dispatched_s - ticket.arrival_s) * 1e3
-            async for ev in self._events(decision, work, timeout):
+            async for ev in self._events(decision, work, _left(deadline_s, "while routing")):
                 if outputs == 0 and ev.token_ids:
                     self.admission.metrics.ttft.record((time.monotonic() - ticket.arrival_s) * 1e3,
                                                        {"tenant": tenant.name})

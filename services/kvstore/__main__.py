@@ -7,34 +7,60 @@ import asyncio
 import os
 import time
 
+from opentelemetry import metrics
+
 from services.common import rpc
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
-from services.common.telemetry import setup_tracing
+from services.common.telemetry import add_metrics_flag, setup_telemetry
 from services.kvstore.store import KVStore
+
+
+class KVStoreMetrics:
+    """KV transfer bytes and stream seconds by direction (put, get), and what the store holds."""
+
+    def __init__(self, store: KVStore, meter: metrics.Meter | None = None):
+        meter = meter or metrics.get_meter("meshserve.kvstore")
+        self.bytes = meter.create_counter("meshserve.kv_transfer.bytes", unit="By", description="KV bytes moved")
+        self.seconds = meter.create_histogram("meshserve.kv_transfer.seconds", unit="s",
+                                              description="duration of one Put or Get stream")
+        meter.create_observable_gauge("meshserve.kvstore.stored_bytes", [lambda o: [metrics.Observation(store.nbytes)]],
+                                      unit="By", description="bytes held")
+        meter.create_observable_gauge("meshserve.kvstore.transfers", [lambda o: [metrics.Observation(len(store.transfers))]],
+                                      description="transfers held")
+
+    def record(self, direction: str, nbytes: int, seconds: float) -> None:
+        self.bytes.add(nbytes, {"direction": direction})
+        self.seconds.record(seconds, {"direction": direction})
 
 
 class KVStoreServicer(pb_grpc.KVStoreServicer):
     def __init__(self, store: KVStore):
         self.store = store
+        self.metrics = KVStoreMetrics(store)
 
     @rpc.mapped
     async def Put(self, request_iterator, context):
         blocks = nbytes = 0
+        t0 = time.monotonic()
         async for chunk in request_iterator:
             await self.store.put(chunk.transfer_id, chunk.index, chunk.data,
                                  chunk.meta if chunk.last else None, chunk.last)
             blocks += bool(chunk.data)
             nbytes += len(chunk.data)
+        self.metrics.record("put", nbytes, time.monotonic() - t0)
         return pb.PutReply(blocks=blocks, bytes=nbytes)
 
     @rpc.mapped
     async def Get(self, request, context):
         timeout = (request.wait_ms or 30000) / 1000
+        nbytes, t0 = 0, time.monotonic()
         async for index, data in self.store.get(request.transfer_id, timeout):
             if index < 0:
+                self.metrics.record("get", nbytes, time.monotonic() - t0)
                 yield pb.KVChunk(transfer_id=request.transfer_id, index=-1, meta=data, last=True)
             else:
+                nbytes += len(data)
                 yield pb.KVChunk(transfer_id=request.transfer_id, index=index, data=data)
 
     @rpc.mapped
@@ -70,9 +96,10 @@ def main() -> None:
     rpc.add_server_flags(ap, "KVSTORE_PORT", grace_s=5.0)
     ap.add_argument("--byte-budget-gb", type=float, default=float(os.environ.get("KVSTORE_BUDGET_GB", "4")))
     ap.add_argument("--ttl-s", type=float, default=60.0, help="drop transfers never claimed after this long")
+    add_metrics_flag(ap)
     args = ap.parse_args()
     rpc.setup_logging("kvstore")
-    setup_tracing("kvstore")
+    setup_telemetry("kvstore", args.metrics_port, args.host)
     asyncio.run(serve(args))
 
 

@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2
 from services.common import rpc
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.common.prefix_index import PrefixIndex, connect_lookup
-from services.common.telemetry import setup_metrics, setup_tracing
+from services.common.telemetry import add_metrics_flag, setup_telemetry
 from services.router.policies import make_policy
 from services.router.registry import Registry
 from services.router.server import RouterServicer
@@ -64,6 +64,7 @@ def main() -> None:
                     help="the prefix index (env REDIS_URL); without it prefix-aware routes by load")
     ap.add_argument("--heartbeat-ms", type=int, default=1000)
     ap.add_argument("--worker-ttl-s", type=float, default=3.0, help="drop a worker silent this long")
+    add_metrics_flag(ap)
     args = ap.parse_args()
     try:
         routing = json.loads(args.routing)
@@ -71,8 +72,7 @@ def main() -> None:
     except ValueError as e:  # json.JSONDecodeError is a ValueError
         ap.error(f"--policy/--routing: {e}")
     rpc.setup_logging("router")
-    setup_tracing("router")
-    setup_metrics("router")
+    setup_telemetry("router", args.metrics_port, args.host)
     asyncio.run(serve(args, routing))
 
 

@@ -12,8 +12,9 @@ from services.cli import add_engine_flags, engine_config
 from services.common import rpc
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
-from services.common.telemetry import setup_tracing
+from services.common.telemetry import add_metrics_flag, setup_telemetry
 from services.engine.engine import LLMEngine
+from services.worker.metrics import WorkerMetrics
 from services.worker.runner import EngineRunner
 from services.worker.server import WorkerServicer, heartbeat_loop, index_loop
 
@@ -23,9 +24,9 @@ ROLES = ("prefill", "decode", "unified")
 async def serve(args) -> None:
     engine = LLMEngine(engine_config(args, args.model))
     loop = asyncio.get_running_loop()
-    runner = EngineRunner(engine, loop)
     server = rpc.Server(["Worker"], args.port, args.host)
     worker_id = args.worker_id or f"{args.role}-{server.port}"
+    runner = EngineRunner(engine, loop, WorkerMetrics(args.role, worker_id))
     pb_grpc.add_WorkerServicer_to_server(WorkerServicer(runner, args.role, worker_id), server.server)
     publisher = publishing = None
     if args.redis_url and args.role in ("prefill", "unified") and engine.config.cache.enable_prefix_caching:
@@ -61,6 +62,7 @@ def parser(role: str | None = None) -> argparse.ArgumentParser:
     ap.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
                     help="publish KV block events to the prefix index here (prefill and unified roles; env REDIS_URL)")
     add_engine_flags(ap)
+    add_metrics_flag(ap)
     return ap
 
 
@@ -70,7 +72,7 @@ def main(role: str | None = None) -> None:
         args.role = role
     torch.set_num_threads(args.threads or 1)
     rpc.setup_logging(f"{args.role}-worker")
-    setup_tracing(args.role)
+    setup_telemetry(args.role, args.metrics_port, args.host)
     asyncio.run(serve(args))
 
 

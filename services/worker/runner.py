@@ -16,13 +16,14 @@ import threading
 
 from services.engine.engine import LLMEngine
 from services.worker.measure import StepCostFit
+from services.worker.metrics import WorkerMetrics
 
 log = logging.getLogger("meshserve.runner")
 
 
 class EngineRunner:
-    def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop):
-        self.engine, self.loop = engine, loop
+    def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop, metrics: WorkerMetrics | None = None):
+        self.engine, self.loop, self.metrics = engine, loop, metrics
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.wake = threading.Event()
         self.streams: dict[str, asyncio.Queue] = {}
@@ -81,6 +82,8 @@ class EngineRunner:
         """Stop routing outputs and hooks to a request (call from the engine thread)."""
         self.streams.pop(req_id, None)
         self.hooks.pop(req_id, None)
+        if self.metrics is not None:
+            self.metrics.forget(req_id)
 
     def stop(self) -> None:
         self.running = False
@@ -90,6 +93,8 @@ class EngineRunner:
         while self.running:
             self._run_commands()
             if not self.engine.has_unfinished():
+                if self.metrics is not None:
+                    self.metrics.load = self.engine.load()
                 self.wake.wait(0.05)
                 self.wake.clear()
                 continue
@@ -104,6 +109,8 @@ class EngineRunner:
                 self.busy_s += last.step_s
                 self.cost.update(last.num_running, last.num_tokens, last.step_s)
             self.tokens_out += sum(len(out.new_token_ids) for out in outputs)
+            if self.metrics is not None:
+                self.metrics.on_step(outputs, self.engine.load(), self.engine.clock())
             for out in outputs:
                 q = self.streams.get(out.req_id)
                 if q is not None:

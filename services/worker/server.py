@@ -182,23 +182,12 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
     @rpc.mapped
     async def Stats(self, request, context):
-        stats, load = await self.runner.call(lambda engine: (engine.stats(), load_of(engine)))
-        b = stats["blocks"]
-        return pb.WorkerStats(worker_id=self.worker_id, role=self.role, blocks_used=b["used"],
-                              blocks_cached=b["cached"], blocks_free=b["free"], blocks_total=b["total"],
-                              running=stats["running"], waiting=stats["waiting"],
-                              outstanding_tokens=load["outstanding"], aborted=self.runner.aborted)
-
-
-def load_of(engine) -> dict:
-    """Outstanding tokens (remaining prefill + expected decode) and KV capacity, read in the engine thread."""
-    outstanding = 0
-    for req in engine.requests.values():
-        outstanding += max(req.num_tokens - req.num_computed, 0) + (req.params.max_tokens - req.num_output)
-    c = engine.kv.pool.counts()
-    return {"outstanding": outstanding, "capacity": c["total"] * engine.kv.block_size,
-            "used": c["used"] * engine.kv.block_size, "running": len(engine.scheduler.running),
-            "waiting": len(engine.scheduler.waiting)}
+        load = await self.runner.call(lambda engine: engine.load())
+        return pb.WorkerStats(worker_id=self.worker_id, role=self.role, blocks_used=load.blocks_used,
+                              blocks_cached=load.blocks_cached,
+                              blocks_free=load.blocks_total - load.blocks_used - load.blocks_cached,
+                              blocks_total=load.blocks_total, running=load.running, waiting=load.waiting,
+                              outstanding_tokens=load.outstanding_tokens, aborted=self.runner.aborted)
 
 
 async def heartbeat_loop(runner: EngineRunner, router: str, worker_id: str, address: str, role: str,
@@ -207,17 +196,17 @@ async def heartbeat_loop(runner: EngineRunner, router: str, worker_id: str, addr
     chan = rpc.channel(router)  # held for the loop's lifetime
     stub = pb_grpc.RouterStub(chan)
     interval, first, rate = 1.0, True, DecodeRate()
-    block_size = runner.engine.kv.block_size
     while True:
         try:
-            load = await runner.call(load_of)
+            load = await runner.call(lambda engine: engine.load())
             reply = await stub.Heartbeat(pb.WorkerLoad(
-                worker_id=worker_id, address=address, role=role, outstanding_tokens=load["outstanding"],
-                kv_capacity_tokens=load["capacity"], kv_used_tokens=load["used"], running=load["running"],
-                waiting=load["waiting"], block_size=block_size,
+                worker_id=worker_id, address=address, role=role, outstanding_tokens=load.outstanding_tokens,
+                kv_capacity_tokens=load.blocks_total * load.block_size,
+                kv_used_tokens=load.blocks_used * load.block_size, running=load.running, waiting=load.waiting,
+                block_size=load.block_size,
                 index_member=publisher.member if publisher is not None and publisher.connected else "",
                 decode_tokens_per_s=rate.update(runner.busy_s, runner.tokens_out),
-                max_num_seqs=runner.engine.scheduler.max_num_seqs,
+                max_num_seqs=load.max_num_seqs,
                 prefill_s_per_token=runner.cost.prefill_s_per_token,
                 decode_s_per_step=runner.cost.decode_s_per_step), timeout=2.0)
             interval = max(reply.interval_ms, 50) / 1000

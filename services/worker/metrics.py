@@ -1,0 +1,78 @@
+"""A worker's metrics, under vLLM's names where vLLM has one (docs/METRICS.md lists them).
+
+Recorded from the engine thread after each step (on_step) and read at collection time from the
+latest EngineLoad snapshot (observable gauges), so a scrape never touches the engine. Times are
+seconds on the engine's clock: TTFT from the request's arrival at this worker to its first token
+(a decode worker's imported requests have their first token already and record none), inter-token
+latency between consecutive tokens of a request seen here, e2e from arrival to finish.
+"""
+
+from __future__ import annotations
+
+from opentelemetry import metrics
+
+# vLLM's histogram buckets (seconds), so dashboards read the same quantiles.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0)
+
+
+class WorkerMetrics:
+    def __init__(self, role: str, worker_id: str, meter: metrics.Meter | None = None):
+        meter = meter or metrics.get_meter("meshserve.worker")
+        self.attrs = {"role": role, "worker_id": worker_id}
+        self.load = None  # the latest EngineLoad (set by the engine thread after each step)
+        self.last_token_s: dict[str, float] = {}  # request -> time of its latest token here
+        for name, read, desc in (
+                ("vllm.num_requests_running", lambda l: l.running, "requests in the running batch"),
+                ("vllm.num_requests_waiting", lambda l: l.waiting, "requests waiting to be scheduled"),
+                ("vllm.kv_cache_usage_perc", lambda l: l.kv_usage, "fraction of KV blocks held, 0..1"),
+                ("meshserve.worker.queued_prefill_tokens", lambda l: l.queued_prefill_tokens,
+                 "prompt tokens not yet computed"),
+                ("meshserve.worker.outstanding_tokens", lambda l: l.outstanding_tokens,
+                 "prompt tokens left + output tokens expected")):
+            meter.create_observable_gauge(name, [self._observe(read)], description=desc)
+        self.ttft = meter.create_histogram("vllm.time_to_first_token_seconds", unit="s", description="time to first token",
+                                           explicit_bucket_boundaries_advisory=TTFT_BUCKETS)
+        self.itl = meter.create_histogram("vllm.inter_token_latency_seconds", unit="s",
+                                          description="time between consecutive tokens of a request",
+                                          explicit_bucket_boundaries_advisory=ITL_BUCKETS)
+        self.e2e = meter.create_histogram("vllm.e2e_request_latency_seconds", unit="s",
+                                          description="arrival to finish", explicit_bucket_boundaries_advisory=E2E_BUCKETS)
+        self.prompt_tokens = meter.create_counter("vllm.prompt_tokens", description="prompt tokens of requests started")
+        self.generation_tokens = meter.create_counter("vllm.generation_tokens", description="tokens sampled")
+        self.prefix_queries = meter.create_counter("vllm.prefix_cache_queries", description="prompt tokens looked up")
+        self.prefix_hits = meter.create_counter("vllm.prefix_cache_hits", description="prompt tokens found cached")
+
+    def _observe(self, read):
+        def callback(options):
+            if self.load is not None:
+                yield metrics.Observation(read(self.load), self.attrs)
+        return callback
+
+    def on_step(self, outputs, load, now: float) -> None:
+        """Record one step's outputs (engine thread)."""
+        self.load = load
+        a = self.attrs
+        for out in outputs:
+            req = out.request
+            n = len(out.new_token_ids)
+            if n:
+                self.generation_tokens.add(n, a)
+                if req.num_output == 1:  # the request's first token, sampled here
+                    self.ttft.record(now - req.arrival_s, a)
+                    self.prompt_tokens.add(req.num_prompt, a)
+                    self.prefix_queries.add(req.num_prompt, a)
+                    self.prefix_hits.add(req.num_cached_prompt, a)
+                elif out.req_id in self.last_token_s:
+                    self.itl.record(now - self.last_token_s[out.req_id], a)
+                self.last_token_s[out.req_id] = now
+            if out.finished:
+                self.last_token_s.pop(out.req_id, None)
+                self.e2e.record(now - req.arrival_s, a)
+
+    def forget(self, req_id: str) -> None:
+        self.last_token_s.pop(req_id, None)
