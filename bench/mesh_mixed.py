@@ -92,15 +92,17 @@ def in_process(model_dir: Path, reqs: list, arrivals: list | None) -> dict:
     """The engine alone, one thread: requests join at their arrival times (None: one at a time)."""
     import torch
 
-    from services.cli import add_engine_flags, engine_config
+    import argparse
+
+    from services.common.config import add_section_flags, flag_overrides, load_mesh_config
     from services.common.sampling import SamplingParams
     from services.engine.engine import LLMEngine
-    import argparse
 
     torch.set_num_threads(1)
     ap = argparse.ArgumentParser()
-    add_engine_flags(ap)
-    engine = LLMEngine(engine_config(ap.parse_args(ENGINE_ARGS), str(model_dir)))
+    add_section_flags(ap, "engine")
+    section = load_mesh_config(None, flag_overrides(ap.parse_args(ENGINE_ARGS), "engine"), env={}).engine
+    engine = LLMEngine(section.to_engine_config(str(model_dir)))
     for i, r in enumerate(random_requests(4, (32, 64), (4, 4), 32000, seed=99)):
         engine.add_request(f"warm{i}", r["prompt_token_ids"], SamplingParams(max_tokens=4, temperature=0.0))
     while engine.has_unfinished():

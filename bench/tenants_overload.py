@@ -68,7 +68,7 @@ def run(args) -> int:
     (workdir / "mesh.yaml").write_text(yaml.safe_dump(cfg))
 
     def mesh(policy):
-        return Mesh(MeshSpec(str(model_dir), mode="unified", unified=2, engine_args=ENGINE + ["--policy", policy],
+        return Mesh(MeshSpec(str(model_dir), mode="unified", unified=2, engine_args=ENGINE + ["--slot-policy", policy],
                              config_file=str(workdir / "mesh.yaml"), gateway_args=["--admission-policy", policy]))
 
     # Capacity and the solo-latency model, on one mesh.

@@ -7,38 +7,8 @@ import json
 import os
 import sys
 
+from services.common.config import add_config_flag, add_section_flags, config_from_args
 from services.common.errors import MeshError
-
-
-def add_engine_flags(p: argparse.ArgumentParser) -> None:
-    """Engine flags shared by generate, bench and the workers."""
-    g = p.add_argument_group("engine")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    g.add_argument("--num-blocks", type=int, help="KV pool size in blocks (default: from --kv-cache-gb)")
-    g.add_argument("--kv-cache-gb", type=float, default=2.0, help="KV pool memory when --num-blocks is not given")
-    g.add_argument("--max-num-seqs", type=int, default=256, help="sequences per batch")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                   help="token budget per iteration, also the prefill chunk size")
-    g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--policy", default="fair-deadline",
-                   help="slot arbitration policy: fcfs, priority, deadline, fair, fair-deadline (the default)")
-    g.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
-
-
-def engine_config(args: argparse.Namespace, model_dir: str):
-    from services.engine.config import CacheConfig, EngineConfig, SchedulerConfig
-
-    for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-        if getattr(args, name) <= 0:
-            raise SystemExit(f"--{name.replace('_', '-')} must be positive")
-    return EngineConfig(
-        model_dir=model_dir, dtype=args.dtype, num_threads=args.threads,
-        cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
-                          kv_cache_bytes=int(args.kv_cache_gb * 1024**3),
-                          enable_prefix_caching=not args.no_prefix_caching),
-        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                                  policy=args.policy))
 
 
 def cmd_model_init(args) -> int:
@@ -53,7 +23,7 @@ def cmd_generate(args) -> int:
     from services.engine.engine import LLMEngine
     from services.engine.jsonl import generate_file
 
-    engine = LLMEngine(engine_config(args, args.model))
+    engine = LLMEngine(args.config_model.engine.to_engine_config(args.model))
     summary = generate_file(engine, args.input, args.output)
     print(json.dumps(summary), file=sys.stderr)
     return 0
@@ -89,8 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", required=True, help="Hugging Face model folder")
     gen.add_argument("--input", required=True)
     gen.add_argument("--output", required=True)
-    add_engine_flags(gen)
-    gen.set_defaults(func=cmd_generate)
+    add_config_flag(gen)
+    add_section_flags(gen, "engine")
+    gen.set_defaults(func=cmd_generate, config_sections=("engine",), parser=gen)
 
     tenant = sub.add_parser("tenant", help="tenant helpers").add_subparsers(dest="tenant_command", required=True)
     tenant.add_parser("key", help="make a new API key and the salted hash the config file stores").set_defaults(
@@ -106,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     args = build_parser().parse_args(argv)
+    if getattr(args, "config_sections", None):
+        args.config_model = config_from_args(args.parser, args, *args.config_sections)
     try:
         return args.func(args)
     except MeshError as e:

@@ -53,8 +53,10 @@ class MeshSpec:
     threads: int = 1  # torch threads per worker
     env: dict = field(default_factory=dict)  # extra environment for every service
     gateway_port: int = 0  # 0 = any free port
+    router_port: int = 0  # 0 = any free port
+    kvstore_port: int = 0  # 0 = any free port
     http_port: int | None = 0  # the OpenAI-compatible HTTP front (0 = any free port, None = off)
-    config_file: str | None = None  # the mesh config file (the gateway reads tenants and admission from it)
+    config_file: str | None = None  # the mesh config file: every service reads its sections; flags here win
     gateway_args: list = field(default_factory=list)  # extra gateway flags (e.g. --admission-policy)
 
 
@@ -89,17 +91,18 @@ class Mesh:
             port = free_port()
             self._spawn("redis", redis_command(port), port, grpc_health=False)
             self.redis_url = f"redis://127.0.0.1:{port}/0"
-        self.kvstore = self._service("kvstore", "kvstore").address
-        self.router = self._service("router", "router", "--policy", s.policy, "--mode", s.mode,
-                                    "--routing", json.dumps(s.routing), "--redis-url", self.redis_url).address
+        config = ["--config", s.config_file] if s.config_file else []
+        self.kvstore = self._service("kvstore", "kvstore", port=s.kvstore_port).address
+        routing = [f"--{k}={json.dumps(v)}" for k, v in s.routing.items()]
+        self.router = self._service("router", "router", *config, "--policy", s.policy, *routing, "--mode", s.mode,
+                                    "--redis-url", self.redis_url, port=s.router_port).address
         roles = [("unified", s.unified)] if s.mode == "unified" else [("prefill", s.prefill), ("decode", s.decode)]
         for role, count in roles:
             for i in range(count):
                 name = f"{role}-{i}"
                 self._service(name, "worker", "--role", role, "--model", s.model_dir, "--router", self.router,
-                              "--redis-url", self.redis_url, "--worker-id", name, "--threads", s.threads,
+                              "--redis-url", self.redis_url, "--worker-id", name, "--threads", s.threads, *config,
                               *s.engine_args, *s.worker_args.get(name, []))
-        config = ["--config", s.config_file] if s.config_file else []
         http = []
         if s.http_port is not None:
             http_port = s.http_port or free_port()

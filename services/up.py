@@ -11,83 +11,44 @@ from pathlib import Path
 
 import grpc
 
+from services.common import rpc
+from services.common.config import ConfigError, load_mesh_config
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
 
 DEFAULT_MODEL = Path("models/tiny")
-MESH_KEYS = {"model", "mode", "prefill", "decode", "unified", "policy"}
-ROUTING_KEYS = {"weights", "guard"}
-ADMISSION_KEYS = {"policy", "starvation_s"}
-ENGINE_KEYS = {"kv_cache_gb", "num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "dtype",
-               "policy", "threads"}
-
-
-def load_config(path: str | None) -> dict:
-    """The mesh config file (YAML or TOML): {"mesh": {...}, "engine": {...}}; errors name the file."""
-    if not path:
-        return {}
-    text = Path(path).read_text()
-    try:
-        if path.endswith(".toml"):
-            import tomllib
-            cfg = tomllib.loads(text)
-        else:
-            import yaml
-            cfg = yaml.safe_load(text) or {}
-    except Exception as e:
-        raise SystemExit(f"{path}: cannot parse ({e})")
-    for section, known in (("", {"mesh", "engine", "routing", "tenants", "admission"}), ("mesh", MESH_KEYS),
-                           ("engine", ENGINE_KEYS), ("routing", ROUTING_KEYS), ("admission", ADMISSION_KEYS)):
-        keys = cfg if not section else cfg.get(section) or {}
-        if not isinstance(keys, dict):
-            raise SystemExit(f"{path}: section {section!r} must be a mapping")
-        unknown = set(keys) - known
-        if unknown:
-            raise SystemExit(f"{path}: unknown {'key' if section else 'section'}(s) {sorted(unknown)}"
-                             f"{' in ' + section if section else ''} (known: {', '.join(sorted(known))})")
-    from services.common.arbitration import make_policy as make_arbitration
-    from services.common.tenants import parse_tenants
-    from services.router.policies import make_policy
-    try:
-        make_policy((cfg.get("mesh") or {}).get("policy", "least-outstanding"), cfg.get("routing") or {})
-    except (ValueError, TypeError) as e:
-        raise SystemExit(f"{path}: routing: {e}")
-    try:
-        parse_tenants(cfg.get("tenants"))
-        adm = cfg.get("admission") or {}
-        make_arbitration(adm.get("policy", "fair-deadline"))
-        if not isinstance(adm.get("starvation_s", 30), (int, float)) or adm.get("starvation_s", 30) <= 0:
-            raise ValueError("admission.starvation_s must be a number of seconds > 0")
-    except ValueError as e:
-        raise SystemExit(f"{path}: {e}")
-    return cfg
+MESH_KV_CACHE_GB = 0.25  # per worker, when the file does not say: three workers fit a small machine
+DEFAULT_PORTS = {**rpc.DEFAULT_PORTS, "http": 8000}  # ../shared/INTERFACES.md
 
 
 def cmd_up(args) -> int:
     from services.engine.model_init import write_model
     from services.launcher import Mesh, MeshSpec
 
-    cfg = load_config(args.config)
-    mesh_cfg, engine_cfg = cfg.get("mesh", {}), cfg.get("engine", {})
-    model = Path(args.model or mesh_cfg.get("model") or DEFAULT_MODEL)
+    try:
+        cfg = load_mesh_config(args.config)
+    except ConfigError as e:
+        raise SystemExit(str(e))
+    model = Path(args.model or cfg.mesh.model or DEFAULT_MODEL)
     if not (model / "config.json").exists():
         if args.model:
             raise SystemExit(f"{model}: no config.json (give a Hugging Face model folder)")
         print(f"writing the default tiny model to {model}", flush=True)
         write_model(model, "tiny")
-    engine_args = ["--kv-cache-gb", str(engine_cfg.pop("kv_cache_gb", 0.25))]
-    for key, value in engine_cfg.items():
-        engine_args += [f"--{key.replace('_', '-')}", str(value)]
-    spec = MeshSpec(str(model), mode=mesh_cfg.get("mode", "disaggregated"), prefill=mesh_cfg.get("prefill", 1),
-                    decode=mesh_cfg.get("decode", 2), unified=mesh_cfg.get("unified", 1), engine_args=engine_args,
-                    policy=mesh_cfg.get("policy", "least-outstanding"), routing=cfg.get("routing") or {},
-                    gateway_port=args.port, http_port=args.http_port, config_file=args.config)
+    set_keys = cfg.engine.model_fields_set
+    engine_args = [] if "kv_cache_gb" in set_keys or "num_blocks" in set_keys else ["--kv-cache-gb", str(MESH_KV_CACHE_GB)]
+    m = cfg.mesh
+    spec = MeshSpec(str(model), mode=m.mode, prefill=m.prefill, decode=m.decode, unified=m.unified,
+                    engine_args=engine_args, policy=cfg.routing.policy,
+                    routing=cfg.routing.model_dump(include={"weights", "guard"}), threads=cfg.engine.threads or 1,
+                    gateway_port=args.port, http_port=args.http_port, router_port=args.router_port,
+                    kvstore_port=args.kvstore_port, config_file=args.config)
     mesh = Mesh(spec)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     print(f"starting the mesh ({spec.mode}); logs in {mesh.log_dir}", flush=True)
-    tenants = cfg.get("tenants") or []
+    tenants = cfg.tenants
     print(f"{len(tenants)} tenant(s) from {args.config}" if tenants else
           "no tenants configured: one open default tenant (no API key needed)", flush=True)
     try:
@@ -170,8 +131,11 @@ def add_parsers(sub) -> None:
     up = sub.add_parser("up", help="start every service as a process on loopback")
     up.add_argument("--model", help="model folder (default: models/tiny, generated if absent)")
     up.add_argument("--config", help="mesh config file (YAML or TOML)")
-    up.add_argument("--port", type=int, default=0, help="gateway gRPC port (0 = any free port)")
-    up.add_argument("--http-port", type=int, default=0, help="the OpenAI-compatible HTTP port (0 = any free port)")
+    up.add_argument("--port", type=int, default=DEFAULT_PORTS["gateway"], help="gateway gRPC port (0 = any free port)")
+    up.add_argument("--http-port", type=int, default=DEFAULT_PORTS["http"],
+                    help="the OpenAI-compatible HTTP port, also serving the gateway's /metrics (0 = any free port)")
+    up.add_argument("--router-port", type=int, default=DEFAULT_PORTS["router"], help="(0 = any free port)")
+    up.add_argument("--kvstore-port", type=int, default=DEFAULT_PORTS["kvstore"], help="(0 = any free port)")
     up.set_defaults(func=cmd_up)
     client = sub.add_parser("client", help="send JSONL requests through a running gateway")
     client.add_argument("--target", required=True, help="gateway HOST:PORT")

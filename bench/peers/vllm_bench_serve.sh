@@ -40,6 +40,7 @@ mesh: {mode: unified, unified: 1}
 engine: {kv_cache_gb: 2, threads: 2, max_num_seqs: 256, max_num_batched_tokens: 2048}
 YAML
 setsid "$HERE/.venv/bin/meshserve" up --model "$MODEL" --config "$OUT/mesh.yaml" --http-port "$PORT" \
+  --port 0 --router-port 0 --kvstore-port 0 \
   > "$OUT/meshserve-up.log" 2>&1 &
 UP=$!
 trap 'kill -TERM -- -$UP 2>/dev/null || true' EXIT

@@ -119,10 +119,14 @@ class ChannelPool:
         return self.channels[address]
 
 
-def add_server_flags(ap, port_env: str, grace_s: float) -> None:
+DEFAULT_PORTS = {"gateway": 50051, "router": 50052, "kvstore": 50053}  # ../shared/INTERFACES.md; workers: any
+
+
+def add_server_flags(ap, port_env: str, grace_s: float, default_port: int = 0) -> None:
     """--host, --port (0 = any free port) and --grace-s, every service alike."""
     ap.add_argument("--host", default=os.environ.get("MESHSERVE_HOST", "127.0.0.1"))
-    ap.add_argument("--port", type=int, default=int(os.environ.get(port_env, "0")), help=f"(env {port_env})")
+    ap.add_argument("--port", type=int, default=int(os.environ.get(port_env, default_port)),
+                    help=f"gRPC port (0 = any free port; default {default_port}; env {port_env})")
     ap.add_argument("--grace-s", type=float, default=grace_s, help="time in-flight calls get on SIGTERM")
 
 

@@ -1,12 +1,16 @@
 """Frozen configuration of the engine's parts; the composition root (LLMEngine) sees them all.
 
 Values found at run time (the KV pool's size, the EOS ids) live in runtime objects, never
-written back here.
+written back here. EngineSection is the engine section of the mesh file and the engine flags of
+every command that runs an engine (services/common/config.py generates them from it).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, field_validator
 
 
 @dataclass(frozen=True)
@@ -60,4 +64,38 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     num_threads: int | None = None  # torch intra-op threads; None = torch's default
-    seed: int = 0  # seed for unseeded sampling
+    seed: int = 0  # seeds the sampling seeds drawn for requests that bring none
+
+
+class EngineSection(BaseModel):
+    """The engine's settings as users give them (mesh file, MESHSERVE_ENGINE__* variables, flags)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="weights and KV dtype")
+    block_size: PositiveInt = Field(16, description="tokens per KV block")
+    num_blocks: PositiveInt | None = Field(None, description="KV pool size in blocks (default: from kv_cache_gb)")
+    kv_cache_gb: PositiveFloat = Field(2.0, description="KV pool memory when num_blocks is not given")
+    max_num_seqs: PositiveInt = Field(256, description="sequences per batch")
+    max_num_batched_tokens: PositiveInt = Field(2048, description="token budget per iteration, also the prefill chunk")
+    prefix_caching: bool = Field(True, description="reuse cached full blocks across requests")
+    slot_policy: str = Field("fair-deadline", description="slot arbitration: fcfs | priority | deadline | fair | "
+                                                          "fair-deadline")
+    threads: PositiveInt | None = Field(None, description="torch threads (default: torch's choice)")
+    seed: int = Field(0, description="seeds the sampling seeds drawn for requests that bring none")
+
+    @field_validator("slot_policy")
+    @classmethod
+    def _known_policy(cls, name: str) -> str:
+        from services.common.arbitration import make_policy
+
+        make_policy(name)
+        return name
+
+    def to_engine_config(self, model_dir: str) -> EngineConfig:
+        return EngineConfig(
+            model_dir=str(model_dir), dtype=self.dtype, num_threads=self.threads, seed=self.seed,
+            cache=CacheConfig(block_size=self.block_size, num_blocks=self.num_blocks,
+                              kv_cache_bytes=int(self.kv_cache_gb * 1024**3), enable_prefix_caching=self.prefix_caching),
+            scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+                                      policy=self.slot_policy))

@@ -12,8 +12,8 @@ from services.common import rpc
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.common.telemetry import add_metrics_flag, setup_telemetry
-from services.common.arbitration import make_policy
-from services.common.tenants import Authenticator, parse_tenants
+from services.common.config import MeshConfig, add_config_flag, add_section_flags, config_from_args
+from services.common.tenants import Authenticator
 from services.common.tokenizer import Tokenizer
 from services.gateway.admission import Admission
 from services.gateway.server import GatewayServicer, ModelInfo, add_to_server
@@ -35,18 +35,9 @@ async def watch_mesh(server: rpc.Server, router: str, mode: str, admission: Admi
         await asyncio.sleep(period_s)
 
 
-def load_tenants(path: str | None) -> tuple[list, dict]:
-    """The tenants and admission sections of the mesh config file (errors name the file)."""
-    if not path:
-        return [], {}
-    from services.up import load_config
-    cfg = load_config(path)
-    return parse_tenants(cfg.get("tenants")), cfg.get("admission") or {}
-
-
-async def serve(args) -> None:
-    tenants, adm = load_tenants(args.config)
-    admission = Admission(adm.get("policy", args.admission_policy), float(adm.get("starvation_s", args.starvation_s)))
+async def serve(args, config: MeshConfig) -> None:
+    tenants, adm = config.tenant_objects(), config.admission
+    admission = Admission(adm.policy, adm.starvation_s)
     servicer = GatewayServicer(ModelInfo.from_dir(args.model), Tokenizer(args.model), args.router, args.kvstore,
                                Authenticator(tenants), admission)
     server = rpc.Server(["Generation"], args.port, args.host)
@@ -81,27 +72,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m services.gateway", description=__doc__)
     ap.add_argument("--model", default=os.environ.get("MESHSERVE_MODEL"), required="MESHSERVE_MODEL" not in os.environ,
                     help="the served model folder (config.json and tokenizer.json are read here)")
-    ap.add_argument("--router", default=os.environ.get("ROUTER_ADDR", "127.0.0.1:50051"))
-    ap.add_argument("--kvstore", default=os.environ.get("KVSTORE_ADDR", "127.0.0.1:50052"))
+    ap.add_argument("--router", default=os.environ.get("ROUTER_ADDR", f"127.0.0.1:{rpc.DEFAULT_PORTS['router']}"))
+    ap.add_argument("--kvstore", default=os.environ.get("KVSTORE_ADDR", f"127.0.0.1:{rpc.DEFAULT_PORTS['kvstore']}"))
     ap.add_argument("--mode", default=os.environ.get("ROUTER_MODE", "disaggregated"),
                     choices=["disaggregated", "unified"], help="which workers readiness waits for")
-    ap.add_argument("--config", default=os.environ.get("MESHSERVE_CONFIG"),
-                    help="the mesh config file: its tenants and admission sections")
-    ap.add_argument("--admission-policy", default="fair-deadline", help="fcfs, priority, deadline, fair, fair-deadline")
-    ap.add_argument("--starvation-s", type=float, default=30.0, help="the longest a request may wait to start")
+    add_config_flag(ap)
+    add_section_flags(ap, "admission", prefix="admission-")
     ap.add_argument("--http-port", type=int, default=_env_int("GATEWAY_HTTP_PORT"),
                     help="serve the OpenAI-compatible HTTP API on this port (0 = any free port; default: off)")
-    rpc.add_server_flags(ap, "GATEWAY_PORT", grace_s=10.0)
+    rpc.add_server_flags(ap, "GATEWAY_PORT", grace_s=10.0, default_port=rpc.DEFAULT_PORTS["gateway"])
     add_metrics_flag(ap)
     args = ap.parse_args()
-    try:
-        load_tenants(args.config)
-        make_policy(args.admission_policy)
-    except ValueError as e:
-        ap.error(str(e))
+    config = config_from_args(ap, args, "admission")
     rpc.setup_logging("gateway")
     setup_telemetry("gateway", args.metrics_port, args.host)
-    asyncio.run(serve(args))
+    asyncio.run(serve(args, config))
 
 
 if __name__ == "__main__":

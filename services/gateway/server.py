@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+from google.protobuf.message_factory import GetMessageClass
 
 from services.common import rpc
 from services.common.block_hash import pack_tokens
@@ -286,16 +287,14 @@ class _TextStream:
 
 
 def add_to_server(servicer: GatewayServicer, server: grpc.aio.Server) -> None:
-    """Register with tolerant request parsing (invalid UTF-8 becomes INVALID_ARGUMENT, not INTERNAL)."""
-    handlers = {
-        "Generate": grpc.unary_stream_rpc_method_handler(
-            servicer.Generate, request_deserializer=tolerant(pb.GenerateRequest),
-            response_serializer=pb.GenerateResponse.SerializeToString),
-        "ListModels": grpc.unary_unary_rpc_method_handler(
-            servicer.ListModels, request_deserializer=tolerant(pb.ListModelsRequest),
-            response_serializer=pb.ListModelsResponse.SerializeToString),
-        "Tokenize": grpc.unary_unary_rpc_method_handler(
-            servicer.Tokenize, request_deserializer=tolerant(pb.TokenizeRequest),
-            response_serializer=pb.TokenizeResponse.SerializeToString),
-    }
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("meshserve.v1.Generation", handlers),))
+    """Register every RPC of the Generation service, the table built from the proto's descriptor (a new
+    RPC without a servicer method fails here, at start), with tolerant request parsing (invalid UTF-8
+    becomes INVALID_ARGUMENT, not INTERNAL)."""
+    service = pb.DESCRIPTOR.services_by_name["Generation"]
+    handlers = {}
+    for method in service.methods:
+        kind = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+        handlers[method.name] = kind(
+            getattr(servicer, method.name), request_deserializer=tolerant(GetMessageClass(method.input_type)),
+            response_serializer=GetMessageClass(method.output_type).SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))

@@ -93,7 +93,7 @@ async def serve(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m services.kvstore", description=__doc__)
-    rpc.add_server_flags(ap, "KVSTORE_PORT", grace_s=5.0)
+    rpc.add_server_flags(ap, "KVSTORE_PORT", grace_s=5.0, default_port=rpc.DEFAULT_PORTS["kvstore"])
     ap.add_argument("--byte-budget-gb", type=float, default=float(os.environ.get("KVSTORE_BUDGET_GB", "4")))
     ap.add_argument("--ttl-s", type=float, default=60.0, help="drop transfers never claimed after this long")
     add_metrics_flag(ap)

@@ -6,13 +6,13 @@ import argparse
 import asyncio
 import functools
 import gc
-import json
 import os
 import time
 
 from grpc_health.v1 import health_pb2
 
 from services.common import rpc
+from services.common.config import RoutingSection, add_config_flag, add_section_flags, config_from_args
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.common.prefix_index import PrefixIndex, connect_lookup
 from services.common.telemetry import add_metrics_flag, setup_telemetry
@@ -33,17 +33,17 @@ async def watch_index(index: PrefixIndex, server: rpc.Server, servicer: RouterSe
         await asyncio.sleep(1.0)
 
 
-async def serve(args, routing: dict) -> None:
+async def serve(args, routing: RoutingSection) -> None:
     registry = Registry(time.monotonic, ttl_s=args.worker_ttl_s)
     index = PrefixIndex(connect_lookup(args.redis_url)) if args.redis_url else None
     server = rpc.Server(["Router"], args.port, args.host)
-    servicer = RouterServicer(registry, functools.partial(make_policy, args.policy, routing), args.mode,
-                              args.heartbeat_ms, index=index)
+    policy = functools.partial(make_policy, routing.policy, routing.model_dump(include={"weights", "guard"}))
+    servicer = RouterServicer(registry, policy, args.mode, args.heartbeat_ms, index=index)
     pb_grpc.add_RouterServicer_to_server(servicer, server.server)
     gc.freeze()  # start-up objects leave the collector's view: shorter pauses on the routing path
     await server.set_serving(True)
     watch = asyncio.create_task(watch_index(index, server, servicer)) if index else None
-    print(f"router listening on {server.address} (policy {args.policy}, mode {args.mode}, "
+    print(f"router listening on {server.address} (policy {routing.policy}, mode {args.mode}, "
           f"prefix index {'redis ' + args.redis_url if index else 'off'})", flush=True)
     await server.run(grace_s=args.grace_s)
     if watch:
@@ -52,12 +52,9 @@ async def serve(args, routing: dict) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m services.router", description=__doc__)
-    rpc.add_server_flags(ap, "ROUTER_PORT", grace_s=2.0)
-    ap.add_argument("--policy", default=os.environ.get("ROUTER_POLICY", "least-outstanding"),
-                    help="round-robin | least-outstanding | prefix-aware")
-    ap.add_argument("--routing", default=os.environ.get("ROUTER_ROUTING", "{}"),
-                    help='JSON: {"weights": {"prefix": 1.0, "load": 0.5, "adapter": 0.0}, '
-                         '"guard": {"abs": 0.25, "rel": 1.5}} (the mesh file\'s routing section)')
+    rpc.add_server_flags(ap, "ROUTER_PORT", grace_s=2.0, default_port=rpc.DEFAULT_PORTS["router"])
+    add_config_flag(ap)
+    add_section_flags(ap, "routing")
     ap.add_argument("--mode", default=os.environ.get("ROUTER_MODE", "disaggregated"),
                     choices=["disaggregated", "unified"])
     ap.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
@@ -66,11 +63,7 @@ def main() -> None:
     ap.add_argument("--worker-ttl-s", type=float, default=3.0, help="drop a worker silent this long")
     add_metrics_flag(ap)
     args = ap.parse_args()
-    try:
-        routing = json.loads(args.routing)
-        make_policy(args.policy, routing)
-    except ValueError as e:  # json.JSONDecodeError is a ValueError
-        ap.error(f"--policy/--routing: {e}")
+    routing = config_from_args(ap, args, "routing").routing
     rpc.setup_logging("router")
     setup_telemetry("router", args.metrics_port, args.host)
     asyncio.run(serve(args, routing))

@@ -8,8 +8,8 @@ import os
 
 import torch
 
-from services.cli import add_engine_flags, engine_config
 from services.common import rpc
+from services.common.config import add_config_flag, add_section_flags, config_from_args
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.common.telemetry import add_metrics_flag, setup_telemetry
@@ -22,7 +22,7 @@ ROLES = ("prefill", "decode", "unified")
 
 
 async def serve(args) -> None:
-    engine = LLMEngine(engine_config(args, args.model))
+    engine = LLMEngine(args.engine.to_engine_config(args.model))
     loop = asyncio.get_running_loop()
     server = rpc.Server(["Worker"], args.port, args.host)
     worker_id = args.worker_id or f"{args.role}-{server.port}"
@@ -56,21 +56,24 @@ def parser(role: str | None = None) -> argparse.ArgumentParser:
     if role is None:
         ap.add_argument("--role", required=True, choices=ROLES)
     ap.add_argument("--model", default=os.environ.get("MESHSERVE_MODEL"), required="MESHSERVE_MODEL" not in os.environ)
-    ap.add_argument("--router", default=os.environ.get("ROUTER_ADDR", "127.0.0.1:50051"))
+    ap.add_argument("--router", default=os.environ.get("ROUTER_ADDR", f"127.0.0.1:{rpc.DEFAULT_PORTS['router']}"))
     rpc.add_server_flags(ap, "WORKER_PORT", grace_s=10.0)
     ap.add_argument("--worker-id")
     ap.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
                     help="publish KV block events to the prefix index here (prefill and unified roles; env REDIS_URL)")
-    add_engine_flags(ap)
+    add_config_flag(ap)
+    add_section_flags(ap, "engine")
     add_metrics_flag(ap)
     return ap
 
 
 def main(role: str | None = None) -> None:
-    args = parser(role).parse_args()
+    ap = parser(role)
+    args = ap.parse_args()
     if role:
         args.role = role
-    torch.set_num_threads(args.threads or 1)
+    args.engine = config_from_args(ap, args, "engine").engine
+    torch.set_num_threads(args.engine.threads or 1)
     rpc.setup_logging(f"{args.role}-worker")
     setup_telemetry(args.role, args.metrics_port, args.host)
     asyncio.run(serve(args))

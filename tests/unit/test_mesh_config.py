@@ -1,8 +1,11 @@
-"""The mesh config file: YAML and TOML, with clear errors for what it does not know."""
+"""The mesh config file: YAML and TOML, one model per section, errors naming file, section and key."""
+
+import subprocess
+import sys
 
 import pytest
 
-from services.up import load_config
+from services.common.config import ConfigError, load_mesh_config
 
 
 def test_yaml_and_toml(tmp_path):
@@ -10,25 +13,77 @@ def test_yaml_and_toml(tmp_path):
     y.write_text("mesh: {mode: unified, unified: 2}\nengine: {kv_cache_gb: 0.1, block_size: 8}\n")
     t = tmp_path / "mesh.toml"
     t.write_text("[mesh]\nmode = 'unified'\nunified = 2\n[engine]\nkv_cache_gb = 0.1\nblock_size = 8\n")
-    assert load_config(str(y)) == load_config(str(t)) == {"mesh": {"mode": "unified", "unified": 2},
-                                                        "engine": {"kv_cache_gb": 0.1, "block_size": 8}}
+    assert load_mesh_config(str(y), env={}) == load_mesh_config(str(t), env={})
+    cfg = load_mesh_config(str(y), env={})
+    assert (cfg.mesh.mode, cfg.mesh.unified, cfg.engine.kv_cache_gb, cfg.engine.block_size) == ("unified", 2, 0.1, 8)
+    assert cfg.engine.max_num_seqs == 256 and cfg.routing.policy == "least-outstanding"
 
 
 @pytest.mark.parametrize("text,fragment", [
-    ("autoscaler: {}\n", "unknown section(s) ['autoscaler']"),
+    # unknown key or section
+    ("autoscaler2: {}\n", "autoscaler2: unknown section"),
+    ("mesh: {workers: 3}\n", "mesh.workers: unknown key (known: model, mode, prefill, decode, unified)"),
+    ("engine: {blocksize: 8}\n", "engine.blocksize: unknown key"),
+    ("routing: {guard: {absolute: 1}}\n", "routing.guard.absolute: unknown key (known: abs, rel)"),
+    # wrong type
+    ("engine: {max_num_seqs: many}\n", "engine.max_num_seqs: input should be a valid integer"),
+    ("mesh: [1, 2]\n", "mesh: input should be a valid dictionary"),
     ("tenants: {}\n", "tenants must be a list"),
+    # bad value
+    ("engine: {max_num_seqs: -1}\n", "engine.max_num_seqs: input should be greater than 0 (got -1)"),
+    ("mesh: {mode: sideways}\n", "mesh.mode: input should be 'disaggregated' or 'unified'"),
+    ("admission: {policy: lottery}\n", "admission.policy: unknown arbitration policy"),
+    ("engine: {slot_policy: lottery}\n", "engine.slot_policy: unknown arbitration policy"),
+    ("routing: {policy: prefix-aware, weights: {cache: 1}}\n", "routing.weights: unknown scorer"),
     ("tenants: [{name: a}]\n", "api_key_hashes is required"),
     ("tenants: [{name: a, api_key_hashes: [x]}]\n", "is not sha256$"),
-    ("admission: {policy: lottery}\n", "unknown arbitration policy"),
-    ("mesh: {policy: prefix-aware}\nrouting: {weights: {cache: 1}}\n", "unknown scorer"),
-    ("mesh: {workers: 3}\n", "unknown key(s) ['workers'] in mesh"),
-    ("engine: {blocksize: 8}\n", "unknown key(s) ['blocksize'] in engine"),
-    ("mesh: [1, 2]\n", "must be a mapping"),
+    # renamed keys say where they went; a file that does not parse says so
+    ("mesh: {policy: prefix-aware}\n", "mesh.policy is now routing.policy"),
+    ("engine: {policy: fcfs}\n", "engine.policy is now engine.slot_policy"),
     ("mesh: {mode: [\n", "cannot parse"),
 ])
-def test_errors_name_the_file_and_the_key(tmp_path, text, fragment):
+def test_errors_name_the_file_section_and_key(tmp_path, text, fragment):
     f = tmp_path / "mesh.yaml"
     f.write_text(text)
-    with pytest.raises(SystemExit) as exc:
-        load_config(str(f))
-    assert fragment in str(exc.value) and "mesh.yaml" in str(exc.value)
+    with pytest.raises(ConfigError) as exc:
+        load_mesh_config(str(f), env={})
+    assert fragment in str(exc.value) and "mesh.yaml" in str(exc.value), str(exc.value)
+
+
+def test_environment_and_flags_override_the_file_in_that_order(tmp_path):
+    f = tmp_path / "mesh.yaml"
+    f.write_text("engine: {max_num_seqs: 8, block_size: 8}\n")
+    env = {"MESHSERVE_ENGINE__MAX_NUM_SEQS": "16", "MESHSERVE_ENGINE__BLOCK_SIZE": "32", "OTHER": "x"}
+    cfg = load_mesh_config(str(f), {"engine": {"max_num_seqs": 64}}, env=env)
+    assert (cfg.engine.max_num_seqs, cfg.engine.block_size) == (64, 32)
+    with pytest.raises(ConfigError, match="environment: engine.block_size: input should be greater than 0"):
+        load_mesh_config(str(f), env={"MESHSERVE_ENGINE__BLOCK_SIZE": "0"})
+    with pytest.raises(ConfigError, match="flags: engine.max_num_seqs"):
+        load_mesh_config(str(f), {"engine": {"max_num_seqs": 0}}, env={})
+
+
+SERVICES = ["services.gateway", "services.router", "services.kvstore", "services.worker", "services.prefill",
+            "services.decode"]
+SECTIONS = {"services.gateway": "admission", "services.router": "routing", "services.worker": "engine",
+            "services.prefill": "engine", "services.decode": "engine"}
+
+
+@pytest.mark.parametrize("module", SERVICES)
+def test_every_service_takes_the_config_file_and_its_sections_flags(module):
+    out = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    if module != "services.kvstore":
+        assert "--config" in out.stdout
+    if module in SECTIONS:
+        assert f"the mesh file's {SECTIONS[module]} section" in out.stdout
+
+
+def test_services_refuse_a_bad_config_file_at_startup_naming_the_key(tmp_path):
+    f = tmp_path / "mesh.yaml"
+    f.write_text("engine: {max_num_seqs: 0}\nrouting: {policy: nearest}\nadmission: {starvation_s: -1}\n")
+    for module, key, extra in (("services.router", "routing.policy", []),
+                               ("services.gateway", "admission.starvation_s", ["--model", str(tmp_path)]),
+                               ("services.worker", "engine.max_num_seqs", ["--model", str(tmp_path), "--role", "unified"])):
+        out = subprocess.run([sys.executable, "-m", module, "--config", str(f), *extra],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and "mesh.yaml" in out.stderr and key in out.stderr, (module, out.stderr)

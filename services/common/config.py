@@ -1,0 +1,264 @@
+"""The mesh config: one validated model per section of the mesh file, and one override mechanism.
+
+A mesh file (YAML or TOML) has the sections mesh, engine, routing, admission and tenants; each is
+a pydantic model that forbids unknown keys, so a typo is an error, never a silent default. Every
+service reads the one file (`--config FILE`, env MESHSERVE_CONFIG) and takes only its section:
+workers the engine section, the router the routing section, the gateway tenants and admission.
+
+Values are layered, later wins: the section's defaults, the file, environment variables
+`MESHSERVE_<SECTION>__<KEY>` (e.g. MESHSERVE_ENGINE__MAX_NUM_SEQS=64), then the service's flags,
+which are generated from the same models (`--max-num-seqs 64`). Every error names the file (or
+the environment variable, or the flag), the section and the key:
+`mesh.yaml: engine.max_num_seqs: must be greater than 0 (got -1)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import types
+import typing
+from pathlib import Path
+from typing import Literal
+
+from pydantic import (BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, ValidationError, field_validator,
+                      model_validator)
+
+from services.engine.config import EngineSection
+
+ENV_PREFIX = "MESHSERVE_"
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class MeshSection(Section):
+    """Which processes `meshserve up` starts."""
+
+    model: str | None = Field(None, description="model folder (default: the tiny model, written on first use)")
+    mode: Literal["disaggregated", "unified"] = Field("disaggregated", description="prefill/decode split or not")
+    prefill: PositiveInt = Field(1, description="prefill workers (disaggregated)")
+    decode: PositiveInt = Field(2, description="decode workers (disaggregated)")
+    unified: PositiveInt = Field(1, description="unified workers (unified mode)")
+
+
+class Guard(Section):
+    abs: float = Field(1.0, ge=0, description="load wins when max - min load exceeds this...")
+    rel: float = Field(2.0, ge=0, description="...and max load exceeds this many times min load")
+
+
+class RoutingSection(Section):
+    """The router's policy (services/router/policies.py)."""
+
+    policy: Literal["round-robin", "least-outstanding", "prefix-aware"] = Field(
+        "least-outstanding", description="round-robin | least-outstanding | prefix-aware")
+    weights: dict[str, float] = Field(default_factory=dict, description='scorer weights, e.g. {"prefix": 1, "load": 0.5}')
+    guard: Guard = Field(default_factory=Guard, description="prefix-aware's load guard")
+
+    @field_validator("weights")
+    @classmethod
+    def _known_scorers(cls, weights: dict) -> dict:
+        from services.router.policies import make_policy
+
+        make_policy("prefix-aware", {"weights": weights})  # ValueError names the unknown scorer
+        return weights
+
+
+class AdmissionSection(Section):
+    """The gateway's admission queue (services/common/admission.py)."""
+
+    policy: str = Field("fair-deadline", description="fcfs | priority | deadline | fair | fair-deadline")
+    starvation_s: PositiveFloat = Field(30.0, description="the longest a request may wait to start")
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, name: str) -> str:
+        from services.common.arbitration import make_policy
+
+        make_policy(name)
+        return name
+
+
+RENAMED = {("mesh", "policy"): "routing.policy", ("engine", "policy"): "engine.slot_policy"}
+
+
+class MeshConfig(Section):
+    """The whole mesh file. Future sections (lora, kv, autoscaler) are one field each here."""
+
+    mesh: MeshSection = Field(default_factory=MeshSection)
+    engine: EngineSection = Field(default_factory=lambda: EngineSection(kv_cache_gb=0.25))
+    routing: RoutingSection = Field(default_factory=RoutingSection)
+    admission: AdmissionSection = Field(default_factory=AdmissionSection)
+    tenants: list = Field(default_factory=list, description="tenants (services/common/tenants.py)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, raw):
+        for (section, key), now in RENAMED.items():
+            if isinstance(raw, dict) and isinstance(raw.get(section), dict) and key in raw[section]:
+                raise ValueError(f"{section}.{key} is now {now}: one name per policy (routing, admission, engine slots)")
+        return raw
+
+    @field_validator("tenants", mode="before")
+    @classmethod
+    def _tenants(cls, entries):
+        from services.common.tenants import parse_tenants
+
+        parse_tenants(entries)  # ValueError naming the tenant and key
+        return entries or []
+
+    def tenant_objects(self) -> list:
+        from services.common.tenants import parse_tenants
+
+        return parse_tenants(self.tenants)
+
+
+class ConfigError(ValueError):
+    """A config value that does not validate; the message names its source, section and key."""
+
+
+# ---- loading ----------------------------------------------------------------------------------
+
+def read_file(path: str | None) -> dict:
+    """The raw mapping of a YAML or TOML mesh file ({} without a file)."""
+    if not path:
+        return {}
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read ({e.strerror})") from None
+    try:
+        if path.endswith(".toml"):
+            import tomllib
+            raw = tomllib.loads(text)
+        else:
+            import yaml
+            raw = yaml.safe_load(text) or {}
+    except Exception as e:
+        raise ConfigError(f"{path}: cannot parse ({e})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the file must be a mapping of sections")
+    return raw
+
+
+def load_mesh_config(path: str | None, overrides: dict | None = None, env: dict | None = None) -> MeshConfig:
+    """The whole validated mesh config: file, then MESHSERVE_<SECTION>__<KEY> variables, then overrides
+    ({section: {key: value}}, e.g. from flags). Raises ConfigError naming file, section and key."""
+    raw = read_file(path)
+    layers = [(path or "defaults", raw), ("environment", env_overrides(env)), ("flags", overrides or {})]
+    merged: dict = {}
+    for _, layer in layers:
+        for section, values in layer.items():
+            if isinstance(values, dict) and isinstance(merged.get(section), dict):
+                merged[section] = {**merged[section], **values}
+            else:
+                merged[section] = values
+    try:
+        return MeshConfig.model_validate(merged)
+    except ValidationError as e:
+        raise ConfigError(describe(e, _source(e, layers))) from None
+
+
+def _source(e: ValidationError, layers: list) -> str:
+    """Which layer set the first failing value (the flags, the environment, or the file)."""
+    loc = e.errors()[0]["loc"] if e.errors() else ()
+    for name, layer in reversed(layers):
+        if loc and isinstance(layer.get(loc[0]), dict) and len(loc) > 1 and loc[1] in layer[loc[0]]:
+            return name
+        if loc and loc[0] in layer and len(loc) == 1:
+            return name
+    return layers[0][0]
+
+
+def describe(e: ValidationError, source: str) -> str:
+    lines = []
+    for err in e.errors():
+        where = ".".join(str(p) for p in err["loc"])
+        if err["type"] == "extra_forbidden":
+            section = _model_at(err["loc"][:-1])
+            known = ", ".join(section.model_fields) if section else ""
+            lines.append(f"{source}: {where}: unknown {'section' if len(err['loc']) == 1 else 'key'}"
+                         + (f" (known: {known})" if known else ""))
+        else:
+            msg = err["msg"].removeprefix("Value error, ")
+            lines.append(f"{source}: {where}: {msg[:1].lower() + msg[1:]} (got {err.get('input')!r})")
+    return "\n".join(lines)
+
+
+def _model_at(loc: tuple):
+    model = MeshConfig
+    for part in loc:
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+            return None
+        model = field.annotation
+    return model
+
+
+def env_overrides(env: dict | None = None) -> dict:
+    """{section: {key: value}} from MESHSERVE_<SECTION>__<KEY> variables (values parsed as YAML scalars)."""
+    import yaml
+
+    out: dict = {}
+    for name, value in (os.environ if env is None else env).items():
+        if name.startswith(ENV_PREFIX) and "__" in name:
+            section, key = name[len(ENV_PREFIX):].lower().split("__", 1)
+            if section in MeshConfig.model_fields:
+                out.setdefault(section, {})[key] = yaml.safe_load(value) if value else value
+    return out
+
+
+# ---- flags generated from a section -------------------------------------------------------------
+
+def add_section_flags(ap: argparse.ArgumentParser, section: str, prefix: str = "") -> None:
+    """--{prefix}key flags for every key of a section (absent = not given); read back with flag_overrides()."""
+    model = MeshConfig.model_fields[section].annotation
+    g = ap.add_argument_group(f"{section} (the mesh file's {section} section)")
+    for name, field in model.model_fields.items():
+        flag, dest = "--" + prefix + name.replace("_", "-"), f"_{section}__{name}"
+        kind, choices = _flag_type(field.annotation)
+        help_text = (field.description or "") + f" (config {section}.{name}; env {ENV_PREFIX}{section.upper()}__{name.upper()})"
+        if kind is bool:
+            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, dest=dest,
+                           help=help_text)
+        else:
+            g.add_argument(flag, type=kind, choices=choices, default=argparse.SUPPRESS, dest=dest, help=help_text)
+
+
+def flag_overrides(args: argparse.Namespace, *sections: str) -> dict:
+    """{section: {key: value}} for the flags given on the command line."""
+    out: dict = {}
+    for dest, value in vars(args).items():
+        section, _, key = dest.removeprefix("_").partition("__")
+        if dest.startswith("_") and key and section in sections:
+            out.setdefault(section, {})[key] = value
+    return out
+
+
+def _flag_type(annotation):
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        annotation = next(a for a in args if a is not type(None))
+        args = typing.get_args(annotation)
+    if typing.get_origin(annotation) is Literal:
+        return str, list(args)
+    if annotation in (int, float, str, bool):
+        return annotation, None
+    if typing.get_origin(annotation) is typing.Annotated:
+        return _flag_type(args[0])
+    return json.loads, None  # mappings and nested sections: JSON on the command line
+
+
+def add_config_flag(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--config", default=os.environ.get("MESHSERVE_CONFIG"),
+                    help="the mesh config file (YAML or TOML; env MESHSERVE_CONFIG); this service reads its sections")
+
+
+def config_from_args(ap: argparse.ArgumentParser, args: argparse.Namespace, *sections: str) -> MeshConfig:
+    """The validated config of a service: --config file, environment, then its flags; errors exit via ap.error."""
+    try:
+        return load_mesh_config(args.config, flag_overrides(args, *sections))
+    except ConfigError as e:
+        ap.error(str(e))
