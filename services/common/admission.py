@@ -46,7 +46,6 @@ class Pending:
     deadline_s: float | None = None
     predicted_s: float = 0.0
     max_queued: int | None = None  # the tenant's queue limit
-    ticket: object = None  # the caller's handle (e.g. a future to wake)
     dispatched_s: float | None = None
 
 

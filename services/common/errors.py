@@ -10,35 +10,30 @@ class MeshError(Exception):
     """Base of every error meshserve reports to a caller."""
 
     code = "INTERNAL"  # the gRPC status name this error maps to
-    http_status = 500
 
 
 class InvalidRequest(MeshError):
     """A malformed or out-of-range field: empty prompt, token id outside the vocabulary, bad sampling value."""
 
     code = "INVALID_ARGUMENT"
-    http_status = 400
 
 
 class OutOfRange(MeshError):
     """Prompt plus max_tokens beyond the model's context or the whole KV pool."""
 
     code = "OUT_OF_RANGE"
-    http_status = 400
 
 
 class NotFound(MeshError):
     """Unknown model, adapter or request id."""
 
     code = "NOT_FOUND"
-    http_status = 404
 
 
 class CapacityExhausted(MeshError):
     """Over a limit or queue full; retry_after_ms says when trying again is sensible."""
 
     code = "RESOURCE_EXHAUSTED"
-    http_status = 429
 
     def __init__(self, message: str, retry_after_ms: int = 1000):
         super().__init__(message)
@@ -49,21 +44,18 @@ class Unauthenticated(MeshError):
     """Missing or wrong API key."""
 
     code = "UNAUTHENTICATED"
-    http_status = 401
 
 
 class PermissionDenied(MeshError):
     """An adapter, priority or model the tenant may not use."""
 
     code = "PERMISSION_DENIED"
-    http_status = 403
 
 
 class ModelLoadError(MeshError):
     """A model folder is missing a file or uses something the engine does not support."""
 
     code = "FAILED_PRECONDITION"
-    http_status = 500
 
 
 def error_dict(err: MeshError) -> dict:
@@ -75,14 +67,12 @@ class DeadlineExceeded(MeshError):
     """The request's deadline passed, or cannot be met."""
 
     code = "DEADLINE_EXCEEDED"
-    http_status = 504
 
 
 class Unavailable(MeshError):
     """No worker able to serve, or a dependency down with no fallback."""
 
     code = "UNAVAILABLE"
-    http_status = 503
 
 
 HTTP_STATUS = {"INVALID_ARGUMENT": 400, "OUT_OF_RANGE": 400, "NOT_FOUND": 404, "UNAUTHENTICATED": 401,

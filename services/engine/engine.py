@@ -257,8 +257,26 @@ class LLMEngine:
         table = self.kv.block_table(self._running(req_id))
         return [encode_block(self.kv_cache.read_block(b)) for b in table[start:end]]
 
-    def num_full_computed_blocks(self, req_id: str) -> int:
-        return self._running(req_id).num_computed // self.kv.block_size
+    def running_progress(self, req_id: str) -> tuple[int, int] | None:
+        """(tokens sampled, full computed blocks) of a running request; None while queued, preempted or gone."""
+        req = self.requests.get(req_id)
+        if req is None or req.status is not Status.RUNNING:
+            return None
+        return req.num_output, req.num_computed // self.kv.block_size
+
+    # ---- the prefix cache's content, for the prefix index ------------------------------------
+
+    def track_block_events(self) -> None:
+        """Start recording stored/evicted block hashes (drained by block_events)."""
+        self.kv.pool.track_events()
+
+    def block_events(self) -> tuple[list[tuple[str, bytes]], bool]:
+        """The ("stored" | "evicted", hash) events since the last call, and whether some were dropped."""
+        return self.kv.pool.drain_events()
+
+    def cached_hashes(self) -> list[bytes]:
+        """Every block hash the KV pool holds now (for a full republish)."""
+        return self.kv.pool.hashes()
 
     def _running(self, req_id: str) -> Request:
         return self._in_state(req_id, Status.RUNNING, "running")
@@ -342,7 +360,7 @@ class LLMEngine:
         req.tokens, req.sample_seed = list(token_ids), sample_seed
         req.num_computed, req.status = num_computed, Status.RUNNING
         self.kv.commit(req)
-        self.scheduler.running.append(req)
+        self.scheduler.add_running(req)
 
     # ---- introspection ------------------------------------------------------------------------
 

@@ -42,12 +42,6 @@ class SchedulerOutput:
         return not self.seqs
 
 
-@dataclass
-class Finished:
-    request: Request
-    reason: str  # stop | length | abort
-
-
 class Scheduler:
     def __init__(self, kv: KVCacheManager, policy: ArbitrationPolicy, max_num_seqs: int,
                  max_num_batched_tokens: int, clock=time.monotonic):
@@ -61,6 +55,10 @@ class Scheduler:
         if req.tenant not in backlogged:
             self.policy.activate(req.tenant, backlogged)
         self.waiting.append(req)
+
+    def add_running(self, req: Request) -> None:
+        """Join a request whose KV is already in place (an import) to the running batch."""
+        self.running.append(req)
 
     @property
     def has_work(self) -> bool:

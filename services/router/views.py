@@ -38,11 +38,6 @@ class WorkerView:
     def tokens(self) -> int:
         return self.outstanding_tokens + self.routed_since_beat
 
-    @property
-    def load(self) -> float:
-        """Load against the KV pool alone (see loads() for the throughput-aware figure)."""
-        return self.tokens / max(self.capacity_tokens, 1)
-
 
 def loads(workers: list[WorkerView]) -> list[float]:
     """Each worker's load (see the module docstring): the fuller of its token and slot utilisation."""

@@ -23,7 +23,6 @@ from services.common.convert import sampling_from_pb
 from services.common.errors import CapacityExhausted, InvalidRequest, MeshError
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
-from services.engine.request import Status
 from services.worker.measure import DecodeRate
 from services.worker.runner import EngineRunner
 
@@ -47,10 +46,11 @@ class KVSender:
         self.chunks_sent = 0  # messages queued so far
 
     def __call__(self, engine, req_id: str) -> None:
-        req = engine.requests.get(req_id)
-        if req is None or req.status is not Status.RUNNING:
+        progress = engine.running_progress(req_id)
+        if progress is None:
             return  # still queued (or preempted): nothing computed to send yet
-        if req.num_output >= 1:
+        sampled, full = progress
+        if sampled >= 1:
             kv = engine.export_kv(req_id, first_block=self.sent)
             self._push(kv.blocks)
             meta = pb.KVMeta(token_ids=kv.token_ids, num_prompt=kv.num_prompt, num_computed=kv.num_computed,
@@ -60,7 +60,6 @@ class KVSender:
             self.runner.forget(req_id)
             engine.abort(req_id)
             return
-        full = engine.num_full_computed_blocks(req_id)
         if full > self.sent:
             self._push(engine.kv_blocks(req_id, self.sent, full))
 
@@ -221,13 +220,13 @@ async def heartbeat_loop(runner: EngineRunner, router: str, worker_id: str, addr
 async def index_loop(runner: EngineRunner, publisher, period_s: float = 0.05, keepalive_s: float = 2.0) -> None:
     """Publish the block pool's stored/evicted events to the prefix index, batched every period_s."""
     async def snapshot():
-        return await runner.call(lambda engine: engine.kv.pool.hashes())
+        return await runner.call(lambda engine: engine.cached_hashes())
 
-    await runner.call(lambda engine: engine.kv.pool.track_events())
+    await runner.call(lambda engine: engine.track_block_events())
     loop = asyncio.get_running_loop()
     next_keepalive = 0.0
     while True:
-        events, overflowed = await runner.call(lambda engine: engine.kv.pool.drain_events())
+        events, overflowed = await runner.call(lambda engine: engine.block_events())
         publisher.add(events, overflowed)
         await publisher.flush(snapshot)
         if loop.time() >= next_keepalive:

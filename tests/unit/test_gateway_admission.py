@@ -10,21 +10,15 @@ from services.common.errors import CapacityExhausted
 from services.common.pb import meshserve_pb2 as pb
 from services.common.tenants import Limits, Tenant
 from services.gateway.admission import Admission
+from tests.support.fakes import Clock
 from tests.support.metrics import metric_points
 
 A, B = Tenant("A", weight=1.0), Tenant("B", weight=1.0, limits=Limits(requests_per_s=1))
 
 
-class Clock:
-    now = 100.0
-
-    def __call__(self):
-        return self.now
-
-
 def test_queue_when_full_dispatch_on_finish_and_per_tenant_metrics():
     async def go():
-        reader, clock = InMemoryMetricReader(), Clock()
+        reader, clock = InMemoryMetricReader(), Clock(100.0)
         adm = Admission("fcfs", 30.0, clock=clock, meter=MeterProvider(metric_readers=[reader]).get_meter("t"))
         adm.update_view([pb.WorkerLoad(role="unified", max_num_seqs=1, kv_capacity_tokens=10_000)], "unified")
         first = await adm.admit(A, "a1", 10, 5, 0, None)  # room: dispatched at once

@@ -6,13 +6,7 @@ import pytest
 
 from services.common.errors import CapacityExhausted, NotFound
 from services.kvstore.store import KVStore
-
-
-class Clock:
-    now = 0.0
-
-    def __call__(self):
-        return self.now
+from tests.support.fakes import Clock
 
 
 def test_get_streams_blocks_as_they_land():

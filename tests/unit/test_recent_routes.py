@@ -4,13 +4,7 @@ import pytest
 
 from services.router.recent import RecentRoutes
 from services.worker.measure import DecodeRate, StepCostFit
-
-
-class Clock:
-    now = 0.0
-
-    def __call__(self):
-        return self.now
+from tests.support.fakes import Clock
 
 
 H = [bytes([i]) * 16 for i in range(6)]

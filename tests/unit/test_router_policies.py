@@ -5,14 +5,7 @@ import pytest
 from services.common.errors import Unavailable
 from services.router.policies import LeastOutstanding, RoundRobin, make_policy
 from services.router.registry import Registry
-
-
-class Clock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self):
-        return self.now
+from tests.support.fakes import Clock
 
 
 def registry_with(loads, clock=None):

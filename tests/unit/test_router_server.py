@@ -15,16 +15,10 @@ from services.router.registry import Registry
 from services.router.server import RouterServicer
 from tests.support.metrics import metric_points
 from tests.support.redis_server import RedisServer
+from tests.support.fakes import Clock
 
 BS = 16
 PROMPT = list(range(1000, 1000 + 8 * BS + 5))  # 8 full blocks + a tail
-
-
-class Clock:
-    now = 0.0
-
-    def __call__(self):
-        return self.now
 
 
 @pytest.fixture
