@@ -32,3 +32,23 @@ def sampling_to_pb(p: SamplingParams) -> pb.Sampling:
     if p.seed is not None:
         s.seed = p.seed
     return s
+
+
+# A heartbeat (pb.WorkerLoad) field -> the router's WorkerView attribute, both ways, in one place.
+LOAD_FIELDS = {"worker_id": "worker_id", "address": "address", "role": "role",
+               "outstanding_tokens": "outstanding_tokens", "kv_capacity_tokens": "capacity_tokens",
+               "running": "running", "waiting": "waiting", "adapters": "adapters", "block_size": "block_size",
+               "index_member": "index_member", "decode_tokens_per_s": "decode_tps", "max_num_seqs": "max_num_seqs",
+               "prefill_s_per_token": "prefill_s_per_token", "decode_s_per_step": "decode_s_per_step"}
+
+
+def load_from_pb(msg: pb.WorkerLoad) -> dict:
+    """A heartbeat as WorkerView attributes (block size 16 when the worker sent none)."""
+    out = {view: getattr(msg, field) for field, view in LOAD_FIELDS.items()}
+    out["adapters"], out["block_size"] = tuple(out["adapters"]), out["block_size"] or 16
+    return out
+
+
+def load_to_pb(view) -> pb.WorkerLoad:
+    """A WorkerView as the WorkerLoad that ListWorkers reports."""
+    return pb.WorkerLoad(**{field: getattr(view, attr) for field, attr in LOAD_FIELDS.items()})

@@ -242,7 +242,7 @@ class PrefixIndex:
         self.degraded = False
         self.on_change = on_change
 
-    async def longest_prefix(self, hashes: list[bytes]) -> dict[str, int]:
+    def longest_prefix(self, hashes: list[bytes]) -> dict[str, int]:
         """member -> leading blocks of `hashes` it holds (live members holding at least one)."""
         if not hashes or not self.backoff.ready():
             return {}
@@ -256,7 +256,7 @@ class PrefixIndex:
         self._set_degraded(False)
         return {(m.decode() if isinstance(m, bytes) else m): int(n) for m, n in zip(flat[::2], flat[1::2])}
 
-    async def probe(self) -> bool:
+    def probe(self) -> bool:
         """Ping when a retry is due (the router calls this periodically, so recovery shows without traffic)."""
         if not self.backoff.ready():
             return not self.degraded

@@ -26,7 +26,7 @@ INDEX_HEALTH = "prefix-index"  # health service name: NOT_SERVING while Redis is
 async def watch_index(index: PrefixIndex, server: rpc.Server, servicer: RouterServicer) -> None:
     """Probe Redis once a second (so the state shows without traffic) and mirror it in health and metrics."""
     while True:
-        await index.probe()
+        index.probe()
         servicer.set_degraded(index.degraded)
         status = health_pb2.HealthCheckResponse.NOT_SERVING if index.degraded else health_pb2.HealthCheckResponse.SERVING
         await server.health.set(INDEX_HEALTH, status)

@@ -6,20 +6,30 @@
 - prefix-aware: weighted scorers (prefix 1.0, load 0.5, adapter 0.0 by default) guarded by load
   (load wins outright past a gap of 1.0 load units and a ratio of 2 by default; scoring.py).
 
-select(workers, cost, ctx) only decides and says why; the router commits the decision through
-on_routed(worker, cost), which updates the in-flight state. `uses_prefix` tells the router
-whether to look the prompt up in the prefix index at all.
+The candidates come from the Filter stage (filters.py). select(workers, cost, ctx) only decides
+and says why; the router commits the decision through on_routed(worker, cost), the one commit
+path: the in-flight correction (views.charge) and whatever state the policy keeps (the turn of
+round-robin). `uses_prefix` tells the router whether to look the prompt up in the prefix index.
 """
 
 from __future__ import annotations
 
 from services.router.scoring import SCORERS, LoadGuard, WeightedPicker
-from services.router.views import RouteContext, WorkerView, loads
+from services.router.views import RouteContext, WorkerView, charge, loads
 
 
-class RoundRobin:
-    name = "round-robin"
+class RoutingPolicy:
+    """What every policy shares: the commit. Each subclass adds select(workers, cost, ctx) -> (worker, why)."""
+
+    name = ""
     uses_prefix = False
+
+    def on_routed(self, worker: WorkerView, cost: int) -> None:
+        charge(worker, cost)
+
+
+class RoundRobin(RoutingPolicy):
+    name = "round-robin"
 
     def __init__(self):
         self.turn: dict[str, int] = {}
@@ -31,13 +41,11 @@ class RoundRobin:
 
     def on_routed(self, worker: WorkerView, cost: int) -> None:
         self.turn[worker.role] = self.turn.get(worker.role, 0) + 1
-        worker.routed_since_beat += cost
-        worker.routed_requests += 1
+        super().on_routed(worker, cost)
 
 
-class LeastOutstanding:
+class LeastOutstanding(RoutingPolicy):
     name = "least-outstanding"
-    uses_prefix = False
 
     def select(self, workers: list[WorkerView], cost: int, ctx: RouteContext | None = None):
         ordered = sorted(workers, key=lambda w: w.worker_id)
@@ -45,12 +53,8 @@ class LeastOutstanding:
         best = min(range(len(ordered)), key=lambda i: (ls[i], ordered[i].worker_id))
         return ordered[best], " ".join(f"{w.worker_id}={x:.3f}" for w, x in zip(ordered, ls))
 
-    def on_routed(self, worker: WorkerView, cost: int) -> None:
-        worker.routed_since_beat += cost
-        worker.routed_requests += 1
 
-
-class PrefixAware:
+class PrefixAware(RoutingPolicy):
     name = "prefix-aware"
     uses_prefix = True
     DEFAULT_WEIGHTS = {"prefix": 1.0, "load": 0.5, "adapter": 0.0}
@@ -67,10 +71,6 @@ class PrefixAware:
 
     def select(self, workers: list[WorkerView], cost: int, ctx: RouteContext | None = None):
         return self.picker.pick(sorted(workers, key=lambda w: w.worker_id), ctx or RouteContext())
-
-    def on_routed(self, worker: WorkerView, cost: int) -> None:
-        worker.routed_since_beat += cost
-        worker.routed_requests += 1
 
 
 POLICIES = {p.name: p for p in (RoundRobin, LeastOutstanding, PrefixAware)}

@@ -7,10 +7,11 @@ work and is forgotten.
 from __future__ import annotations
 
 from services.common.errors import Unavailable as NoWorker
+from services.router.filters import Need, candidates
 from services.router.views import WorkerView
 
 BEAT_FIELDS = ("block_size", "index_member", "decode_tps", "adapters", "max_num_seqs", "prefill_s_per_token",
-               "decode_s_per_step", "running", "waiting")
+               "decode_s_per_step", "running", "waiting")  # what a heartbeat may set beyond the first five
 
 
 class Registry:
@@ -41,8 +42,18 @@ class Registry:
             del self.workers[wid]
         return list(self.workers.values())
 
-    def live(self, role: str) -> list[WorkerView]:
-        out = [w for w in self.prune() if w.role == role]
+    def beat_view(self, fields: dict) -> None:
+        """Record a heartbeat given as WorkerView attributes (services.common.convert.load_from_pb)."""
+        f = dict(fields)
+        self.beat(f.pop("worker_id"), f.pop("address"), f.pop("role"), f.pop("outstanding_tokens"),
+                  f.pop("capacity_tokens"), **f)
+
+    def live(self, need: Need | str) -> list[WorkerView]:
+        """The live workers that pass every filter (filters.py) for a Need or a role; UNAVAILABLE naming
+        the filter that left none."""
+        need = Need(need) if isinstance(need, str) else need
+        out, emptied_by = candidates(self.prune(), need)
         if not out:
-            raise NoWorker(f"no live {role} worker")
+            detail = "" if emptied_by == "role" else f" passing the {emptied_by} filter ({need})"
+            raise NoWorker(f"no live {need.role} worker{detail}")
         return out

@@ -17,9 +17,11 @@ from opentelemetry import metrics, trace
 
 from services.common import rpc
 from services.common.block_hash import extra_keys, hash_packed, pack_tokens
+from services.common.convert import load_from_pb, load_to_pb
 from services.common.errors import InvalidRequest
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
+from services.router.filters import Need
 from services.router.recent import RecentRoutes
 from services.router.registry import Registry
 from services.router.views import RouteContext
@@ -61,13 +63,7 @@ class RouterServicer(pb_grpc.RouterServicer):
 
     @rpc.mapped
     async def Heartbeat(self, request, context):
-        self.registry.beat(request.worker_id, request.address, request.role, request.outstanding_tokens,
-                           request.kv_capacity_tokens, block_size=request.block_size or 16,
-                           index_member=request.index_member, decode_tps=request.decode_tokens_per_s,
-                           adapters=tuple(request.adapters), max_num_seqs=request.max_num_seqs,
-                           prefill_s_per_token=request.prefill_s_per_token,
-                           decode_s_per_step=request.decode_s_per_step, running=request.running,
-                           waiting=request.waiting)
+        self.registry.beat_view(load_from_pb(request))
         return pb.HeartbeatReply(interval_ms=self.beat_ms)
 
     @rpc.mapped
@@ -84,7 +80,7 @@ class RouterServicer(pb_grpc.RouterServicer):
             decision = pb.RouteDecision(decode_worker=worker.address, mode=mode, reason=why)
         else:
             prefill, why_p, cached = await self._pick("prefill", request.prompt_tokens, request)
-            decode, why_d, _ = await self._pick("decode", request.max_tokens, request)
+            decode, why_d, _ = await self._pick("decode", request.max_tokens, request, block_size=prefill.block_size)
             decision = pb.RouteDecision(prefill_worker=prefill.address, decode_worker=decode.address,
                                         mode="disaggregated", reason=f"prefill[{why_p}] decode[{why_d}]")
         decision.decision_ms = (time.perf_counter() - t0) * 1e3
@@ -97,9 +93,9 @@ class RouterServicer(pb_grpc.RouterServicer):
             span.set_attribute("meshserve.route.cached_prefix_tokens", cached)
         return decision
 
-    async def _pick(self, role: str, cost: int, request):
-        """Decide, then commit; returns (worker, why, cached prompt tokens on it per the index)."""
-        policy, workers = self.policies[role], self.registry.live(role)
+    async def _pick(self, role: str, cost: int, request, block_size: int = 0):
+        """Filter, decide, then commit; returns (worker, why, cached prompt tokens on it per the index)."""
+        policy, workers = self.policies[role], self.registry.live(Need(role, block_size, request.adapter))
         hashes, ctx = [], None
         if policy.uses_prefix and role in PREFIX_ROLES and (request.prompt_u32 or request.prompt_token_ids):
             hashes, ctx = await self._prefix_context(workers, request)
@@ -117,7 +113,7 @@ class RouterServicer(pb_grpc.RouterServicer):
         bs = workers[0].block_size
         # The last prompt token is always computed (its logits are needed), as in the engine.
         hashes = hash_packed(packed[:-4], bs, extra_keys(request.adapter, request.cache_salt))
-        found = await self.index.longest_prefix(hashes) if self.index is not None else {}
+        found = self.index.longest_prefix(hashes) if self.index is not None else {}
         recent = self.recent.longest(hashes)
         cached = {}
         for w in workers:
@@ -131,13 +127,7 @@ class RouterServicer(pb_grpc.RouterServicer):
     @rpc.mapped
     async def ListWorkers(self, request, context):
         return pb.ListWorkersResponse(
-            workers=[pb.WorkerLoad(worker_id=w.worker_id, address=w.address, role=w.role,
-                                   outstanding_tokens=w.outstanding_tokens, kv_capacity_tokens=w.capacity_tokens,
-                                   block_size=w.block_size, index_member=w.index_member,
-                                   decode_tokens_per_s=w.decode_tps, adapters=list(w.adapters),
-                                   max_num_seqs=w.max_num_seqs, prefill_s_per_token=w.prefill_s_per_token,
-                                   decode_s_per_step=w.decode_s_per_step, running=w.running, waiting=w.waiting)
-                     for w in self.registry.prune()],
+            workers=[load_to_pb(w) for w in self.registry.prune()],
             prefix_index_degraded=bool(self.index is not None and self.index.degraded))
 
     def set_degraded(self, degraded: bool) -> None:

@@ -39,6 +39,12 @@ class WorkerView:
         return self.outstanding_tokens + self.routed_since_beat
 
 
+def charge(worker: WorkerView, cost: int) -> None:
+    """The in-flight correction of one routed request, until the worker's next heartbeat."""
+    worker.routed_since_beat += cost
+    worker.routed_requests += 1
+
+
 def loads(workers: list[WorkerView]) -> list[float]:
     """Each worker's load (see the module docstring): the fuller of its token and slot utilisation."""
     rates = [w.decode_tps for w in workers]

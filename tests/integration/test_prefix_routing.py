@@ -59,7 +59,7 @@ def indexed(mesh, ids) -> dict:
     """worker_id -> blocks of ids the Redis index says it holds (live members only)."""
     client = connect_lookup(mesh.redis_url, timeout_s=2)
     try:
-        found = asyncio.run(PrefixIndex(client).longest_prefix(hash_blocks(ids[:-1], BS, extra_keys())))
+        found = PrefixIndex(client).longest_prefix(hash_blocks(ids[:-1], BS, extra_keys()))
     finally:
         client.close()
     return {m.rsplit("#", 1)[0]: n for m, n in found.items()}

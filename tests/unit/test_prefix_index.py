@@ -60,14 +60,14 @@ def test_entries_appear_on_store_and_vanish_on_evict(server):
         b.store(hs[:2])
         await a.publish()
         await b.publish()
-        found = await index.longest_prefix(hs)
+        found = index.longest_prefix(hs)
         assert {worker_of(m): n for m, n in found.items()} == {"a": 6, "b": 2}
         # a different isolation salt shares nothing
-        assert await index.longest_prefix(hashes(prompt, salt="tenant-x")) == {}
+        assert index.longest_prefix(hashes(prompt, salt="tenant-x")) == {}
         # evict everything a holds: its blocks are reused for other content
         a.pool.allocate(64)
         await a.publish()
-        found = await index.longest_prefix(hs)
+        found = index.longest_prefix(hs)
         assert {worker_of(m): n for m, n in found.items()} == {"b": 2}
         await client.aclose()
     run(go())
@@ -81,7 +81,7 @@ def test_longest_prefix_at_every_depth(server, held):
         hs = hashes(list(range(40)))  # 10 blocks
         a.store(hs[:held])
         await a.publish()
-        found = await PrefixIndex(connect_lookup(server.url)).longest_prefix(hs)
+        found = PrefixIndex(connect_lookup(server.url)).longest_prefix(hs)
         assert {worker_of(m): n for m, n in found.items()} == ({"a": held} if held else {})
         await client.aclose()
     run(go())
@@ -96,9 +96,9 @@ def test_dead_worker_stops_counting_when_its_live_key_expires(server):
         await a.publish()
         ttl = await client.ttl(a.pub.live_key)
         assert 0 < ttl <= LIVE_TTL_S <= 10  # Redis drops the key within the bound unless refreshed
-        assert await PrefixIndex(connect_lookup(server.url)).longest_prefix(hs)
+        assert PrefixIndex(connect_lookup(server.url)).longest_prefix(hs)
         await client.delete(a.pub.live_key)  # what expiry does once the worker stops refreshing
-        assert await PrefixIndex(connect_lookup(server.url)).longest_prefix(hs) == {}
+        assert PrefixIndex(connect_lookup(server.url)).longest_prefix(hs) == {}
         await client.aclose()
     run(go())
 
@@ -111,11 +111,11 @@ def test_withdraw_on_clean_stop_and_a_restart_gets_a_new_epoch(server):
         a.store(hs)
         await a.publish()
         await a.pub.withdraw()
-        assert await PrefixIndex(connect_lookup(server.url)).longest_prefix(hs) == {}
+        assert PrefixIndex(connect_lookup(server.url)).longest_prefix(hs) == {}
         restarted = Holder(client, "a")  # same worker id, empty cache
         await restarted.publish()
         assert restarted.pub.member != a.pub.member
-        assert await PrefixIndex(connect_lookup(server.url)).longest_prefix(hs) == {}
+        assert PrefixIndex(connect_lookup(server.url)).longest_prefix(hs) == {}
         await client.aclose()
     run(go())
 
@@ -128,16 +128,16 @@ def test_republish_after_redis_restart(server):
         a.store(hs)
         await a.publish()
         index = PrefixIndex(connect_lookup(server.url))
-        assert await index.longest_prefix(hs)
+        assert index.longest_prefix(hs)
         server.kill()
         assert await a.pub.keepalive(a.snapshot) is False
-        assert await index.longest_prefix(hs) == {} and index.degraded
+        assert index.longest_prefix(hs) == {} and index.degraded
         server.start()  # same port, empty
         a.pub.backoff.succeeded()  # skip the wait: the retry is due
         index.backoff.succeeded()
         assert await a.pub.keepalive(a.snapshot)
         assert a.pub.published_blocks == len(hs)
-        found = await index.longest_prefix(hs)
+        found = index.longest_prefix(hs)
         assert not index.degraded and {worker_of(m): n for m, n in found.items()} == {"a": len(hs)}
         await client.aclose()
     run(go())
@@ -152,7 +152,7 @@ def test_keepalive_notices_a_lost_live_key_and_republishes(server):
         await a.publish()
         await client.flushall()  # Redis lost its data without the connection breaking
         assert await a.pub.keepalive(a.snapshot)
-        found = await PrefixIndex(connect_lookup(server.url)).longest_prefix(hs)
+        found = PrefixIndex(connect_lookup(server.url)).longest_prefix(hs)
         assert {worker_of(m): n for m, n in found.items()} == {"a": len(hs)}
         await client.aclose()
     run(go())

@@ -62,3 +62,28 @@ def test_silent_worker_is_dropped_after_three_missed_beats():
 def test_unknown_policy():
     with pytest.raises(ValueError, match="least-outstanding"):
         make_policy("random")
+
+
+def test_filters_keep_the_decode_hop_to_the_prefill_block_size_and_name_the_filter():
+    from services.router.filters import Need
+
+    reg = Registry(Clock(), ttl_s=3.0)
+    reg.beat("d8", "127.0.0.1:9001", "decode", 0, 100, block_size=8)
+    reg.beat("d16", "127.0.0.1:9002", "decode", 0, 100, block_size=16, adapters=("sql",))
+    assert [w.worker_id for w in reg.live(Need("decode", block_size=16))] == ["d16"]
+    assert [w.worker_id for w in reg.live(Need("decode", adapter="sql"))] == ["d16"]
+    assert {w.worker_id for w in reg.live(Need("decode", adapter="other"))} == {"d8", "d16"}
+    with pytest.raises(Unavailable, match="block-size filter"):
+        reg.live(Need("decode", block_size=32))
+
+
+def test_heartbeat_fields_round_trip_through_the_one_conversion():
+    from services.common.convert import load_from_pb, load_to_pb
+    from services.common.pb import meshserve_pb2 as pb
+
+    beat = pb.WorkerLoad(worker_id="w", address="a:1", role="decode", outstanding_tokens=5, kv_capacity_tokens=64,
+                         running=2, waiting=1, adapters=["x"], block_size=8, index_member="w#1",
+                         decode_tokens_per_s=12.5, max_num_seqs=4, prefill_s_per_token=1e-3, decode_s_per_step=2e-3)
+    reg = Registry(Clock(), ttl_s=3.0)
+    reg.beat_view(load_from_pb(beat))
+    assert load_to_pb(reg.live("decode")[0]) == beat

@@ -125,6 +125,6 @@ def test_redis_down_routes_by_load_and_recovers(server):
         m1 = await publish(connect(server.url), "w1", 8)  # the worker republishes after the restart
         await beat(router, "w1", m1, outstanding=500)
         router.index.backoff.succeeded()  # the retry is due
-        assert await router.index.probe() and not router.index.degraded
+        assert router.index.probe() and not router.index.degraded
         assert (await route(router)).decode_worker == "addr-w1"
     asyncio.run(go())
