@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import time
+
 from services.common.errors import InvalidRequest
 from services.common.pb import meshserve_pb2 as pb
+from services.common.request import ClientRequest, RequestSpec
 from services.common.sampling import SamplingParams
 
 
@@ -52,3 +55,33 @@ def load_from_pb(msg: pb.WorkerLoad) -> dict:
 def load_to_pb(view) -> pb.WorkerLoad:
     """A WorkerView as the WorkerLoad that ListWorkers reports."""
     return pb.WorkerLoad(**{field: getattr(view, attr) for field, attr in LOAD_FIELDS.items()})
+
+
+def spec_from_work(msg: pb.WorkRequest, clock=time.monotonic) -> RequestSpec:
+    """A worker's RequestSpec: the gateway's wall-clock deadline moved onto this process's clock."""
+    deadline_s = None
+    if msg.deadline_unix_ms:
+        deadline_s = clock() + msg.deadline_unix_ms / 1000 - time.time()
+    return RequestSpec(msg.request_id, tuple(msg.prompt_token_ids), sampling_from_pb(msg.sampling),
+                       priority=msg.priority, tenant=msg.tenant, weight=msg.weight or 1.0, deadline_s=deadline_s,
+                       predicted_s=msg.predicted_s, adapter=msg.adapter, cache_salt=msg.cache_salt)
+
+
+def work_from_spec(spec: RequestSpec, transfer_id: str, kvstore: str, clock=time.monotonic) -> pb.WorkRequest:
+    """The WorkRequest a gateway sends (deadline_s on its clock -> wall-clock milliseconds)."""
+    deadline = int((time.time() + spec.deadline_s - clock()) * 1000) if spec.deadline_s is not None else 0
+    return pb.WorkRequest(request_id=spec.request_id, prompt_token_ids=spec.prompt_token_ids,
+                          sampling=sampling_to_pb(spec.sampling), priority=spec.priority, transfer_id=transfer_id,
+                          kvstore=kvstore, adapter=spec.adapter, cache_salt=spec.cache_salt, tenant=spec.tenant,
+                          weight=spec.weight, predicted_s=spec.predicted_s, deadline_unix_ms=deadline)
+
+
+def client_request_from_pb(msg: pb.GenerateRequest) -> ClientRequest:
+    """The public API's request as a ClientRequest (sampling validated; text checked as UTF-8)."""
+    if not msg.HasField("sampling"):
+        raise InvalidRequest("sampling is required (at least sampling.max_tokens)")
+    kind = msg.WhichOneof("prompt")
+    return ClientRequest(client_id=msg.request_id, sampling=sampling_from_pb(msg.sampling),
+                         text=utf8(msg.text, "text") if kind == "text" else None,
+                         token_ids=tuple(msg.token_ids.ids) if kind == "token_ids" else None, model=msg.model,
+                         adapter=msg.adapter, priority=msg.priority, deadline_ms=msg.deadline_ms)

@@ -1,9 +1,11 @@
 """LLMEngine: the composition root of the engine, and its public API.
 
-add_request() validates and queues; step() runs one iteration (schedule -> forward -> sample ->
-update) and returns per-request deltas; abort() ends a request and frees its blocks at once.
-export_kv()/add_request(kv=...) move a sequence's KV blocks between engines, so a sequence
-prefilled in one engine continues decoding in another with identical output.
+add(spec) validates a RequestSpec (services/common/request.py) and queues it (add_request() is the
+same for offline callers, with the prompt as ids or text); step() runs one iteration (schedule ->
+forward -> sample -> update) and returns per-request deltas; abort() ends a request and frees its
+blocks at once. export_kv() and begin_import/import_blocks/end_import (or add(spec, kv=...)) move
+a sequence's KV blocks between engines, so a sequence prefilled in one engine continues decoding
+in another with identical output. load() is a snapshot of what the engine holds.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 
 from services.common.arbitration import make_policy
 from services.common.errors import CapacityExhausted, InvalidRequest, NotFound, OutOfRange
+from services.common.request import RequestSpec
 from services.engine.attention import KVCache, SeqLayout, TorchAttention
 from services.engine.block_pool import BlockPool
 from services.engine.config import EngineConfig
@@ -109,27 +112,34 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------
 
-    def add_request(self, req_id: str, prompt_token_ids: list[int] | None = None, params: SamplingParams | None = None,
-                    *, prompt: str | None = None, priority: int = 0, adapter: str = "", cache_salt: str = "",
-                    kv: KVExport | None = None, tenant: str = "", weight: float = 1.0,
-                    deadline_s: float | None = None, predicted_s: float = 0.0) -> Request:
+    def add(self, spec: RequestSpec, kv: KVExport | None = None) -> Request:
         """Validate and queue a request (see module doc for kv). Raises a typed MeshError on bad input.
 
-        tenant, weight, deadline_s (absolute, engine clock) and predicted_s feed slot arbitration."""
-        params = params or SamplingParams()
-        ids = self._prompt_ids(prompt_token_ids, prompt)
-        self._validate(req_id, ids, params, adapter)
-        if not weight > 0:
-            raise InvalidRequest(f"weight must be > 0, got {weight}")
-        req = Request(req_id, ids, params, arrival_s=self.clock(), seq_no=next(self._seq), priority=priority,
-                      adapter=adapter, cache_salt=cache_salt, tenant=tenant, weight=weight, deadline_s=deadline_s,
-                      predicted_s=predicted_s, sample_seed=self._sample_seed(params))
+        The spec's tenant, weight, deadline_s (absolute, this engine's clock) and predicted_s feed
+        slot arbitration."""
+        req = self._new_request(spec)
         if kv is not None:
             self._import(req, kv)
         else:
             self.scheduler.add(req)
-        self.requests[req_id] = req
+        self.requests[req.req_id] = req
         return req
+
+    def add_request(self, req_id: str, prompt_token_ids: list[int] | None = None, params: SamplingParams | None = None,
+                    *, prompt: str | None = None, kv: KVExport | None = None, **spec_fields) -> Request:
+        """add() for offline callers and tests: the prompt as ids or text, the other RequestSpec fields by name."""
+        ids = self._prompt_ids(prompt_token_ids, prompt)
+        return self.add(RequestSpec(req_id, tuple(ids), params or SamplingParams(), **spec_fields), kv)
+
+    def _new_request(self, spec: RequestSpec) -> Request:
+        ids = list(spec.prompt_token_ids)
+        self._validate(spec.request_id, ids, spec.sampling, spec.adapter)
+        if not spec.weight > 0:
+            raise InvalidRequest(f"weight must be > 0, got {spec.weight}")
+        return Request(spec.request_id, ids, spec.sampling, arrival_s=self.clock(), seq_no=next(self._seq),
+                       priority=spec.priority, adapter=spec.adapter, cache_salt=spec.cache_salt, tenant=spec.tenant,
+                       weight=spec.weight, deadline_s=spec.deadline_s, predicted_s=spec.predicted_s,
+                       sample_seed=self._sample_seed(spec.sampling))
 
     def _sample_seed(self, params: SamplingParams) -> int:
         return params.seed if params.seed is not None else self._seeds.getrandbits(63)
@@ -299,17 +309,11 @@ class LLMEngine:
             self.kv.forget(req)
             raise
 
-    def begin_import(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams, *, priority: int = 0,
-                     adapter: str = "", cache_salt: str = "", tenant: str = "", weight: float = 1.0,
-                     deadline_s: float | None = None, predicted_s: float = 0.0) -> Request:
+    def begin_import(self, spec: RequestSpec) -> Request:
         """Reserve blocks for a prompt whose KV will arrive block by block (import_blocks, then end_import)."""
-        ids = list(prompt_token_ids)
-        self._validate(req_id, ids, params, adapter)
-        req = Request(req_id, ids, params, arrival_s=self.clock(), seq_no=next(self._seq), priority=priority,
-                      adapter=adapter, cache_salt=cache_salt, tenant=tenant, weight=weight, deadline_s=deadline_s,
-                      predicted_s=predicted_s, sample_seed=self._sample_seed(params))
-        self._begin(req, len(ids))
-        self.requests[req_id] = req
+        req = self._new_request(spec)
+        self._begin(req, req.num_prompt)
+        self.requests[req.req_id] = req
         return req
 
     def import_blocks(self, req_id: str, first: int, data: bytes) -> int:

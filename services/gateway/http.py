@@ -36,27 +36,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from services.common.chat import ChatTemplate
-from services.common.convert import sampling_to_pb
-from services.common.errors import CapacityExhausted, InvalidRequest, MeshError, NotFound, http_status
-from services.common.pb import meshserve_pb2 as pb
-from services.common.sampling import parse_params
+from services.common.errors import CapacityExhausted, InvalidRequest, MeshError, http_status
+from services.common.request import ClientRequest
 from services.common.telemetry import PROMETHEUS_CONTENT_TYPE, prometheus_text
+from services.gateway.openai_models import OpenAIBodyError, parse_body
 
 log = logging.getLogger("meshserve.gateway.http")
 tracer = trace.get_tracer("meshserve.gateway.http")
-
-# Fields that change the result, and the values we can honour (anything else: 400 naming the field).
-HONOURED_ONLY = {
-    "n": lambda v: v == 1, "best_of": lambda v: v == 1, "echo": lambda v: v is False, "suffix": lambda v: v == "",
-    "presence_penalty": lambda v: v == 0, "frequency_penalty": lambda v: v == 0, "repetition_penalty": lambda v: v == 1,
-    "logit_bias": lambda v: v == {}, "tools": lambda v: v == [], "functions": lambda v: v == [],
-    "tool_choice": lambda v: v == "none", "function_call": lambda v: v == "none",
-    "response_format": lambda v: isinstance(v, dict) and v.get("type") == "text",
-    "top_logprobs": lambda v: v in (0, 1), "guided_json": lambda v: False,
-    "guided_regex": lambda v: False, "guided_choice": lambda v: False, "guided_grammar": lambda v: False,
-    "use_beam_search": lambda v: v is False, "prompt_logprobs": lambda v: False,
-}
-
 
 class OpenAIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
@@ -148,62 +134,34 @@ class HttpFront:
         return await self._collect(request, call, meta, chat, want_logprobs)
 
     def _requests(self, body: dict, chat: bool):
-        """GenerateRequests of one HTTP body (one per prompt), and the response options."""
-        for name, ok in HONOURED_ONLY.items():
-            if body.get(name) is not None and not ok(body[name]):
-                raise bad(name, f"{name}={json.dumps(body[name])} is not supported by this server")
-        model = body.get("model")
-        if model is not None and model != self.model.name:
-            raise OpenAIError(404, f"model {model!r} is not served here (serving {self.model.name!r})",
-                              param="model", code="model_not_found")
-        stream = _bool(body, "stream")
-        opts = body.get("stream_options") or {}
-        if not isinstance(opts, dict):
-            raise bad("stream_options", "stream_options must be an object")
-        include_usage = bool(opts.get("include_usage")) and stream
-        logprobs = body.get("logprobs")
-        if chat:
-            want_logprobs = _bool(body, "logprobs")
-        else:
-            if logprobs is not None and (not isinstance(logprobs, int) or isinstance(logprobs, bool)
-                                         or not 0 <= logprobs <= 1):
-                raise bad("logprobs", "logprobs must be 0 or 1 here (the engine reports the sampled token's only)")
-            want_logprobs = logprobs is not None
-        max_tokens = body.get("max_completion_tokens") if chat else None
-        if max_tokens is None:
-            max_tokens = body.get("max_tokens")
-        prompts = [self._chat_prompt(body)] if chat else _prompts(body)
-        out = []
-        for p in prompts:
-            if max_tokens is None:
-                length = len(p) if isinstance(p, list) else len(self.servicer.tokenizer.encode(p))
-                mt = 16 if not chat else max(self.model.max_model_len - length, 1)
-            else:
+        """The ClientRequests of one HTTP body (one per prompt), and the response options."""
+        try:
+            b = parse_body(body, chat)
+            if b.model is not None and b.model != self.model.name:
+                raise OpenAIError(404, f"model {b.model!r} is not served here (serving {self.model.name!r})",
+                                  param="model", code="model_not_found")
+            prompts = [self._chat_prompt(b.messages)] if chat else b.prompts()
+            max_tokens = b.max_completion_tokens if chat and b.max_completion_tokens is not None else b.max_tokens
+            out = []
+            for p in prompts:
                 mt = max_tokens
-            fields = {k: body.get(k) for k in ("temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos", "min_tokens",
-                                               "stop", "stop_token_ids")}
-            fields["max_tokens"] = mt
-            fields["logprobs"] = want_logprobs
-            try:
-                params = parse_params(fields)
-                params.validate()
-            except InvalidRequest as e:
-                raise bad(_field_of(str(e)), str(e)) from None
-            req = pb.GenerateRequest(request_id=uuid.uuid4().hex, sampling=sampling_to_pb(params),
-                                     priority=_int(body, "priority"), deadline_ms=_int(body, "deadline_ms"))
-            if isinstance(p, list):
-                req.token_ids.ids.extend(p)
-            else:
-                req.text = p.encode()
-            out.append(req)
-        return out, stream, include_usage, want_logprobs
+                if mt is None:
+                    length = len(p) if isinstance(p, list) else len(self.servicer.tokenizer.encode(p))
+                    mt = 16 if not chat else max(self.model.max_model_len - length, 1)
+                out.append(ClientRequest(
+                    client_id=uuid.uuid4().hex, sampling=b.sampling(mt, b.want_logprobs),
+                    text=p if isinstance(p, str) else None, token_ids=tuple(p) if isinstance(p, list) else None,
+                    priority=b.priority or 0, deadline_ms=b.deadline_ms or 0))
+        except OpenAIBodyError as e:
+            raise bad(e.param, str(e)) from None
+        return out, bool(b.stream), b.include_usage, b.want_logprobs
 
-    def _chat_prompt(self, body: dict) -> list:
+    def _chat_prompt(self, messages: list) -> list:
         if self.chat_template is None:
             raise bad("messages", f"model {self.model.name!r} has no chat template (tokenizer_config.json "
                                   "chat_template); use /v1/completions")
         try:
-            text = self.chat_template.render(body.get("messages"))
+            text = self.chat_template.render(messages)
         except InvalidRequest as e:
             raise bad("messages", str(e)) from None
         return self.servicer.tokenizer.encode(text, add_special_tokens=False)
@@ -396,48 +354,6 @@ async def _json(request: Request) -> dict:
     if not isinstance(body, dict):
         raise OpenAIError(400, "the request body must be a JSON object", code="invalid_json")
     return body
-
-
-def _prompts(body: dict) -> list:
-    """Completions' prompt: a string, a list of strings, token ids, or a list of token-id lists."""
-    p = body.get("prompt")
-    if isinstance(p, str):
-        return [p]
-    if isinstance(p, list) and p:
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-            return [p]
-        if all(isinstance(s, str) for s in p):
-            return p
-        if all(isinstance(s, list) and s and all(isinstance(t, int) and not isinstance(t, bool) for t in s)
-               for s in p):
-            return p
-    raise bad("prompt", "prompt must be a string, a list of strings, a list of token ids or a list of such lists")
-
-
-def _bool(body: dict, name: str) -> bool:
-    v = body.get(name)
-    if v is None:
-        return False
-    if not isinstance(v, bool):
-        raise bad(name, f"{name} must be a boolean")
-    return v
-
-
-def _int(body: dict, name: str) -> int:
-    v = body.get(name)
-    if v is None:
-        return 0
-    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-        raise bad(name, f"{name} must be an integer >= 0")
-    return v
-
-
-def _field_of(message: str) -> str | None:
-    for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "stop", "min_tokens",
-                 "ignore_eos", "logprobs"):
-        if name in message:
-            return name
-    return None
 
 
 class _Uvicorn(uvicorn.Server):

@@ -21,10 +21,11 @@ from google.protobuf.message_factory import GetMessageClass
 
 from services.common import rpc
 from services.common.block_hash import pack_tokens
-from services.common.convert import sampling_from_pb, sampling_to_pb, utf8
+from services.common.convert import client_request_from_pb, utf8, work_from_spec
 from services.common.errors import DeadlineExceeded, InvalidRequest, NotFound, OutOfRange
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
+from services.common.request import ClientRequest, RequestSpec
 from services.common.tenants import Authenticator
 from services.common.tokenizer import Tokenizer, cut_at_stop
 from services.gateway.admission import Admission
@@ -95,33 +96,26 @@ class GatewayServicer(pb_grpc.GenerationServicer):
 
     # ---- validation ------------------------------------------------------------------------
 
-    def _validate(self, request) -> tuple[list, object]:
-        if isinstance(request, BadMessage):
-            raise InvalidRequest(request.error)
-        if request.model and request.model != self.model.name:
-            raise NotFound(f"model {request.model!r} is not served here (serving {self.model.name!r})")
-        if request.priority < 0:
-            raise InvalidRequest(f"priority must be >= 0, got {request.priority}")
-        if request.deadline_ms < 0:
-            raise InvalidRequest(f"deadline_ms must be >= 0, got {request.deadline_ms}")
-        if not request.HasField("sampling"):
-            raise InvalidRequest("sampling is required (at least sampling.max_tokens)")
-        params = sampling_from_pb(request.sampling)
-        ids = self._prompt_ids(request)
-        total = len(ids) + params.max_tokens
+    def _validate(self, req: ClientRequest) -> list:
+        """The prompt's token ids, once every field of the client's request is checked."""
+        if req.model and req.model != self.model.name:
+            raise NotFound(f"model {req.model!r} is not served here (serving {self.model.name!r})")
+        if req.priority < 0:
+            raise InvalidRequest(f"priority must be >= 0, got {req.priority}")
+        if req.deadline_ms < 0:
+            raise InvalidRequest(f"deadline_ms must be >= 0, got {req.deadline_ms}")
+        req.sampling.validate()
+        ids = self._prompt_ids(req)
+        total = len(ids) + req.sampling.max_tokens
         if total > self.model.max_model_len:
-            raise OutOfRange(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the "
-                             f"model's context of {self.model.max_model_len}")
-        return ids, params
+            raise OutOfRange(f"prompt ({len(ids)} tokens) + max_tokens ({req.sampling.max_tokens}) = {total} exceeds "
+                             f"the model's context of {self.model.max_model_len}")
+        return ids
 
-    def _prompt_ids(self, request) -> list:
-        kind = request.WhichOneof("prompt")
-        if kind is None:
+    def _prompt_ids(self, req: ClientRequest) -> list:
+        if (req.text is None) == (req.token_ids is None):
             raise InvalidRequest("prompt is required: text or token_ids")
-        if kind == "text":
-            ids = self.tokenizer.encode(utf8(request.text, "text"))
-        else:
-            ids = list(request.token_ids.ids)
+        ids = self.tokenizer.encode(req.text) if req.text is not None else list(req.token_ids)
         if not ids:
             raise InvalidRequest("prompt is empty")
         vocab = self.model.vocab_size
@@ -130,8 +124,8 @@ class GatewayServicer(pb_grpc.GenerationServicer):
         return ids
 
     @staticmethod
-    def _timeout(request, time_remaining: float | None) -> float | None:
-        limits = [t for t in (time_remaining, request.deadline_ms / 1000 if request.deadline_ms else None)
+    def _timeout(req: ClientRequest, time_remaining: float | None) -> float | None:
+        limits = [t for t in (time_remaining, req.deadline_ms / 1000 if req.deadline_ms else None)
                   if t is not None]
         timeout = min(limits) if limits else None
         if timeout is not None and timeout <= 0:
@@ -142,29 +136,34 @@ class GatewayServicer(pb_grpc.GenerationServicer):
 
     @rpc.mapped
     async def Generate(self, request, context):
-        async for response in self.generate(request, api_key(context), context.time_remaining()):
+        key = api_key(context)
+        self.auth.authenticate(key)  # who asks comes before what is asked, for malformed requests too
+        if isinstance(request, BadMessage):
+            raise InvalidRequest(request.error)
+        async for response in self.generate(client_request_from_pb(request), key, context.time_remaining()):
             yield response
 
-    async def generate(self, request, key: str | None, time_remaining: float | None = None):
-        """The one generation path of both faces (gRPC and HTTP): the tenant by its key, validation,
-        admission, routing, and the token stream as GenerateResponses. Raises MeshError."""
+    async def generate(self, req: ClientRequest, key: str | None, time_remaining: float | None = None):
+        """The one generation path of both faces (gRPC and HTTP, each converting its request once): the
+        tenant by its key, validation, admission, routing, and the token stream as GenerateResponses.
+        Raises MeshError."""
         tenant = self.auth.authenticate(key)
-        ids, params = self._validate(request)
-        tenant.check_request(len(ids), params.max_tokens, request.priority, request.adapter)
-        if request.adapter:
-            raise NotFound(f"adapter {request.adapter!r} is not loaded")
-        timeout = self._timeout(request, time_remaining)
-        client_id = request.request_id or uuid.uuid4().hex
+        ids = self._validate(req)
+        params = req.sampling
+        tenant.check_request(len(ids), params.max_tokens, req.priority, req.adapter)
+        if req.adapter:
+            raise NotFound(f"adapter {req.adapter!r} is not loaded")
+        timeout = self._timeout(req, time_remaining)
+        client_id = req.client_id or uuid.uuid4().hex
         req_id = f"{client_id}.{uuid.uuid4().hex[:12]}"
         deadline_s = time.monotonic() + timeout if timeout is not None else None
-        ticket = await self.admission.admit(tenant, req_id, len(ids), params.max_tokens, request.priority, deadline_s)
+        ticket = await self.admission.admit(tenant, req_id, len(ids), params.max_tokens, req.priority, deadline_s)
         outputs = 0
         try:
-            work = pb.WorkRequest(request_id=req_id, prompt_token_ids=ids, sampling=sampling_to_pb(params),
-                                  priority=request.priority, transfer_id=uuid.uuid4().hex, kvstore=self.kvstore,
-                                  adapter=request.adapter, cache_salt=tenant.cache_salt, tenant=tenant.name,
-                                  weight=tenant.weight, predicted_s=ticket.predicted_s,
-                                  deadline_unix_ms=int((time.time() + timeout) * 1000) if timeout is not None else 0)
+            spec = RequestSpec(req_id, tuple(ids), params, priority=req.priority, tenant=tenant.name,
+                               weight=tenant.weight, deadline_s=deadline_s, predicted_s=ticket.predicted_s,
+                               adapter=req.adapter, cache_salt=tenant.cache_salt)
+            work = work_from_spec(spec, uuid.uuid4().hex, self.kvstore)
             timeout = _left(deadline_s, "in the admission queue")
             decision = await self._call(self.router.Route(pb.RouteRequest(
                 request_id=req_id, prompt_tokens=len(ids), max_tokens=params.max_tokens, prompt_u32=pack_tokens(ids),

@@ -14,6 +14,7 @@ import logging
 import queue
 import threading
 
+from services.common.request import RequestSpec
 from services.engine.engine import LLMEngine
 from services.worker.measure import StepCostFit
 from services.worker.metrics import WorkerMetrics
@@ -43,12 +44,13 @@ class EngineRunner:
         self.wake.set()
         return fut
 
-    async def add(self, req_id: str, hook=None, **kwargs) -> asyncio.Queue:
-        """Add a request (engine.add_request kwargs); returns the queue its RequestOutputs arrive on."""
+    async def add(self, spec: RequestSpec, hook=None) -> asyncio.Queue:
+        """Add a request; returns the queue its RequestOutputs arrive on."""
         q: asyncio.Queue = asyncio.Queue()
+        req_id = spec.request_id
 
         def add(engine):
-            req = engine.add_request(req_id, **kwargs)
+            req = engine.add(spec)
             self.streams[req_id] = q
             if hook:
                 self.hooks[req_id] = hook

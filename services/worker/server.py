@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 import grpc
 
 from services.common import rpc
-from services.common.convert import sampling_from_pb
+from services.common.convert import spec_from_work
 from services.common.errors import CapacityExhausted, InvalidRequest, MeshError
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
@@ -90,19 +89,10 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         if self.role not in roles:
             raise InvalidRequest(f"this worker's role is {self.role}, not {' or '.join(roles)}")
 
-    def _add_kwargs(self, request) -> dict:
-        deadline_s = None
-        if request.deadline_unix_ms:  # wall clock from the gateway -> this engine's monotonic clock
-            deadline_s = time.monotonic() + request.deadline_unix_ms / 1000 - time.time()
-        return dict(prompt_token_ids=list(request.prompt_token_ids), params=sampling_from_pb(request.sampling),
-                    priority=request.priority, adapter=request.adapter, cache_salt=request.cache_salt,
-                    tenant=request.tenant, weight=request.weight or 1.0, deadline_s=deadline_s,
-                    predicted_s=request.predicted_s)
-
     @rpc.mapped
     async def Generate(self, request, context):
         self._check_role("unified")
-        q = await self.runner.add(request.request_id, **self._add_kwargs(request))
+        q = await self.runner.add(spec_from_work(request, self.runner.engine.clock))
         async for ev in self._stream(request.request_id, q):
             yield ev
 
@@ -110,7 +100,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     async def Prefill(self, request, context):
         self._check_role("prefill", "unified")
         sender = KVSender(self.runner, request.transfer_id)
-        q = await self.runner.add(request.request_id, hook=sender, **self._add_kwargs(request))
+        q = await self.runner.add(spec_from_work(request, self.runner.engine.clock), hook=sender)
         put = pb_grpc.KVStoreStub(self.channels.get(request.kvstore)).Put(sender.chunks())
         try:
             first = await self._next(q)
@@ -137,11 +127,11 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
     async def _begin_import(self, request) -> None:
         """Reserve blocks for the prompt's KV, waiting while the pool or the batch is full."""
-        kwargs = self._add_kwargs(request)
+        spec = spec_from_work(request, self.runner.engine.clock)
         delay = 0.01
         while True:
             try:
-                await self.runner.call(lambda engine: engine.begin_import(request.request_id, **kwargs))
+                await self.runner.call(lambda engine: engine.begin_import(spec))
                 return
             except CapacityExhausted:
                 await asyncio.sleep(delay)  # the call's deadline bounds the wait

@@ -1,5 +1,6 @@
 """Staged KV import (as the decode worker does it): blocks written as they land, then the batch."""
 
+from services.common.request import RequestSpec
 from services.common.sampling import SamplingParams
 from tests.support.reference import greedy, make_engine, random_prompts, run_all
 
@@ -17,7 +18,7 @@ def test_blocks_imported_in_pieces_continue_identically(tiny_model):
     expected = run_all(make_engine(tiny_model), [prompt], greedy(12))[0]
     kv = prefill_elsewhere(tiny_model, prompt)
     target = make_engine(tiny_model)
-    target.begin_import("s", prompt, greedy(12))
+    target.begin_import(RequestSpec("s", tuple(prompt), greedy(12)))
     assert target.stats()["blocks"]["used"] == len(kv.blocks)
     assert target.import_blocks("s", 0, b"".join(kv.blocks[:2])) == 2
     assert target.import_blocks("s", 2, b"".join(kv.blocks[2:])) == len(kv.blocks) - 2
@@ -31,7 +32,7 @@ def test_blocks_imported_in_pieces_continue_identically(tiny_model):
 
 def test_abort_while_receiving_frees_the_reserved_blocks(tiny_model):
     target = make_engine(tiny_model)
-    target.begin_import("r", list(range(3, 50)), SamplingParams(max_tokens=4))
+    target.begin_import(RequestSpec("r", tuple(range(3, 50)), SamplingParams(max_tokens=4)))
     assert target.stats()["blocks"]["used"] > 0 and not target.has_unfinished()
     assert target.abort("r")
     assert target.stats()["blocks"]["used"] == 0
