@@ -25,7 +25,7 @@ from typing import Literal
 from pydantic import (BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, ValidationError, field_validator,
                       model_validator)
 
-from services.engine.config import EngineSection
+from services.engine.config import ArbitrationPolicyName, EngineSection
 
 ENV_PREFIX = "MESHSERVE_"
 
@@ -69,16 +69,9 @@ class RoutingSection(Section):
 class AdmissionSection(Section):
     """The gateway's admission queue (services/common/admission.py)."""
 
-    policy: str = Field("fair-deadline", description="fcfs | priority | deadline | fair | fair-deadline")
+    policy: ArbitrationPolicyName = Field("fair-deadline", description="fcfs | priority | deadline | fair | "
+                                                                       "fair-deadline")
     starvation_s: PositiveFloat = Field(30.0, description="the longest a request may wait to start")
-
-    @field_validator("policy")
-    @classmethod
-    def _known_policy(cls, name: str) -> str:
-        from services.common.arbitration import make_policy
-
-        make_policy(name)
-        return name
 
 
 RENAMED = {("mesh", "policy"): "routing.policy", ("engine", "policy"): "engine.slot_policy"}

@@ -8,9 +8,20 @@ every command that runs an engine (services/common/config.py generates them from
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, field_validator
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt
+
+
+def _arbitration_policy(name: str) -> str:
+    from services.common.arbitration import make_policy
+
+    make_policy(name)  # ValueError naming the known policies
+    return name
+
+
+ArbitrationPolicyName = Annotated[str, AfterValidator(_arbitration_policy)]  # fcfs, priority, deadline, fair, ...
 
 
 @dataclass(frozen=True)
@@ -79,18 +90,10 @@ class EngineSection(BaseModel):
     max_num_seqs: PositiveInt = Field(256, description="sequences per batch")
     max_num_batched_tokens: PositiveInt = Field(2048, description="token budget per iteration, also the prefill chunk")
     prefix_caching: bool = Field(True, description="reuse cached full blocks across requests")
-    slot_policy: str = Field("fair-deadline", description="slot arbitration: fcfs | priority | deadline | fair | "
-                                                          "fair-deadline")
+    slot_policy: ArbitrationPolicyName = Field("fair-deadline", description="slot arbitration: fcfs | priority | "
+                                                                            "deadline | fair | fair-deadline")
     threads: PositiveInt | None = Field(None, description="torch threads (default: torch's choice)")
     seed: int = Field(0, description="seeds the sampling seeds drawn for requests that bring none")
-
-    @field_validator("slot_policy")
-    @classmethod
-    def _known_policy(cls, name: str) -> str:
-        from services.common.arbitration import make_policy
-
-        make_policy(name)
-        return name
 
     def to_engine_config(self, model_dir: str) -> EngineConfig:
         return EngineConfig(
