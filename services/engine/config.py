@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
-
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt
 
 
