@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 
 from services.common import rpc
-from services.common.config import ConfigError, load_mesh_config
+from services.common.config import ConfigError, MeshConfig, load_mesh_config
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
 
@@ -21,9 +21,24 @@ MESH_KV_CACHE_GB = 0.25  # per worker, when the file does not say: three workers
 DEFAULT_PORTS = {**rpc.DEFAULT_PORTS, "http": 8000}  # ../shared/INTERFACES.md
 
 
+def mesh_spec(cfg: MeshConfig, model: Path, args):
+    """The processes `meshserve up` starts, from the validated config and the command's ports. Every
+    service also reads the config file itself; the flags here carry what `up` decides beyond it."""
+    from services.launcher import MeshSpec
+
+    set_keys = cfg.engine.model_fields_set
+    engine_args = [] if {"kv_cache_gb", "num_blocks"} & set_keys else ["--kv-cache-gb", str(MESH_KV_CACHE_GB)]
+    m = cfg.mesh
+    return MeshSpec(str(model), mode=m.mode, prefill=m.prefill, decode=m.decode, unified=m.unified,
+                    engine_args=engine_args, policy=cfg.routing.policy,
+                    routing=cfg.routing.model_dump(include={"weights", "guard"}), threads=cfg.engine.threads or 1,
+                    gateway_port=args.port, http_port=args.http_port, router_port=args.router_port,
+                    kvstore_port=args.kvstore_port, config_file=args.config)
+
+
 def cmd_up(args) -> int:
     from services.engine.model_init import write_model
-    from services.launcher import Mesh, MeshSpec
+    from services.launcher import Mesh
 
     try:
         cfg = load_mesh_config(args.config)
@@ -35,14 +50,7 @@ def cmd_up(args) -> int:
             raise SystemExit(f"{model}: no config.json (give a Hugging Face model folder)")
         print(f"writing the default tiny model to {model}", flush=True)
         write_model(model, "tiny")
-    set_keys = cfg.engine.model_fields_set
-    engine_args = [] if "kv_cache_gb" in set_keys or "num_blocks" in set_keys else ["--kv-cache-gb", str(MESH_KV_CACHE_GB)]
-    m = cfg.mesh
-    spec = MeshSpec(str(model), mode=m.mode, prefill=m.prefill, decode=m.decode, unified=m.unified,
-                    engine_args=engine_args, policy=cfg.routing.policy,
-                    routing=cfg.routing.model_dump(include={"weights", "guard"}), threads=cfg.engine.threads or 1,
-                    gateway_port=args.port, http_port=args.http_port, router_port=args.router_port,
-                    kvstore_port=args.kvstore_port, config_file=args.config)
+    spec = mesh_spec(cfg, model, args)
     mesh = Mesh(spec)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -81,7 +81,7 @@ class MeshConfig(Section):
     """The whole mesh file. Future sections (lora, kv, autoscaler) are one field each here."""
 
     mesh: MeshSection = Field(default_factory=MeshSection)
-    engine: EngineSection = Field(default_factory=lambda: EngineSection(kv_cache_gb=0.25))
+    engine: EngineSection = Field(default_factory=EngineSection)
     routing: RoutingSection = Field(default_factory=RoutingSection)
     admission: AdmissionSection = Field(default_factory=AdmissionSection)
     tenants: list = Field(default_factory=list, description="tenants (services/common/tenants.py)")

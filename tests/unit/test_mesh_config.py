@@ -87,3 +87,18 @@ def test_services_refuse_a_bad_config_file_at_startup_naming_the_key(tmp_path):
         out = subprocess.run([sys.executable, "-m", module, "--config", str(f), *extra],
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 2 and "mesh.yaml" in out.stderr and key in out.stderr, (module, out.stderr)
+
+
+def test_up_gives_each_worker_a_small_pool_unless_the_config_sizes_it(tmp_path):
+    from argparse import Namespace
+
+    from services.up import mesh_spec
+
+    args = Namespace(port=0, http_port=0, router_port=0, kvstore_port=0, config=None)
+    assert mesh_spec(load_mesh_config(None, env={}), tmp_path, args).engine_args == ["--kv-cache-gb", "0.25"]
+    sized = load_mesh_config(None, {"engine": {"kv_cache_gb": 1.5, "threads": 2}}, env={})
+    spec = mesh_spec(sized, tmp_path, args)
+    assert spec.engine_args == [] and spec.threads == 2
+    routed = load_mesh_config(None, {"routing": {"policy": "prefix-aware", "weights": {"prefix": 2.0}}}, env={})
+    spec = mesh_spec(routed, tmp_path, args)
+    assert spec.policy == "prefix-aware" and spec.routing["weights"] == {"prefix": 2.0}
