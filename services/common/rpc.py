@@ -129,6 +129,3 @@ def add_server_flags(ap, port_env: str, grace_s: float, default_port: int = 0) -
                     help=f"gRPC port (0 = any free port; default {default_port}; env {port_env})")
     ap.add_argument("--grace-s", type=float, default=grace_s, help="time in-flight calls get on SIGTERM")
 
-
-def setup_logging(name: str) -> None:
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s")

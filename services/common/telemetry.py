@@ -1,6 +1,7 @@
-"""OpenTelemetry set-up shared by every service: traces and metrics over OTLP, metrics as Prometheus text.
+"""Telemetry set-up shared by every service: logs, traces and metrics over OTLP, metrics as Prometheus text.
 
 Every service calls setup_telemetry(name, metrics_port) once at start:
+- logs: one format, `TIME SERVICE LEVEL message`, on stderr;
 - traces: when OTEL_EXPORTER_OTLP_ENDPOINT is set, gRPC servers and clients are instrumented
   (W3C trace context travels in gRPC metadata), so one request is one trace across gateway,
   router, prefill, kvstore and decode;
@@ -69,9 +70,11 @@ def setup_metrics(service_name: str, interval_ms: int | None = None) -> None:
                                              metric_readers=readers))
 
 
-def setup_telemetry(service_name: str, metrics_port: int | None = None, host: str = "127.0.0.1") -> int | None:
-    """Traces and metrics for a service; serves /metrics on metrics_port (0 = any free port, None or
-    a negative port = not served). Returns the port /metrics is served on, or None."""
+def setup_telemetry(service_name: str, metrics_port: int | None = None, host: str = "127.0.0.1",
+                    log_name: str | None = None) -> int | None:
+    """Logs, traces and metrics for a service; serves /metrics on metrics_port (0 = any free port, None
+    or a negative port = not served). Returns the port /metrics is served on, or None."""
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {log_name or service_name} %(levelname)s %(message)s")
     setup_tracing(service_name)
     setup_metrics(service_name)
     if metrics_port is None or metrics_port < 0:

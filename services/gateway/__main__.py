@@ -84,7 +84,6 @@ def main() -> None:
     add_metrics_flag(ap)
     args = ap.parse_args()
     config = config_from_args(ap, args, "admission")
-    rpc.setup_logging("gateway")
     setup_telemetry("gateway", args.metrics_port, args.host)
     asyncio.run(serve(args, config))
 

@@ -98,7 +98,6 @@ def main() -> None:
     ap.add_argument("--ttl-s", type=float, default=60.0, help="drop transfers never claimed after this long")
     add_metrics_flag(ap)
     args = ap.parse_args()
-    rpc.setup_logging("kvstore")
     setup_telemetry("kvstore", args.metrics_port, args.host)
     asyncio.run(serve(args))
 

@@ -64,7 +64,6 @@ def main() -> None:
     add_metrics_flag(ap)
     args = ap.parse_args()
     routing = config_from_args(ap, args, "routing").routing
-    rpc.setup_logging("router")
     setup_telemetry("router", args.metrics_port, args.host)
     asyncio.run(serve(args, routing))
 

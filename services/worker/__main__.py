@@ -74,8 +74,7 @@ def main(role: str | None = None) -> None:
         args.role = role
     args.engine = config_from_args(ap, args, "engine").engine
     torch.set_num_threads(args.engine.threads or 1)
-    rpc.setup_logging(f"{args.role}-worker")
-    setup_telemetry(args.role, args.metrics_port, args.host)
+    setup_telemetry(args.role, args.metrics_port, args.host, log_name=f"{args.role}-worker")
     asyncio.run(serve(args))
 
 
