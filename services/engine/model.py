@@ -63,6 +63,15 @@ def _pick_linear():
 
 
 LINEAR = _pick_linear()
+PACK_BATCH_HINT = 256  # the row count oneDNN lays packed weights out for (any row count still works)
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    """The weight in oneDNN's blocked layout, once at load (vLLM's CPU path does the same): the same
+    results, ~5-35% faster per call on the shapes measured. Unchanged where oneDNN is not used."""
+    if LINEAR is not _onednn_linear or weight.dtype != torch.float32:
+        return weight
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_BATCH_HINT)
 
 
 def _proj(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -77,7 +86,7 @@ class LlamaModel:
         get = _Getter(weights)
         self.embed = get("model.embed_tokens.weight")
         self.norm = get("model.norm.weight")
-        self.lm_head = self.embed if config.tie_embeddings else get("lm_head.weight")
+        self.lm_head = _pack(self.embed if config.tie_embeddings else get("lm_head.weight"))
         self.layers = [self._layer(get, i) for i in range(config.num_layers)]
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_positions)
         self.dtype = self.embed.dtype
@@ -88,14 +97,14 @@ class LlamaModel:
         mlp = [f"{p}mlp.{n}_proj" for n in ("gate", "up")]
         return LayerWeights(
             input_norm=get(p + "input_layernorm.weight"),
-            qkv=torch.cat([get(n + ".weight") for n in attn]),
+            qkv=_pack(torch.cat([get(n + ".weight") for n in attn])),
             qkv_bias=torch.cat([get(n + ".bias") for n in attn]) if c.qkv_bias else None,
-            o=get(p + "self_attn.o_proj.weight"),
+            o=_pack(get(p + "self_attn.o_proj.weight")),
             o_bias=get(p + "self_attn.o_proj.bias") if c.o_bias else None,
             post_norm=get(p + "post_attention_layernorm.weight"),
-            gate_up=torch.cat([get(n + ".weight") for n in mlp]),
+            gate_up=_pack(torch.cat([get(n + ".weight") for n in mlp])),
             gate_up_bias=torch.cat([get(n + ".bias") for n in mlp]) if c.mlp_bias else None,
-            down=get(p + "mlp.down_proj.weight"),
+            down=_pack(get(p + "mlp.down_proj.weight")),
             down_bias=get(p + "mlp.down_proj.bias") if c.mlp_bias else None)
 
     @torch.inference_mode()
