@@ -61,7 +61,7 @@ def _build(name: str, source: str, cflags: list[str], what: str):
 def paged_attention():
     """The paged decode attention kernel (csrc/paged_attention.cpp), or None."""
     return _build("meshserve_paged_attention", "paged_attention.cpp",
-                  ["-O3", "-ffast-math", "-fopenmp", *_cpu_flags()], "paged attention")
+                  ["-O3", "-ffast-math", "-fopenmp", *_cpu_flags(wide=True)], "paged attention")
 
 
 @cache
