@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     model = sub.add_parser("model", help="model folders").add_subparsers(dest="model_command", required=True)
     init = model.add_parser("init", help="write a seeded default model folder")
     init.add_argument("dir")
-    init.add_argument("--preset", default="tiny", choices=["tiny", "bench"])
+    init.add_argument("--preset", default="tiny", choices=["tiny", "bench", "smollm2-shape"])
     init.add_argument("--seed", type=int, default=0)
     init.set_defaults(func=cmd_model_init)
 

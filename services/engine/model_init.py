@@ -1,4 +1,4 @@
-"""The seeded default models: `meshserve model init DIR --preset tiny|bench`.
+"""The seeded default models: `meshserve model init DIR --preset tiny|bench|smollm2-shape`.
 
 Writes a standard Hugging Face folder (config.json, model.safetensors, tokenizer.json,
 tokenizer_config.json, generation_config.json) that transformers, vLLM and our loader read.
@@ -41,6 +41,10 @@ PRESETS = {
                    tie_embeddings=False, init_std=0.08),
     "bench": Preset(hidden=256, layers=4, heads=4, kv_heads=2, intermediate=688, vocab=32000, max_positions=4096,
                     tie_embeddings=False, init_std=0.02),
+    # SmolLM2-135M's shape (30 layers, hidden 576, 9 heads / 3 KV heads, vocab 49,152, tied embeddings)
+    # with random weights: engine speed on a real model's shape before the real model is here.
+    "smollm2-shape": Preset(hidden=576, layers=30, heads=9, kv_heads=3, intermediate=1536, vocab=49152,
+                            max_positions=8192, tie_embeddings=True, init_std=0.02),
 }
 
 _SYLLABLES = ["ka", "lo", "mi", "ne", "ru", "sa", "te", "vo", "zi", "an", "el", "or", "un", "is", "ta", "be",
