@@ -49,3 +49,12 @@ def test_transformers_loads_model_and_tokenizer(tiny_model):
     assert 0.8e6 < n < 1.5e6, n
     chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
     assert chat.endswith("assistant\n")
+
+
+def test_smollm2_shape_preset_matches_smollm2_135m():
+    from services.engine.model_init import PRESETS, hf_config
+
+    c = hf_config(PRESETS["smollm2-shape"])
+    assert (c["num_hidden_layers"], c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"],
+            c["head_dim"], c["intermediate_size"], c["vocab_size"], c["tie_word_embeddings"]) == (
+        30, 576, 9, 3, 64, 1536, 49152, True)
