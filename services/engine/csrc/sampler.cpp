@@ -29,7 +29,7 @@ constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ull;
 constexpr float kNoiseMax = 18.f;  // > the largest Gumbel noise, 16.64 at u = 1 - 2^-24
 constexpr float kInf = std::numeric_limits<float>::infinity();
 constexpr int64_t kChunk = 512;
-constexpr int kBisections = 12;
+constexpr int kBuckets = 1024;  // value buckets of the top-p histogram
 constexpr float kTailSpan = 40.f;  // top-p ignores tokens more than this below the max (mass e^-40)
 
 inline uint64_t mix64(uint64_t z) {
@@ -103,45 +103,48 @@ inline void argmax(const float* x, int64_t n, float& best, int64_t& best_i, int6
   }
 }
 
-// Mass of the tokens at or above tau; four independent sums keep the vector adds from waiting on
-// each other.
-float mass_at_least(const float* xs, const float* e, int64_t n, float tau) {
-  const int64_t q = n / 4;
-  float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
-#pragma omp simd reduction(+ : s0, s1, s2, s3)
-  for (int64_t i = 0; i < q; ++i) {
-    s0 += xs[i] >= tau ? e[i] : 0.f;
-    s1 += xs[i + q] >= tau ? e[i + q] : 0.f;
-    s2 += xs[i + 2 * q] >= tau ? e[i + 2 * q] : 0.f;
-    s3 += xs[i + 3 * q] >= tau ? e[i + 3 * q] : 0.f;
-  }
-  for (int64_t i = 4 * q; i < n; ++i) s0 += xs[i] >= tau ? e[i] : 0.f;
-  return (s0 + s1) + (s2 + s3);
-}
-
 // The top-p cut: the largest value v* whose tokens at or above it hold at least p of the mass
-// of the tokens at or above `floor`. Bisection to a narrow band, then an exact walk of the band.
-float top_p_threshold(const float* xs, float* e, int64_t n, float mx, float floor, float p) {
+// of the tokens at or above `floor` (and within kTailSpan of the max). One vectorised pass gives
+// each token its mass and one of kBuckets value buckets (bucket order is value order), a scalar
+// pass sums the masses per bucket, the bucket where the running mass reaches p*total is found,
+// and only that bucket's tokens are sorted and walked exactly.
+float top_p_threshold(const float* xs, float* e, int32_t* bucket, int64_t n, float mx, float floor, float p) {
   const float lo0 = std::max(floor, mx - kTailSpan);
+  float lowest = mx;  // the buckets span the kept values only
+#pragma omp simd reduction(min : lowest)
+  for (int64_t i = 0; i < n; ++i) lowest = xs[i] >= lo0 && xs[i] < lowest ? xs[i] : lowest;
+  const float scale = static_cast<float>(kBuckets - 1) / std::max(mx - lowest, 1e-6f);
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) e[i] = xs[i] >= lo0 ? exp_poly(xs[i] - mx) : 0.f;
-  const float target = p * mass_at_least(xs, e, n, lo0);
-  if (mass_at_least(xs, e, n, mx) >= target) return mx;
-  float lo = lo0, hi = mx;  // mass(>= lo) >= target > mass(>= hi)
-  for (int it = 0; it < kBisections; ++it) {
-    const float mid = 0.5f * (lo + hi);
-    (mass_at_least(xs, e, n, mid) >= target ? lo : hi) = mid;
+  for (int64_t i = 0; i < n; ++i) {
+    const bool kept = xs[i] >= lo0;
+    e[i] = kept ? exp_poly(xs[i] - mx) : 0.f;
+    const float d = kept ? std::min((mx - xs[i]) * scale, static_cast<float>(kBuckets - 1)) : 0.f;
+    bucket[i] = kept ? static_cast<int32_t>(d) : kBuckets;  // kBuckets: below the floor
   }
-  std::vector<std::pair<float, float>> band;  // (value, mass) with lo <= value < hi
-  for (int64_t i = 0; i < n; ++i)
-    if (xs[i] >= lo && xs[i] < hi) band.emplace_back(xs[i], e[i]);
-  std::sort(band.begin(), band.end(), [](auto& a, auto& b) { return a.first > b.first; });
-  float cum = mass_at_least(xs, e, n, hi);
+  std::vector<float> sub(4 * (kBuckets + 1), 0.f);  // four interleaved histograms: no chain through one slot
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4)
+    for (int j = 0; j < 4; ++j) sub[j * (kBuckets + 1) + bucket[i + j]] += e[i + j];
+  for (; i < n; ++i) sub[bucket[i]] += e[i];
+  std::vector<float> hist(kBuckets + 1);
+  for (int b = 0; b <= kBuckets; ++b)
+    hist[b] = (sub[b] + sub[kBuckets + 1 + b]) + (sub[2 * (kBuckets + 1) + b] + sub[3 * (kBuckets + 1) + b]);
+  float total = 0.f;
+  for (int b = 0; b < kBuckets; ++b) total += hist[b];
+  const float target = p * total;
+  float cum = 0.f;
+  int b = 0;
+  while (b < kBuckets && cum + hist[b] < target) cum += hist[b++];
+  if (b == kBuckets) return lo0;  // rounding left the target out of reach: keep everything above the floor
+  std::vector<std::pair<float, float>> band;  // (value, mass) of bucket b
+  for (int64_t k = 0; k < n; ++k)
+    if (bucket[k] == b) band.emplace_back(xs[k], e[k]);
+  std::sort(band.begin(), band.end(), [](auto& x, auto& y) { return x.first > y.first; });
   for (auto& [value, mass] : band) {
     cum += mass;
     if (cum >= target) return value;
   }
-  return lo;
+  return band.back().first;
 }
 
 // The k-th largest value: the k-th largest of 64-wide group maxima bounds it from below, and only
@@ -237,7 +240,7 @@ float log_softmax_at(const float* x, int64_t n, int64_t token) {
 
 int64_t sample_row(const float* x, int64_t n, const RowArgs& a, const int64_t* ban, int64_t n_ban,
                    std::vector<float>& xs, std::vector<float>& work, std::vector<float>& scratch,
-                   std::vector<uint8_t>& pass) {
+                   std::vector<uint8_t>& pass, std::vector<int32_t>& buckets) {
   float* row = xs.data();
   const float t = a.temperature > 0.f ? a.temperature : 1.f;
 #pragma omp simd
@@ -250,7 +253,7 @@ int64_t sample_row(const float* x, int64_t n, const RowArgs& a, const int64_t* b
   float thr = -kInf;
   if (a.log_min_p > -kInf) thr = mx + a.log_min_p;
   if (a.top_k > 0 && a.top_k < n) thr = std::max(thr, top_k_threshold(row, n, a.top_k, scratch));
-  if (a.top_p < 1.f) thr = std::max(thr, top_p_threshold(row, work.data(), n, mx, thr, a.top_p));
+  if (a.top_p < 1.f) thr = std::max(thr, top_p_threshold(row, work.data(), buckets.data(), n, mx, thr, a.top_p));
   if (thr > -kInf) {
 #pragma omp simd
     for (int64_t i = 0; i < n; ++i) row[i] = row[i] >= thr ? row[i] : -kInf;
@@ -287,11 +290,12 @@ std::vector<torch::Tensor> sample(torch::Tensor logits, torch::Tensor temperatur
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> xs(V), work(std::max<int64_t>(V, kChunk)), scratch;
     std::vector<uint8_t> pass(kChunk);
+    std::vector<int32_t> buckets(V);
     for (int64_t b = begin; b < end; ++b) {
       const uint64_t seed = static_cast<uint64_t>(sp[b]), pos = static_cast<uint64_t>(posp[b]);
       const RowArgs a{tp[b], kp[b], pp[b], mp[b], mix64(mix64(seed) + (pos + 1) * kGolden)};
       const float* x = lp + b * V;
-      out[b] = sample_row(x, V, a, bi + bo[b], bo[b + 1] - bo[b], xs, work, scratch, pass);
+      out[b] = sample_row(x, V, a, bi + bo[b], bo[b + 1] - bo[b], xs, work, scratch, pass, buckets);
       if (wl[b]) out_lp[b] = log_softmax_at(x, V, out[b]);
     }
   });
