@@ -107,9 +107,24 @@ inline void argmax(const float* x, int64_t n, float& best, int64_t& best_i, int6
 // of the tokens at or above `floor` (and within kTailSpan of the max). One vectorised pass gives
 // each token its mass and one of kBuckets value buckets (bucket order is value order), a scalar
 // pass sums the masses per bucket, the bucket where the running mass reaches p*total is found,
-// and only that bucket's tokens are sorted and walked exactly.
-float top_p_threshold(const float* xs, float* e, int32_t* bucket, int64_t n, float mx, float floor, float p) {
+// and only that bucket's tokens are sorted and walked exactly. When few tokens are above the floor
+// (after top-k or min-p), they are first copied out and only they are looked at.
+float top_p_threshold(const float* xs, float* e, int32_t* bucket, int64_t n, float mx, float floor, float p,
+                      std::vector<float>& few) {
   const float lo0 = std::max(floor, mx - kTailSpan);
+  int64_t kept = 0;
+#pragma omp simd reduction(+ : kept)
+  for (int64_t i = 0; i < n; ++i) kept += xs[i] >= lo0;
+  if (kept * 8 < n) {
+    few.resize(n + 1);
+    int64_t count = 0;
+    for (int64_t i = 0; i < n; ++i) {  // branch-free compaction
+      few[count] = xs[i];
+      count += xs[i] >= lo0;
+    }
+    xs = few.data();
+    n = count;
+  }
   float lowest = mx;  // the buckets span the kept values only
 #pragma omp simd reduction(min : lowest)
   for (int64_t i = 0; i < n; ++i) lowest = xs[i] >= lo0 && xs[i] < lowest ? xs[i] : lowest;
@@ -253,7 +268,8 @@ int64_t sample_row(const float* x, int64_t n, const RowArgs& a, const int64_t* b
   float thr = -kInf;
   if (a.log_min_p > -kInf) thr = mx + a.log_min_p;
   if (a.top_k > 0 && a.top_k < n) thr = std::max(thr, top_k_threshold(row, n, a.top_k, scratch));
-  if (a.top_p < 1.f) thr = std::max(thr, top_p_threshold(row, work.data(), buckets.data(), n, mx, thr, a.top_p));
+  if (a.top_p < 1.f)
+    thr = std::max(thr, top_p_threshold(row, work.data(), buckets.data(), n, mx, thr, a.top_p, scratch));
   if (thr > -kInf) {
 #pragma omp simd
     for (int64_t i = 0; i < n; ++i) row[i] = row[i] >= thr ? row[i] : -kInf;
