@@ -68,6 +68,15 @@ class Mesh:
         self.gateway = self.router = self.kvstore = ""
         self.http = ""  # the gateway's OpenAI-compatible HTTP address, when served
         self.redis_url = spec.redis_url
+        self.ports: set[int] = set()  # handed out to this mesh's processes
+
+    def _free_port(self) -> int:
+        """A free port not already handed to another process of this mesh: the OS may give a port just
+        probed and released to the next probe too, and two services would then race for it."""
+        while (port := free_port()) in self.ports:
+            pass
+        self.ports.add(port)
+        return port
 
     def _spawn(self, name: str, args: list, port: int, grpc_health: bool = True) -> Proc:
         log = self.log_dir / f"{name}.log"
@@ -79,7 +88,7 @@ class Mesh:
         return proc
 
     def _service(self, name: str, module: str, *flags, port: int = 0) -> Proc:
-        port, metrics_port = port or free_port(), free_port()
+        port, metrics_port = port or self._free_port(), self._free_port()
         proc = self._spawn(name, [sys.executable, "-m", f"services.{module}", "--port", str(port),
                                   "--metrics-port", str(metrics_port), *map(str, flags)], port)
         proc.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
@@ -87,8 +96,9 @@ class Mesh:
 
     def start(self, timeout_s: float = 180.0) -> "Mesh":
         s = self.spec
+        self.ports |= {p for p in (s.gateway_port, s.router_port, s.kvstore_port, s.http_port) if p}  # fixed ones
         if not self.redis_url:
-            port = free_port()
+            port = self._free_port()
             self._spawn("redis", redis_command(port), port, grpc_health=False)
             self.redis_url = f"redis://127.0.0.1:{port}/0"
         config = ["--config", s.config_file] if s.config_file else []
@@ -105,7 +115,7 @@ class Mesh:
                               *s.engine_args, *s.worker_args.get(name, []))
         http = []
         if s.http_port is not None:
-            http_port = s.http_port or free_port()
+            http_port = s.http_port or self._free_port()
             http = ["--http-port", http_port]
             self.http = f"http://127.0.0.1:{http_port}"
         self.gateway = self._service("gateway", "gateway", "--model", s.model_dir, "--router", self.router,

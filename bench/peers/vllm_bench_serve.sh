@@ -44,8 +44,8 @@ setsid "$HERE/.venv/bin/meshserve" up --model "$MODEL" --config "$OUT/mesh.yaml"
   > "$OUT/meshserve-up.log" 2>&1 &
 UP=$!
 trap 'kill -TERM -- -$UP 2>/dev/null || true' EXIT
-for _ in $(seq 600); do grep -q ready "$OUT/meshserve-up.log" && break; sleep 0.5; done
-grep -q ready "$OUT/meshserve-up.log"
+for _ in $(seq 600); do grep -qw ready "$OUT/meshserve-up.log" && break; sleep 0.5; done
+grep -qw ready "$OUT/meshserve-up.log"
 echo "== meshserve (http://127.0.0.1:$PORT)"
 bench meshserve "http://127.0.0.1:$PORT"
 kill -TERM -- -$UP; wait $UP || true

@@ -22,9 +22,9 @@ def test_up_serves_and_stops_cleanly(tmp_path):
         assert proc.pid in processes_in(tmp_path)
         for line in proc.stdout:
             lines.append(line)
-            if "ready" in line:
+            if re.search(r"\bready\b", line):  # the word: "Address already in use" is not it
                 break
-        assert any("ready" in ln for ln in lines), "".join(lines)
+        assert any(re.search(r"\bready\b", ln) for ln in lines), "".join(lines)
         address = next(ln.strip() for ln in lines if re.fullmatch(r"127\.0\.0\.1:\d+", ln.strip()))
         with grpc.insecure_channel(address) as ch:
             status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status
