@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -20,6 +21,9 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+METRICS_LINE = re.compile(r" metrics on (http://\S+/metrics)")  # what services.common.telemetry prints
 
 
 def free_port() -> int:
@@ -88,11 +92,11 @@ class Mesh:
         return proc
 
     def _service(self, name: str, module: str, *flags, port: int = 0) -> Proc:
-        port, metrics_port = port or self._free_port(), self._free_port()
-        proc = self._spawn(name, [sys.executable, "-m", f"services.{module}", "--port", str(port),
-                                  "--metrics-port", str(metrics_port), *map(str, flags)], port)
-        proc.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
-        return proc
+        port = port or self._free_port()
+        # The metrics port is bound by the service itself (0) and read back from its log once it is
+        # healthy: a port probed here could be taken meanwhile as a client connection's local port.
+        return self._spawn(name, [sys.executable, "-m", f"services.{module}", "--port", str(port),
+                                  "--metrics-port", "0", *map(str, flags)], port)
 
     def start(self, timeout_s: float = 180.0) -> "Mesh":
         s = self.spec
@@ -136,6 +140,9 @@ class Mesh:
             if pending and time.monotonic() > deadline:
                 raise TimeoutError(f"not healthy after {timeout_s}s: {', '.join(p.name for p in pending)}")
             time.sleep(0.2)
+        for p in self.procs:
+            found = METRICS_LINE.search(p.log.read_text(errors="replace")) if p.grpc_health else None
+            p.metrics_url = found.group(1) if found else ""
 
     def proc(self, name: str) -> Proc:
         return next(p for p in self.procs if p.name == name)
