@@ -99,6 +99,15 @@ class Mesh:
                                   "--metrics-port", "0", *map(str, flags)], port)
 
     def start(self, timeout_s: float = 180.0) -> "Mesh":
+        """Start every process and wait until all are healthy; if any fails, stop the ones started."""
+        try:
+            self._launch(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _launch(self, timeout_s: float) -> None:
         s = self.spec
         self.ports |= {p for p in (s.gateway_port, s.router_port, s.kvstore_port, s.http_port) if p}  # fixed ones
         if not self.redis_url:
@@ -126,7 +135,6 @@ class Mesh:
                                      "--kvstore", self.kvstore, "--mode", s.mode, *config, *http, *s.gateway_args,
                                      port=s.gateway_port).address
         self.wait_healthy(timeout_s)
-        return self
 
     def wait_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

@@ -39,3 +39,17 @@ def test_sigterm_lets_in_flight_requests_finish(tiny_model, tmp_path_factory):
         assert worker.address not in [w.address for w in listed]
     finally:
         mesh.stop()
+
+
+def test_a_mesh_that_fails_to_start_stops_what_it_started(tiny_model, tmp_path_factory):
+    """The gateway refuses its flags: start() raises, and every process it had started is gone."""
+    import pytest
+
+    from services.launcher import Mesh, MeshSpec
+    from tests.integration.conftest import ENGINE
+
+    mesh = Mesh(MeshSpec(str(tiny_model), mode="unified", engine_args=ENGINE, gateway_args=["--admission-policy", "x"]),
+                log_dir=str(tmp_path_factory.mktemp("failing")))
+    with pytest.raises(RuntimeError, match="gateway exited"):
+        mesh.start()
+    assert len(mesh.procs) >= 4 and all(p.popen.poll() is not None for p in mesh.procs)
