@@ -156,12 +156,16 @@ def load_mesh_config(path: str | None, overrides: dict | None = None, env: dict 
 
 def _source(e: ValidationError, layers: list) -> str:
     """Which layer set the first failing value (the flags, the environment, or the file)."""
-    loc = e.errors()[0]["loc"] if e.errors() else ()
+    loc = e.errors()[0]["loc"][:2] if e.errors() else ()
     for name, layer in reversed(layers):
-        if loc and isinstance(layer.get(loc[0]), dict) and len(loc) > 1 and loc[1] in layer[loc[0]]:
-            return name
-        if loc and loc[0] in layer and len(loc) == 1:
-            return name
+        node = layer
+        for part in loc:
+            if not isinstance(node, dict) or part not in node:
+                break
+            node = node[part]
+        else:
+            if loc:
+                return name
     return layers[0][0]
 
 

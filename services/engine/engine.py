@@ -381,10 +381,6 @@ class LLMEngine:
                           block_size=self.kv.block_size, outstanding_tokens=outstanding,
                           queued_prefill_tokens=prefill, max_num_seqs=self.scheduler.max_num_seqs)
 
-    def stats(self) -> dict:
-        return {"blocks": self.kv.pool.counts(), "running": len(self.scheduler.running),
-                "waiting": len(self.scheduler.waiting)}
-
     def output_text(self, req: Request) -> str:
         """Decoded output, cut before the first stop string."""
         if self.tokenizer is None:

@@ -120,11 +120,10 @@ class _Body(BaseModel):
             raise OpenAIBodyError("min_tokens", f"min_tokens ({self.min_tokens}) must be at most the {max_tokens} "
                                                 "tokens this request may generate")
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
-        out = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, stop=tuple(stop),
+        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, stop=tuple(stop),
                              stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=bool(self.ignore_eos),
                              **{k: v for k in ("temperature", "top_p", "top_k", "min_p", "seed", "min_tokens")
                                 if (v := getattr(self, k)) is not None})
-        return out
 
 
 TokenIds = list[NonNegInt]

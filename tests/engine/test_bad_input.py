@@ -33,7 +33,7 @@ def test_bad_input_raises_typed_error(tiny_model, name, kwargs, error, fragment)
     with pytest.raises(error) as exc:
         engine.add_request("bad", args.pop("prompt_token_ids"), args.pop("params"), **args)
     assert fragment in str(exc.value)
-    assert engine.stats()["blocks"]["used"] == 0
+    assert engine.load().blocks_used == 0
     assert not engine.has_unfinished()
 
 
@@ -54,9 +54,9 @@ def test_abort_frees_blocks_at_once(tiny_model):
     engine = make_engine(tiny_model, budget=8)
     engine.add_request("long", list(range(3, 100)), SamplingParams(max_tokens=50))
     engine.step()
-    assert engine.stats()["blocks"]["used"] > 0
+    assert engine.load().blocks_used > 0
     assert engine.abort("long")
-    assert engine.stats()["blocks"]["used"] == 0
+    assert engine.load().blocks_used == 0
     assert not engine.abort("long")
     engine.kv.check_integrity()
 
@@ -92,5 +92,5 @@ def test_malformed_imported_kv_is_rejected_and_frees_everything(tiny_model):
         bad = type(good)(**{**good.__dict__, **broken})
         with pytest.raises(InvalidRequest, match=fragment):
             target.add_request("m", list(range(3, 40)), SamplingParams(max_tokens=8), kv=bad)
-        assert target.stats()["blocks"]["used"] == 0
+        assert target.load().blocks_used == 0
         target.kv.check_integrity()

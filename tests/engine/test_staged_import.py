@@ -19,7 +19,7 @@ def test_blocks_imported_in_pieces_continue_identically(tiny_model):
     kv = prefill_elsewhere(tiny_model, prompt)
     target = make_engine(tiny_model)
     target.begin_import(RequestSpec("s", tuple(prompt), greedy(12)))
-    assert target.stats()["blocks"]["used"] == len(kv.blocks)
+    assert target.load().blocks_used == len(kv.blocks)
     assert target.import_blocks("s", 0, b"".join(kv.blocks[:2])) == 2
     assert target.import_blocks("s", 2, b"".join(kv.blocks[2:])) == len(kv.blocks) - 2
     req = target.end_import("s", kv.token_ids, kv.num_prompt, kv.num_computed, len(kv.blocks), kv.sample_seed)
@@ -27,13 +27,13 @@ def test_blocks_imported_in_pieces_continue_identically(tiny_model):
         target.step()
         target.kv.check_integrity()
     assert req.output_token_ids == expected
-    assert target.stats()["blocks"]["used"] == 0
+    assert target.load().blocks_used == 0
 
 
 def test_abort_while_receiving_frees_the_reserved_blocks(tiny_model):
     target = make_engine(tiny_model)
     target.begin_import(RequestSpec("r", tuple(range(3, 50)), SamplingParams(max_tokens=4)))
-    assert target.stats()["blocks"]["used"] > 0 and not target.has_unfinished()
+    assert target.load().blocks_used > 0 and not target.has_unfinished()
     assert target.abort("r")
-    assert target.stats()["blocks"]["used"] == 0
+    assert target.load().blocks_used == 0
     target.kv.check_integrity()
