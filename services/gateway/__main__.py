@@ -38,7 +38,8 @@ async def watch_mesh(server: rpc.Server, router: str, mode: str, admission: Admi
 async def serve(args, config: MeshConfig) -> None:
     tenants, adm = config.tenant_objects(), config.admission
     admission = Admission(adm.policy, adm.starvation_s)
-    servicer = GatewayServicer(ModelInfo.from_dir(args.model), Tokenizer(args.model), args.router, args.kvstore,
+    servicer = GatewayServicer(ModelInfo.from_dir(args.model, args.served_model_name or ()), Tokenizer(args.model),
+                               args.router, args.kvstore,
                                Authenticator(tenants), admission)
     server = rpc.Server(["Generation"], args.port, args.host)
     add_to_server(servicer, server.server)
@@ -72,6 +73,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m services.gateway", description=__doc__)
     ap.add_argument("--model", default=os.environ.get("MESHSERVE_MODEL"), required="MESHSERVE_MODEL" not in os.environ,
                     help="the served model folder (config.json and tokenizer.json are read here)")
+    ap.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                    help="the model name(s) requests use (the first is reported; default: the folder's name)")
     ap.add_argument("--router", default=os.environ.get("ROUTER_ADDR", f"127.0.0.1:{rpc.DEFAULT_PORTS['router']}"))
     ap.add_argument("--kvstore", default=os.environ.get("KVSTORE_ADDR", f"127.0.0.1:{rpc.DEFAULT_PORTS['kvstore']}"))
     ap.add_argument("--mode", default=os.environ.get("ROUTER_MODE", "disaggregated"),

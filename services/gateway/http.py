@@ -36,7 +36,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from services.common.chat import ChatTemplate
-from services.common.errors import CapacityExhausted, InvalidRequest, MeshError, http_status
+from services.common.errors import CapacityExhausted, InvalidRequest, MeshError, NotFound, http_status
 from services.common.request import ClientRequest
 from services.common.telemetry import PROMETHEUS_CONTENT_TYPE, prometheus_text
 from services.gateway.openai_models import OpenAIBodyError, parse_body
@@ -93,7 +93,8 @@ class HttpFront:
             return OpenAIError.of(e).response()
         m = self.model
         return JSONResponse({"object": "list", "data": [
-            {"id": m.name, "object": "model", "created": 0, "owned_by": "meshserve", "max_model_len": m.max_model_len}]})
+            {"id": name, "object": "model", "created": 0, "owned_by": "meshserve", "max_model_len": m.max_model_len}
+            for name in m.names]})
 
     async def health(self, request: Request) -> Response:
         return Response(status_code=200)
@@ -137,9 +138,10 @@ class HttpFront:
         """The ClientRequests of one HTTP body (one per prompt), and the response options."""
         try:
             b = parse_body(body, chat)
-            if b.model is not None and b.model != self.model.name:
-                raise OpenAIError(404, f"model {b.model!r} is not served here (serving {self.model.name!r})",
-                                  param="model", code="model_not_found")
+            try:
+                self.model.check(b.model)
+            except NotFound as e:
+                raise OpenAIError(404, str(e), param="model", code="model_not_found") from None
             prompts = [self._chat_prompt(b.messages)] if chat else b.prompts()
             max_tokens = b.max_completion_tokens if chat and b.max_completion_tokens is not None else b.max_tokens
             out = []
@@ -158,8 +160,8 @@ class HttpFront:
 
     def _chat_prompt(self, messages: list) -> list:
         if self.chat_template is None:
-            raise bad("messages", f"model {self.model.name!r} has no chat template (tokenizer_config.json "
-                                  "chat_template); use /v1/completions")
+            raise bad("messages", f"model {self.model.name!r} has no chat template (chat_template.jinja or "
+                                  "tokenizer_config.json chat_template); use /v1/completions")
         try:
             text = self.chat_template.render(messages)
         except InvalidRequest as e:

@@ -35,14 +35,25 @@ log = logging.getLogger("meshserve.gateway")
 
 @dataclass(frozen=True)
 class ModelInfo:
-    name: str  # the served model's name (its folder name)
+    name: str  # the served model's name: the first --served-model-name, else the folder's name
     vocab_size: int
     max_model_len: int  # the model's context; workers also check their KV pool
+    aliases: tuple = ()  # further names requests may use (vLLM's --served-model-name A B ...)
 
     @staticmethod
-    def from_dir(model_dir: str) -> "ModelInfo":
+    def from_dir(model_dir: str, served_names=()) -> "ModelInfo":
         cfg = json.loads((Path(model_dir) / "config.json").read_text())
-        return ModelInfo(Path(model_dir).name, int(cfg["vocab_size"]), int(cfg["max_position_embeddings"]))
+        names = list(served_names) or [Path(model_dir).name]
+        return ModelInfo(names[0], int(cfg["vocab_size"]), int(cfg["max_position_embeddings"]), tuple(names[1:]))
+
+    @property
+    def names(self) -> tuple:
+        return (self.name, *self.aliases)
+
+    def check(self, model: str | None) -> None:
+        """NotFound unless model names the served model (empty or None: the served one)."""
+        if model and model not in self.names:
+            raise NotFound(f"model {model!r} is not served here (serving {self.name!r})")
 
 
 class BadMessage:
@@ -98,8 +109,7 @@ class GatewayServicer(pb_grpc.GenerationServicer):
 
     def _validate(self, req: ClientRequest) -> list:
         """The prompt's token ids, once every field of the client's request is checked."""
-        if req.model and req.model != self.model.name:
-            raise NotFound(f"model {req.model!r} is not served here (serving {self.model.name!r})")
+        self.model.check(req.model)
         if req.priority < 0:
             raise InvalidRequest(f"priority must be >= 0, got {req.priority}")
         if req.deadline_ms < 0:
@@ -232,15 +242,14 @@ class GatewayServicer(pb_grpc.GenerationServicer):
     @rpc.mapped
     async def ListModels(self, request, context):
         m = self.model
-        return pb.ListModelsResponse(models=[pb.ModelInfo(name=m.name, max_model_len=m.max_model_len,
-                                                          vocab_size=m.vocab_size)])
+        return pb.ListModelsResponse(models=[pb.ModelInfo(name=name, max_model_len=m.max_model_len,
+                                                          vocab_size=m.vocab_size) for name in m.names])
 
     @rpc.mapped
     async def Tokenize(self, request, context):
         if isinstance(request, BadMessage):
             raise InvalidRequest(request.error)
-        if request.model and request.model != self.model.name:
-            raise NotFound(f"model {request.model!r} is not served here")
+        self.model.check(request.model)
         return pb.TokenizeResponse(token_ids=self.tokenizer.encode(utf8(request.text, "text")))
 
 

@@ -14,7 +14,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 
 def test_up_serves_and_stops_cleanly(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--port", "0", "--http-port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--model", "tiny", "--port", "0", "--http-port", "0",
                              "--router-port", "0", "--kvstore-port", "0"], cwd=tmp_path, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines = []

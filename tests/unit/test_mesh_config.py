@@ -22,7 +22,7 @@ def test_yaml_and_toml(tmp_path):
 @pytest.mark.parametrize("text,fragment", [
     # unknown key or section
     ("autoscaler2: {}\n", "autoscaler2: unknown section"),
-    ("mesh: {workers: 3}\n", "mesh.workers: unknown key (known: model, mode, prefill, decode, unified)"),
+    ("mesh: {workers: 3}\n", "mesh.workers: unknown key (known: model, served_model_name, mode, prefill, decode, unified)"),
     ("engine: {blocksize: 8}\n", "engine.blocksize: unknown key"),
     ("routing: {guard: {absolute: 1}}\n", "routing.guard.absolute: unknown key (known: abs, rel)"),
     # wrong type
@@ -94,7 +94,7 @@ def test_up_gives_each_worker_a_small_pool_unless_the_config_sizes_it(tmp_path):
 
     from services.up import mesh_spec
 
-    args = Namespace(port=0, http_port=0, router_port=0, kvstore_port=0, config=None)
+    args = Namespace(port=0, http_port=0, router_port=0, kvstore_port=0, config=None, served_model_name=None)
     assert mesh_spec(load_mesh_config(None, env={}), tmp_path, args).engine_args == ["--kv-cache-gb", "0.25"]
     sized = load_mesh_config(None, {"engine": {"kv_cache_gb": 1.5, "threads": 2}}, env={})
     spec = mesh_spec(sized, tmp_path, args)
@@ -102,3 +102,7 @@ def test_up_gives_each_worker_a_small_pool_unless_the_config_sizes_it(tmp_path):
     routed = load_mesh_config(None, {"routing": {"policy": "prefix-aware", "weights": {"prefix": 2.0}}}, env={})
     spec = mesh_spec(routed, tmp_path, args)
     assert spec.policy == "prefix-aware" and spec.routing["weights"] == {"prefix": 2.0}
+    named = load_mesh_config(None, {"mesh": {"served_model_name": ["smol", "gpt-x"]}}, env={})
+    assert mesh_spec(named, tmp_path, args).gateway_args == ["--served-model-name", "smol", "gpt-x"]
+    flagged = Namespace(**{**vars(args), "served_model_name": ["mine"]})
+    assert mesh_spec(named, tmp_path, flagged).gateway_args == ["--served-model-name", "mine"]

@@ -1,0 +1,90 @@
+"""The real model (SmolLM2-135M-Instruct, imported from its GGUF) against transformers: the same weights as
+transformers' own GGUF loader, the same tokens from the tokenizer on 1,000 varied strings, the same chat
+prompts, and the same greedy output from our engine for 16 chat and 16 raw prompts."""
+
+import random
+
+import pytest
+import torch
+
+from services.common.chat import ChatTemplate
+from services.common.tokenizer import Tokenizer
+from tests.support.reference import assert_matches, greedy, hf_greedy, make_engine, run_all
+
+NEW_TOKENS = 24
+QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "How many legs does a spider have?",
+             "Write a haiku about autumn.", "What is 12 times 7?", "Translate 'good morning' into Spanish.",
+             "Explain photosynthesis in one sentence.", "Who wrote Romeo and Juliet?",
+             "Give me a Python function that reverses a string.", "What is the boiling point of water in Celsius?",
+             "Suggest a name for a pet turtle.", "Why is the sky blue?", "List two uses of a paperclip.",
+             "What does CPU stand for?", "Summarize the plot of Cinderella in two sentences.",
+             "Is a tomato a fruit or a vegetable?"]
+RAW = ["The quick brown fox", "Once upon a time, in a small village,", "def fibonacci(n):\n    ",
+       "The three laws of thermodynamics are", "import numpy as np\n\nx = np.", "Paris is the capital of",
+       "In 1969, astronauts", "Dear hiring manager,\n\n", "The recipe calls for two cups of",
+       "SELECT name FROM users WHERE", "Machine learning is", "Le chat est", "1, 1, 2, 3, 5, 8,",
+       "<html>\n  <body>\n", "The mitochondria is", "  indented text with   irregular   spaces"]
+
+
+def varied_strings(n: int, seed: int = 0) -> list:
+    """Seeded mixes of words in several scripts, emoji, code, digits, whitespace runs and special tokens."""
+    rng = random.Random(seed)
+    parts = ["hello", "World", "naïve", "café", "straße", "Привет", "мир", "日本語", "中文字符", "한국어", "مرحبا",
+             "שלום", "ελληνικά", "🤖", "👍🏽", "🇫🇷", "❤️", "∑∫√", "def f(x):", "return x**2", "{'a': [1, 2]}",
+             "if (a && b) {", "</div>", "0x1F", "3.14159", "1234567890", "  ", "\t", "\n", "\n\n", "   \n ",
+             "<|im_start|>", "<|im_end|>", "<|endoftext|>", "don't", "we'll", "—", "…", "\u00a0", "ｆｕｌｌ"]
+    out = []
+    for _ in range(n):
+        k = rng.randint(1, 12)
+        out.append("".join(rng.choice(parts) + rng.choice(["", " ", "", "  "]) for _ in range(k)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(smollm2_gguf):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
+
+
+def test_weights_equal_transformers_gguf_loader(smollm2_gguf, smollm2_dir):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    theirs = AutoModelForCausalLM.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name,
+                                                  dtype=torch.float32).state_dict()
+    ours = load_file(str(smollm2_dir / "model.safetensors"))
+    assert ours and set(ours) <= set(theirs)
+    for name, tensor in ours.items():
+        assert torch.equal(tensor, theirs[name]), name
+
+
+def test_tokenizer_equals_transformers_gguf_tokenizer_on_1000_strings(smollm2_dir, hf_tokenizer):
+    ours = Tokenizer(smollm2_dir)
+    for s in varied_strings(1000):
+        ids = ours.encode(s)
+        assert ids == hf_tokenizer.encode(s), repr(s)
+        assert ours.decode(ids) == hf_tokenizer.decode(ids, skip_special_tokens=True), repr(s)
+
+
+def chat_prompts(model_dir) -> list:
+    template, tokenizer = ChatTemplate.from_model_dir(model_dir), Tokenizer(model_dir)
+    return [tokenizer.encode(template.render([{"role": "user", "content": q}]), add_special_tokens=False)
+            for q in QUESTIONS]
+
+
+def test_chat_prompts_equal_transformers_chat_template(smollm2_dir, hf_tokenizer):
+    for q, ids in zip(QUESTIONS, chat_prompts(smollm2_dir)):
+        want = hf_tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                                tokenize=True, return_dict=True)["input_ids"]
+        assert ids == list(want), q
+
+
+def test_greedy_equals_transformers_on_chat_and_raw_prompts(smollm2_dir):
+    tokenizer = Tokenizer(smollm2_dir)
+    prompts = chat_prompts(smollm2_dir) + [tokenizer.encode(p) for p in RAW]
+    refs = hf_greedy(smollm2_dir, prompts, NEW_TOKENS)
+    engine = make_engine(smollm2_dir, num_blocks=512, budget=512)
+    ties = assert_matches(run_all(engine, prompts, greedy(NEW_TOKENS)), refs)
+    assert len(ties) <= 2, f"too many near-ties: {ties}"
+    assert "Paris" in tokenizer.decode(refs[0].tokens)  # the model answers, it is not noise
