@@ -28,7 +28,7 @@ def mesh_spec(cfg: MeshConfig, model: Path, args):
     from services.launcher import MeshSpec
 
     set_keys = cfg.engine.model_fields_set
-    engine_args = [] if {"kv_cache_gb", "num_blocks"} & set_keys else ["--kv-cache-gb", str(MESH_KV_CACHE_GB)]
+    engine_args = [] if {"kv_cache_gb", "num_blocks"} & set_keys else ["--kv-cache-gb", str(default_kv_gb(model))]
     m = cfg.mesh
     names = args.served_model_name or m.served_model_name
     return MeshSpec(str(model), mode=m.mode, prefill=m.prefill, decode=m.decode, unified=m.unified,
@@ -37,6 +37,20 @@ def mesh_spec(cfg: MeshConfig, model: Path, args):
                     gateway_port=args.port, http_port=args.http_port, router_port=args.router_port,
                     kvstore_port=args.kvstore_port, config_file=args.config,
                     gateway_args=["--served-model-name", *names] if names else [])
+
+
+def default_kv_gb(model: Path) -> float:
+    """A worker's KV pool when the config does not size it: MESH_KV_CACHE_GB, or more where one request
+    of the model's whole context (float32 K and V, every layer) would not fit in that."""
+    try:
+        cfg = json.loads((model / "config.json").read_text())
+        heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        per_token = 2 * cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", heads) * head_dim * 4
+        need = per_token * cfg["max_position_embeddings"] * 1.02 / 1024**3  # + room for block rounding
+    except (OSError, ValueError, KeyError, TypeError):
+        return MESH_KV_CACHE_GB  # the workers load the folder and report what is wrong with it
+    return max(MESH_KV_CACHE_GB, round(need + 0.005, 2))
 
 
 def resolve_model(name: str | None) -> Path:

@@ -155,3 +155,15 @@ def test_qwen2_biases_and_unpermuted_rows_round_trip(tiny_model, tmp_path):
     assert {n for n in got if n.endswith("bias")} == {n for n in want if n.endswith("bias")} != set()
     prompts = random_prompts(4, seed=5, hi=30)
     assert_matches(run_all(make_engine(out), prompts, greedy(8)), hf_greedy(model, prompts, 8))
+
+
+def test_bfloat16_import_writes_bfloat16_weights(tiny_model, tmp_path):
+    from safetensors import safe_open
+
+    out = import_gguf(write_gguf(tiny_model, tmp_path / "m.gguf", "BF16"), tmp_path / "out", "bfloat16",
+                      progress=False)
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    with safe_open(str(out / "model.safetensors"), framework="pt") as st:
+        assert {str(st.get_tensor(n).dtype) for n in st.keys()} == {"torch.bfloat16"}
+    with pytest.raises(ModelLoadError, match="unsupported dtype 'float16'"):
+        import_gguf(tmp_path / "m.gguf", tmp_path / "out16", "float16")

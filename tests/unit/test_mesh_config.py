@@ -1,5 +1,6 @@
 """The mesh config file: YAML and TOML, one model per section, errors naming file, section and key."""
 
+import json
 import subprocess
 import sys
 
@@ -102,6 +103,10 @@ def test_up_gives_each_worker_a_small_pool_unless_the_config_sizes_it(tmp_path):
     routed = load_mesh_config(None, {"routing": {"policy": "prefix-aware", "weights": {"prefix": 2.0}}}, env={})
     spec = mesh_spec(routed, tmp_path, args)
     assert spec.policy == "prefix-aware" and spec.routing["weights"] == {"prefix": 2.0}
+    (tmp_path / "config.json").write_text(json.dumps({  # SmolLM2-135M: its 8,192-token context needs 0.36 GB
+        "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576,
+        "max_position_embeddings": 8192}))
+    assert mesh_spec(load_mesh_config(None, env={}), tmp_path, args).engine_args == ["--kv-cache-gb", "0.36"]
     named = load_mesh_config(None, {"mesh": {"served_model_name": ["smol", "gpt-x"]}}, env={})
     assert mesh_spec(named, tmp_path, args).gateway_args == ["--served-model-name", "smol", "gpt-x"]
     flagged = Namespace(**{**vars(args), "served_model_name": ["mine"]})
