@@ -24,8 +24,12 @@ def machine() -> dict:
         cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "")
     except OSError:
         pass
-    return {"cpus": os.cpu_count(), "cpu_model": cpu, "isa": vector_isa(), "platform": platform.platform(),
-            "python": platform.python_version(), "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
+    from services.engine.kernels import host_isa
+
+    limits = {k: os.environ[k] for k in ("MESHSERVE_ISA", "ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY") if k in os.environ}
+    return {"cpus": os.cpu_count(), "cpu_model": cpu, "isa": vector_isa(), "kernel_isa": host_isa(),
+            "isa_limits": limits, "platform": platform.platform(), "python": platform.python_version(),
+            "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
 
 
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx512_fp16",

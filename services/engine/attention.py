@@ -5,7 +5,10 @@ sequence. Each step, build_metadata() turns the per-sequence layout into index t
 every layer then (1) writes its new K/V into the paged pool at their slots and (2) attends.
 
 Decode tokens go to the compiled paged kernel (services.engine.kernels) when it is available:
-it reads keys and values in place from the pool. Otherwise, and for prefill chunks,
+it reads keys and values in place from the pool. A prefill chunk that starts a sequence (nothing
+cached before it) attends only to its own keys, which are at hand: one causal
+scaled_dot_product_attention over them (torch's flash kernel, GQA without a repeat), no gather,
+no mask. Otherwise, and for prefill chunks that continue a sequence,
 TorchAttention (CPU) attends group by group, with no Python loop per sequence: sequences are
 sorted by context length and cut into groups of similar length; a group's keys are gathered
 from the pool through its block tables into a padded [B, L] tensor and attended with one
@@ -82,9 +85,10 @@ class DecodeBatch:
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] pool slot where each new token's K/V is written
-    groups: list  # AttentionGroup, covering every token not in `decode`
+    groups: list  # AttentionGroup, covering every token not in `decode` or `fresh`
     decode: DecodeBatch | None  # decode tokens handled by the compiled kernel, if any
     num_tokens: int  # T
+    fresh: list = ()  # (first flat token, length) of each prefill chunk that starts its sequence
 
 
 class TorchAttention:
@@ -104,7 +108,8 @@ class TorchAttention:
             starts += s.num_new
             slots.extend(self._slots(s))
         decodes = [i for i in range(len(seqs)) if seqs[i].num_new == 1]
-        prefills = [[i] for i in range(len(seqs)) if seqs[i].num_new > 1]
+        fresh = [(offsets[i], s.num_new) for i, s in enumerate(seqs) if s.num_new > 1 and s.num_computed == 0]
+        prefills = [[i] for i, s in enumerate(seqs) if s.num_new > 1 and s.num_computed > 0]
         decode = None
         if self.kernel is not None and decodes:
             decode = self._decode_batch([seqs[i] for i in decodes], [offsets[i] for i in decodes])
@@ -112,7 +117,8 @@ class TorchAttention:
         decodes.sort(key=lambda i: seqs[i].num_computed)
         cuts = [decodes[i:i + self.group_size] for i in range(0, len(decodes), self.group_size)] + prefills
         groups = [self._group([seqs[i] for i in idx], [offsets[i] for i in idx]) for idx in cuts]
-        return AttentionMetadata(slot_mapping=torch.tensor(slots), groups=groups, decode=decode, num_tokens=starts)
+        return AttentionMetadata(slot_mapping=torch.tensor(slots), groups=groups, decode=decode, num_tokens=starts,
+                                 fresh=fresh)
 
     def _slots(self, s: SeqLayout) -> list[int]:
         """Pool slots of the sequence's new tokens (plain ints: cheaper than tensor ops for a few tokens)."""
@@ -159,6 +165,12 @@ class TorchAttention:
             out[d.q_index] = o.view(len(d.q_index), -1)
         for g in meta.groups:
             out[g.out_tokens] = self._attend(q, k_pool, v_pool, g)[g.out_rows]
+        for start, n in meta.fresh:
+            rows = slice(start, start + n)
+            # [1, heads, n, D]: with a batch axis torch takes its flash kernel (3-D inputs take the math path, 3x slower)
+            qh, kh, vh = (x[rows].transpose(0, 1)[None] for x in (q, k, v))
+            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=self.scale, enable_gqa=True)
+            out[rows] = o[0].transpose(0, 1).reshape(n, -1)
         return out
 
     def _attend(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, g: AttentionGroup) -> torch.Tensor:

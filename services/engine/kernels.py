@@ -1,8 +1,13 @@
 """Optional compiled CPU kernels, built on first use with torch's C++ extension loader.
 
 The engine runs without them (pure PyTorch), and uses them when the build succeeds:
-MESHSERVE_KERNELS=0 turns them off. Built objects are cached by torch (TORCH_EXTENSIONS_DIR),
-keyed by source and flags, so a machine with another vector ISA builds its own.
+MESHSERVE_KERNELS=0 turns them off.
+
+Each kernel is built per vector ISA level (ISA_LEVELS: avx512, avx2, generic), and the dispatcher
+(pick_isa) takes the widest level whose instructions the CPU has (/proc/cpuinfo flags), or the one
+MESHSERVE_ISA names when the CPU can run it. Built objects are cached by torch
+(TORCH_EXTENSIONS_DIR) under a name that carries the level, so one cache serves several levels and
+a machine never runs code compiled for instructions it lacks.
 """
 
 from __future__ import annotations
@@ -16,17 +21,47 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 
 
-def _cpu_flags(wide: bool = False) -> list[str]:
-    """-m flags for the host's vector ISA: AVX2/FMA, and with wide=True AVX-512 (512-bit vectors)."""
+ISA_LEVELS = ("avx512", "avx2", "generic")  # widest first
+ISA_NEEDS = {  # /proc/cpuinfo flags each level's code uses
+    "avx512": frozenset({"avx2", "fma", "avx512f", "avx512dq", "avx512bw", "avx512vl"}),
+    "avx2": frozenset({"avx2", "fma"}),
+    "generic": frozenset(),
+}
+ISA_CFLAGS = {
+    "avx512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mprefer-vector-width=512"],
+    "avx2": ["-mavx2", "-mfma"],
+    "generic": [],
+}
+
+
+def cpu_flags() -> frozenset:
     try:
-        words = set(Path("/proc/cpuinfo").read_text().split())
+        return frozenset(next((ln.split(":", 1)[1].split() for ln in open("/proc/cpuinfo")
+                               if ln.startswith("flags")), []))
     except OSError:
-        return []
-    names = ["avx2", "fma"] + (["avx512f", "avx512dq", "avx512bw", "avx512vl"] if wide else [])
-    flags = [f"-m{f}" for f in names if f in words]
-    if "-mavx512f" in flags:
-        flags.append("-mprefer-vector-width=512")
-    return flags
+        return frozenset()
+
+
+def supported_isas(flags: frozenset) -> list[str]:
+    """The levels a CPU with these flags can execute, widest first (generic always)."""
+    return [isa for isa in ISA_LEVELS if ISA_NEEDS[isa] <= flags]
+
+
+def pick_isa(flags: frozenset, requested: str | None = None) -> str:
+    """The level to run: the requested one if the CPU supports it, else the widest it supports."""
+    supported = supported_isas(flags)
+    if requested:
+        if requested not in ISA_LEVELS:
+            raise ValueError(f"MESHSERVE_ISA={requested!r}: unknown (levels: {', '.join(ISA_LEVELS)})")
+        if requested in supported:
+            return requested
+        log.warning("MESHSERVE_ISA=%s: this CPU lacks %s; using %s", requested,
+                    " ".join(sorted(ISA_NEEDS[requested] - flags)), supported[0])
+    return supported[0]
+
+
+def host_isa() -> str:
+    return pick_isa(cpu_flags(), os.environ.get("MESHSERVE_ISA"))
 
 
 def _put_ninja_on_path() -> None:
@@ -58,17 +93,20 @@ def _build(name: str, source: str, cflags: list[str], what: str):
 
 
 @cache
-def paged_attention():
-    """The paged decode attention kernel (csrc/paged_attention.cpp), or None."""
-    return _build("meshserve_paged_attention", "paged_attention.cpp",
-                  ["-O3", "-ffast-math", "-fopenmp", *_cpu_flags(wide=True)], "paged attention")
+def paged_attention(isa: str | None = None):
+    """The paged decode attention kernel (csrc/paged_attention.cpp) for isa (default: host_isa()), or None."""
+    isa = isa or host_isa()
+    return _build(f"meshserve_paged_attention_{isa}", "paged_attention.cpp",
+                  ["-O3", "-ffast-math", "-fopenmp", *ISA_CFLAGS[isa]], f"paged attention ({isa})")
 
 
 @cache
-def sampler():
-    """The fused sampling kernel (csrc/sampler.cpp), or None.
+def sampler(isa: str | None = None):
+    """The fused sampling kernel (csrc/sampler.cpp) for isa (default: host_isa()), or None.
 
     Built without -ffast-math and with -ffp-contract=off: its noise must match the PyTorch
-    fallback bit for bit (services/engine/sampler.py)."""
-    return _build("meshserve_sampler", "sampler.cpp",
-                  ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-trapping-math", *_cpu_flags(wide=True)], "sampling")
+    fallback bit for bit (services/engine/sampler.py), on every level."""
+    isa = isa or host_isa()
+    return _build(f"meshserve_sampler_{isa}", "sampler.cpp",
+                  ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-trapping-math", *ISA_CFLAGS[isa]],
+                  f"sampling ({isa})")

@@ -9,13 +9,13 @@ from services.engine.attention import SeqLayout, TorchAttention
 from services.engine.kernels import paged_attention
 
 
-def random_case(seed, kv_heads, heads, block_size=4, num_blocks=64):
+def random_case(seed, kv_heads, heads, block_size=4, num_blocks=64, lens=(1, 5, 17, 4, 30, 9)):
     g = torch.Generator().manual_seed(seed)
     d = 16
     k_pool = torch.randn(num_blocks * block_size, kv_heads, d, generator=g)
     v_pool = torch.randn(num_blocks * block_size, kv_heads, d, generator=g)
     perm = torch.randperm(num_blocks, generator=g).tolist()
-    seqs, lens = [], [1, 5, 17, 4, 30, 9]
+    seqs = []
     for i, computed in enumerate(lens):
         n_new = 1 if i % 2 == 0 else 3  # decodes and short prefill chunks mixed
         blocks = -(-(computed + n_new) // block_size)
@@ -34,6 +34,10 @@ def test_kernel_matches_pytorch_attention(kv_heads, heads):
     if os.environ.get("MESHSERVE_KERNELS") == "0":
         pytest.skip("kernels disabled by MESHSERVE_KERNELS=0")
     assert kernel is not None, "the paged attention kernel failed to build (see the logged warning)"
+    check_kernel_against_pytorch(kernel, kv_heads, heads)
+
+
+def check_kernel_against_pytorch(kernel, kv_heads: int, heads: int) -> None:
     seqs, q, k, v, k_pool, v_pool, d = random_case(kv_heads * 10 + heads, kv_heads, heads)
     plain = TorchAttention(heads, kv_heads, d, block_size=4)
     fast = TorchAttention(heads, kv_heads, d, block_size=4, kernel=kernel)
@@ -44,10 +48,14 @@ def test_kernel_matches_pytorch_attention(kv_heads, heads):
     torch.testing.assert_close(out_fast, out_plain, rtol=1e-5, atol=1e-5)
 
 
-def test_pytorch_attention_equals_naive_reference():
-    seqs, q, k, v, k_pool, v_pool, d = random_case(3, 2, 4)
+@pytest.mark.parametrize("lens", [(1, 5, 17, 4, 30, 9), (0, 0, 12, 0, 0, 7)],
+                         ids=["continuing", "with chunks that start their sequence"])
+def test_pytorch_attention_equals_naive_reference(lens):
+    seqs, q, k, v, k_pool, v_pool, d = random_case(3, 2, 4, lens=lens)
     attn = TorchAttention(4, 2, d, block_size=4)
-    out = attn.forward(q, k, v, k_pool, v_pool, attn.build_metadata(seqs))
+    meta = attn.build_metadata(seqs)
+    assert len(meta.fresh) == sum(1 for s in seqs if s.num_computed == 0 and s.num_new > 1)
+    out = attn.forward(q, k, v, k_pool, v_pool, meta)
     row = 0
     for s in seqs:
         slots = [s.block_table[p // 4] * 4 + p % 4 for p in range(s.num_computed + s.num_new)]

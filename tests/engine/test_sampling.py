@@ -113,6 +113,10 @@ def test_top_p_renormalises_over_what_is_kept(kernel):
 
 @pytest.mark.parametrize("scale", [0.5, 3.0, 12.0])
 def test_fallback_gives_the_kernels_tokens_for_the_same_seeds(kernel, scale):
+    check_kernel_against_fallback(kernel, scale)
+
+
+def check_kernel_against_fallback(kernel, scale: float) -> None:
     g = torch.Generator().manual_seed(int(scale * 10))
     rows, vocab = 96, 5000
     logits = torch.randn(rows, vocab, generator=g) * scale
