@@ -87,9 +87,13 @@ class EngineRunner:
         if self.metrics is not None:
             self.metrics.forget(req_id)
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """End the loop and wait for it: a daemon thread left inside a torch call while the interpreter
+        shuts down can abort the process ("terminate called without an active exception")."""
         self.running = False
         self.wake.set()
+        if self.thread is not threading.current_thread():
+            self.thread.join(timeout_s)
 
     def _loop(self) -> None:
         while self.running:
