@@ -9,9 +9,8 @@ from services.engine.attention import SeqLayout, TorchAttention
 from services.engine.kernels import paged_attention
 
 
-def random_case(seed, kv_heads, heads, block_size=4, num_blocks=64, lens=(1, 5, 17, 4, 30, 9)):
+def random_case(seed, kv_heads, heads, block_size=4, num_blocks=64, lens=(1, 5, 17, 4, 30, 9), d=16):
     g = torch.Generator().manual_seed(seed)
-    d = 16
     k_pool = torch.randn(num_blocks * block_size, kv_heads, d, generator=g)
     v_pool = torch.randn(num_blocks * block_size, kv_heads, d, generator=g)
     perm = torch.randperm(num_blocks, generator=g).tolist()
@@ -28,19 +27,25 @@ def random_case(seed, kv_heads, heads, block_size=4, num_blocks=64, lens=(1, 5, 
     return seqs, q, k, v, k_pool, v_pool, d
 
 
-@pytest.mark.parametrize("kv_heads,heads", [(2, 4), (4, 4), (1, 8)])
-def test_kernel_matches_pytorch_attention(kv_heads, heads):
+# head dims 16 (the kernel's plain loops) and 64 / 128 (its AVX-512 paths: 1 to 8 heads per KV head)
+SHAPES = [(2, 4, 16), (4, 4, 16), (1, 8, 16), (3, 9, 64), (2, 4, 64), (4, 4, 64), (1, 8, 128)]
+
+
+@pytest.mark.parametrize("kv_heads,heads,d", SHAPES)
+def test_kernel_matches_pytorch_attention(kv_heads, heads, d):
     kernel = paged_attention()
     if os.environ.get("MESHSERVE_KERNELS") == "0":
         pytest.skip("kernels disabled by MESHSERVE_KERNELS=0")
     assert kernel is not None, "the paged attention kernel failed to build (see the logged warning)"
-    check_kernel_against_pytorch(kernel, kv_heads, heads)
+    check_kernel_against_pytorch(kernel, kv_heads, heads, d)
 
 
-def check_kernel_against_pytorch(kernel, kv_heads: int, heads: int) -> None:
-    seqs, q, k, v, k_pool, v_pool, d = random_case(kv_heads * 10 + heads, kv_heads, heads)
-    plain = TorchAttention(heads, kv_heads, d, block_size=4)
-    fast = TorchAttention(heads, kv_heads, d, block_size=4, kernel=kernel)
+def check_kernel_against_pytorch(kernel, kv_heads: int, heads: int, d: int = 16) -> None:
+    """Block size 16 (a whole AVX-512 row of scores per block) with contexts that end mid-block."""
+    seqs, q, k, v, k_pool, v_pool, d = random_case(kv_heads * 10 + heads, kv_heads, heads, block_size=16,
+                                                   lens=(1, 40, 17, 4, 70, 9), d=d)
+    plain = TorchAttention(heads, kv_heads, d, block_size=16)
+    fast = TorchAttention(heads, kv_heads, d, block_size=16, kernel=kernel)
     meta_fast = fast.build_metadata(seqs)
     assert meta_fast.decode is not None and len(meta_fast.decode.q_index) == 3
     out_plain = plain.forward(q, k, v, k_pool.clone(), v_pool.clone(), plain.build_metadata(seqs))

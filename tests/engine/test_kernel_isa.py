@@ -55,10 +55,10 @@ def built(factory, isa):
 
 @pytest.mark.parametrize("isa", machine_levels())
 def test_every_level_of_the_attention_kernel_matches_pytorch(isa):
-    from tests.engine.test_attention import check_kernel_against_pytorch
+    from tests.engine.test_attention import SHAPES, check_kernel_against_pytorch
 
-    for kv_heads, heads in ((2, 4), (1, 8)):
-        check_kernel_against_pytorch(built(paged_attention, isa), kv_heads, heads)
+    for kv_heads, heads, d in SHAPES:
+        check_kernel_against_pytorch(built(paged_attention, isa), kv_heads, heads, d)
 
 
 @pytest.mark.parametrize("isa", machine_levels())

@@ -3,14 +3,109 @@
 // slots in order, so every slot's K (then V) row of all KV heads is one contiguous read.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cmath>
 #include <vector>
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 static inline float dot(const float* a, const float* b, int64_t n) {
   float s = 0.f;
 #pragma omp simd reduction(+ : s)
   for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
   return s;
+}
+
+// Blocks sit anywhere in the pool, so the hardware prefetcher restarts at every block boundary: ask
+// for the next block's rows (n_rows * row floats) while this one is being read.
+static inline void prefetch_block(const float* base, int64_t n_floats) {
+#if defined(__AVX512F__) || defined(__AVX2__)
+  for (int64_t i = 0; i < n_floats; i += 16) _mm_prefetch(reinterpret_cast<const char*>(base + i), _MM_HINT_T0);
+#endif
+}
+
+// Scores of one query head against n consecutive key rows (row stride `row` floats) of one block.
+// AVX-512, D a multiple of 16: one accumulator per row, so the n dot products run side by side
+// instead of each waiting on its own chain of adds (the plain loop below is latency-bound, not
+// memory-bound: it read KV at 14-17 GB/s where a plain sum of the same pool reads 86-120).
+static inline void block_scores(const float* q, const float* k, int64_t row, int64_t n, int64_t D, float sc,
+                                float* out) {
+#if defined(__AVX512F__)
+  if (D % 16 == 0 && n <= 16) {
+    __m512 acc[16];
+    for (int64_t j = 0; j < n; ++j) acc[j] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m512 qv = _mm512_loadu_ps(q + d);
+      for (int64_t j = 0; j < n; ++j) acc[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k + j * row + d), acc[j]);
+    }
+    for (int64_t j = 0; j < n; ++j) out[j] = _mm512_reduce_add_ps(acc[j]) * sc;
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < n; ++j) out[j] = dot(q, k + j * row, D) * sc;
+}
+
+#if defined(__AVX512F__)
+// acc[h * D + d] = sum over slots l of scores[h * L + l] * V[l, g, d], for the NH heads h0.. of KV head g,
+// D a multiple of 64: the NH x 4 accumulators stay in registers and each V row is loaded once for all of
+// them (a loop over heads inside the slot loop kept them in memory: a load and a store per FMA).
+template <int NH>
+static void values_avx512(const float* vp, const int64_t* table, int64_t block_size, int64_t row, int64_t L,
+                          const float* scores, int64_t h0, int64_t g, int64_t D, float* acc) {
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {
+    __m512 a[NH][4];
+    for (int i = 0; i < NH; ++i)
+      for (int c = 0; c < 4; ++c) a[i][c] = _mm512_setzero_ps();
+    for (int64_t l0 = 0; l0 < L; l0 += block_size) {
+      const float* vblock = vp + table[l0 / block_size] * block_size * row + g * D + d0;
+      const int64_t n = std::min(block_size, L - l0);
+      if (l0 + block_size < L) prefetch_block(vp + table[l0 / block_size + 1] * block_size * row, block_size * row);
+      for (int64_t j = 0; j < n; ++j) {
+        const float* v = vblock + j * row;
+        __m512 vv[4];
+        for (int c = 0; c < 4; ++c) vv[c] = _mm512_loadu_ps(v + 16 * c);
+        for (int i = 0; i < NH; ++i) {
+          const __m512 p = _mm512_set1_ps(scores[(h0 + i) * L + l0 + j]);
+          for (int c = 0; c < 4; ++c) a[i][c] = _mm512_fmadd_ps(p, vv[c], a[i][c]);
+        }
+      }
+    }
+    for (int i = 0; i < NH; ++i)
+      for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc + (h0 + i) * D + d0 + 16 * c, a[i][c]);
+  }
+}
+#endif
+
+// acc[h * D + d] = sum over slots of scores[h * L + l] * V[l, h / G, d], every head.
+static void weighted_values(const float* vp, const int64_t* table, int64_t block_size, int64_t row, int64_t L,
+                            const float* scores, int64_t H, int64_t G, int64_t D, float* acc) {
+#if defined(__AVX512F__)
+  if (D % 64 == 0) {
+    for (int64_t g = 0; g < H / G; ++g) {
+      for (int64_t h0 = g * G; h0 < (g + 1) * G; h0 += 4) {
+        switch (std::min<int64_t>(4, (g + 1) * G - h0)) {
+          case 1: values_avx512<1>(vp, table, block_size, row, L, scores, h0, g, D, acc); break;
+          case 2: values_avx512<2>(vp, table, block_size, row, L, scores, h0, g, D, acc); break;
+          case 3: values_avx512<3>(vp, table, block_size, row, L, scores, h0, g, D, acc); break;
+          default: values_avx512<4>(vp, table, block_size, row, L, scores, h0, g, D, acc); break;
+        }
+      }
+    }
+    return;
+  }
+#endif
+  std::fill(acc, acc + H * D, 0.f);
+  for (int64_t l = 0; l < L; ++l) {
+    const float* vrow = vp + (table[l / block_size] * block_size + l % block_size) * row;
+    for (int64_t h = 0; h < H; ++h) {
+      const float p = scores[h * L + l];
+      const float* v = vrow + (h / G) * D;
+      float* a = acc + h * D;
+#pragma omp simd
+      for (int64_t i = 0; i < D; ++i) a[i] += p * v[i];
+    }
+  }
 }
 
 // q: [B, H, D]; k_pool, v_pool: [slots, KVH, D]; tables: [B, max_blocks] int64; lens: [B] int64.
@@ -37,12 +132,16 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_pool, torch::Tensor 
       const float* qb = qp + b * H * D;
       scores.resize(H * L);
       std::fill(mx.begin(), mx.end(), -INFINITY);
-      for (int64_t l = 0; l < L; ++l) {
-        const float* krow = kp + (table[l / block_size] * block_size + l % block_size) * row;
+      for (int64_t l0 = 0; l0 < L; l0 += block_size) {  // one KV block: its slots are consecutive rows
+        const int64_t n = std::min(block_size, L - l0);
+        const float* kblock = kp + table[l0 / block_size] * block_size * row;
+        if (l0 + block_size < L) prefetch_block(kp + table[l0 / block_size + 1] * block_size * row, block_size * row);
         for (int64_t h = 0; h < H; ++h) {
-          const float s = dot(qb + h * D, krow + (h / G) * D, D) * sc;
-          scores[h * L + l] = s;
-          mx[h] = s > mx[h] ? s : mx[h];
+          for (int64_t j0 = 0; j0 < n; j0 += 16) {
+            const int64_t m = std::min<int64_t>(16, n - j0);
+            block_scores(qb + h * D, kblock + j0 * row + (h / G) * D, row, m, D, sc, &scores[h * L + l0 + j0]);
+          }
+          for (int64_t j = 0; j < n; ++j) mx[h] = std::max(mx[h], scores[h * L + l0 + j]);
         }
       }
       for (int64_t h = 0; h < H; ++h) {
@@ -53,17 +152,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_pool, torch::Tensor 
         for (int64_t l = 0; l < L; ++l) { sh[l] = std::exp(sh[l] - m); total += sh[l]; }
         sum[h] = total;
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t l = 0; l < L; ++l) {
-        const float* vrow = vp + (table[l / block_size] * block_size + l % block_size) * row;
-        for (int64_t h = 0; h < H; ++h) {
-          const float p = scores[h * L + l];
-          const float* v = vrow + (h / G) * D;
-          float* a = acc.data() + h * D;
-#pragma omp simd
-          for (int64_t i = 0; i < D; ++i) a[i] += p * v[i];
-        }
-      }
+      weighted_values(vp, table, block_size, row, L, scores.data(), H, G, D, acc.data());
       for (int64_t h = 0; h < H; ++h) {
         float* o = op + (b * H + h) * D;
         const float inv = 1.f / sum[h];
