@@ -30,8 +30,10 @@ def stream_reply(url: str, body: dict, api_key: str | None, timeout_s: float):
         resp = urllib.request.urlopen(req, timeout=timeout_s)
     except urllib.error.HTTPError as e:
         raise ChatError(f"HTTP {e.code}: {_error_message(e.read())}") from None
-    except (urllib.error.URLError, OSError) as e:
-        raise ChatError(f"cannot reach {url} ({getattr(e, 'reason', e)}); is `meshserve up` running?") from None
+    except urllib.error.URLError as e:
+        raise ChatError(f"cannot reach {url} ({e.reason}); is `meshserve up` running?") from None
+    except OSError as e:  # a timeout or a reset before the response began
+        raise ChatError(f"cannot reach {url} ({e}); is `meshserve up` running?") from None
     with resp:
         for raw in resp:
             line = raw.decode().strip()

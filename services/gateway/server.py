@@ -35,20 +35,20 @@ log = logging.getLogger("meshserve.gateway")
 
 @dataclass(frozen=True)
 class ModelInfo:
-    name: str  # the served model's name: the first --served-model-name, else the folder's name
+    names: tuple  # the names requests may use; the first is reported (vLLM's --served-model-name A B ...)
     vocab_size: int
     max_model_len: int  # the model's context; workers also check their KV pool
-    aliases: tuple = ()  # further names requests may use (vLLM's --served-model-name A B ...)
 
     @staticmethod
     def from_dir(model_dir: str, served_names=()) -> "ModelInfo":
+        """Named by served_names, else by the folder's name."""
         cfg = json.loads((Path(model_dir) / "config.json").read_text())
-        names = list(served_names) or [Path(model_dir).name]
-        return ModelInfo(names[0], int(cfg["vocab_size"]), int(cfg["max_position_embeddings"]), tuple(names[1:]))
+        return ModelInfo(tuple(served_names) or (Path(model_dir).name,), int(cfg["vocab_size"]),
+                         int(cfg["max_position_embeddings"]))
 
     @property
-    def names(self) -> tuple:
-        return (self.name, *self.aliases)
+    def name(self) -> str:
+        return self.names[0]
 
     def check(self, model: str | None) -> None:
         """NotFound unless model names the served model (empty or None: the served one)."""
