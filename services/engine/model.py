@@ -4,7 +4,10 @@ forward() takes the batch's tokens and positions as flat [T] tensors; every line
 once over all T tokens (prefill chunks and decode tokens alike); attention is delegated to a
 backend (services.engine.attention). Logits are computed only for the rows that sample.
 q/k/v and gate/up projections are fused into one matmul each. Every projection goes through
-_proj(), the one place where per-token LoRA deltas will be added.
+_proj(), the one place where per-token LoRA deltas will be added. The elementwise work between
+projections (rotary, residual + RMSNorm, SiLU-and-mul) runs in the compiled layer ops
+(services.engine.kernels.layer_ops: one pass each) when they build, else in PyTorch (TorchLayerOps),
+with the same rounding.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch.nn.functional as F
 
 from services.common.errors import ModelLoadError
 from services.engine.config import ModelConfig
+from services.engine.kernels import layer_ops
 from services.engine.rope import RotaryEmbedding, apply_rotary
 
 
@@ -37,6 +41,32 @@ class LayerWeights:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.float()
     return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+class TorchLayerOps:
+    """The compiled layer ops' contract in PyTorch (csrc/layer_ops.cpp has the same three functions)."""
+
+    @staticmethod
+    def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int, head_dim: int) -> None:
+        """Rotate the first n_heads heads of each row of x [T, W] in place; cos, sin: [T, head_dim]."""
+        heads = x[:, :n_heads * head_dim].view(-1, n_heads, head_dim)
+        heads.copy_(apply_rotary(heads, cos[:, None], sin[:, None]))
+
+    @staticmethod
+    def add_rms_norm_(h: torch.Tensor, a: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """h += a (when given), in place; returns weight * rms_norm(h)."""
+        if a is not None:
+            h.add_(a)
+        return rms_norm(h, weight, eps)
+
+    @staticmethod
+    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+def _pick_layer_ops():
+    return layer_ops() or TorchLayerOps()
 
 
 def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -90,6 +120,7 @@ class LlamaModel:
         self.layers = [self._layer(get, i) for i in range(config.num_layers)]
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_positions)
         self.dtype = self.embed.dtype
+        self.ops = _pick_layer_ops()
 
     def _layer(self, get, i: int) -> LayerWeights:
         p, c = f"model.layers.{i}.", self.config
@@ -111,22 +142,22 @@ class LlamaModel:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention, meta, kv_cache,
                 logits_index: torch.Tensor) -> torch.Tensor:
         """Logits [len(logits_index), vocab] for the selected rows of the flat batch."""
-        c = self.config
+        c, ops = self.config, self.ops
         h = F.embedding(input_ids, self.embed)
-        cos, sin = self.rotary.tables(positions, self.dtype)
+        cos, sin = (t[:, 0].contiguous() for t in self.rotary.tables(positions, self.dtype))
         q_width, kv_width = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        pending = None  # the last MLP's output, added to h by the next norm (one pass for both)
         for i, w in enumerate(self.layers):
-            x = rms_norm(h, w.input_norm, c.rms_norm_eps)
-            q, k, v = _proj(x, w.qkv, w.qkv_bias).split((q_width, kv_width, kv_width), dim=-1)
-            q = apply_rotary(q.view(-1, c.num_heads, c.head_dim), cos, sin)
-            k = apply_rotary(k.view(-1, c.num_kv_heads, c.head_dim), cos, sin)
-            v = v.reshape(-1, c.num_kv_heads, c.head_dim)
+            x = ops.add_rms_norm_(h, pending, w.input_norm, c.rms_norm_eps)
+            qkv = _proj(x, w.qkv, w.qkv_bias)
+            ops.rotary_(qkv, cos, sin, c.num_heads + c.num_kv_heads, c.head_dim)  # q and k heads, in place
+            q, k, v = (t.view(-1, n, c.head_dim) for t, n in zip(
+                qkv.split((q_width, kv_width, kv_width), dim=-1), (c.num_heads, c.num_kv_heads, c.num_kv_heads)))
             a = attention.forward(q, k, v, kv_cache.k[i], kv_cache.v[i], meta)
-            h = h + _proj(a, w.o, w.o_bias)
-            x = rms_norm(h, w.post_norm, c.rms_norm_eps)
-            gate, up = _proj(x, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
-            h = h + _proj(F.silu(gate) * up, w.down, w.down_bias)
-        h = rms_norm(h[logits_index], self.norm, c.rms_norm_eps)
+            x = ops.add_rms_norm_(h, _proj(a, w.o, w.o_bias), w.post_norm, c.rms_norm_eps)
+            pending = _proj(ops.silu_mul(_proj(x, w.gate_up, w.gate_up_bias)), w.down, w.down_bias)
+        last = h[logits_index]
+        h = ops.add_rms_norm_(last, pending[logits_index], self.norm, c.rms_norm_eps)
         return LINEAR(h, self.lm_head, None).float()
 
 

@@ -31,26 +31,41 @@ def random_case(seed, kv_heads, heads, block_size=4, num_blocks=64, lens=(1, 5, 
 SHAPES = [(2, 4, 16), (4, 4, 16), (1, 8, 16), (3, 9, 64), (2, 4, 64), (4, 4, 64), (1, 8, 128)]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("kv_heads,heads,d", SHAPES)
-def test_kernel_matches_pytorch_attention(kv_heads, heads, d):
+def test_kernel_matches_pytorch_attention(kv_heads, heads, d, dtype):
     kernel = paged_attention()
     if os.environ.get("MESHSERVE_KERNELS") == "0":
         pytest.skip("kernels disabled by MESHSERVE_KERNELS=0")
     assert kernel is not None, "the paged attention kernel failed to build (see the logged warning)"
-    check_kernel_against_pytorch(kernel, kv_heads, heads, d)
+    check_kernel_against_pytorch(kernel, kv_heads, heads, d, dtype)
 
 
-def check_kernel_against_pytorch(kernel, kv_heads: int, heads: int, d: int = 16) -> None:
-    """Block size 16 (a whole AVX-512 row of scores per block) with contexts that end mid-block."""
+def check_kernel_against_pytorch(kernel, kv_heads: int, heads: int, d: int = 16, dtype=torch.float32) -> None:
+    """Block size 16 (a whole AVX-512 row of scores per block) with contexts that end mid-block.
+
+    bfloat16: the kernel reads the bf16 pool and sums in float32, so its raw result equals, to float32
+    rounding, the float32 kernel's on the same values widened; the layer's output (rounded to bf16) is
+    compared with PyTorch's bf16 attention within bf16's precision."""
     seqs, q, k, v, k_pool, v_pool, d = random_case(kv_heads * 10 + heads, kv_heads, heads, block_size=16,
                                                    lens=(1, 40, 17, 4, 70, 9), d=d)
+    q, k, v, k_pool, v_pool = (x.to(dtype) for x in (q, k, v, k_pool, v_pool))
     plain = TorchAttention(heads, kv_heads, d, block_size=16)
     fast = TorchAttention(heads, kv_heads, d, block_size=16, kernel=kernel)
     meta_fast = fast.build_metadata(seqs)
     assert meta_fast.decode is not None and len(meta_fast.decode.q_index) == 3
     out_plain = plain.forward(q, k, v, k_pool.clone(), v_pool.clone(), plain.build_metadata(seqs))
-    out_fast = fast.forward(q, k, v, k_pool.clone(), v_pool.clone(), meta_fast)
-    torch.testing.assert_close(out_fast, out_plain, rtol=1e-5, atol=1e-5)
+    written_k, written_v = k_pool.clone(), v_pool.clone()
+    out_fast = fast.forward(q, k, v, written_k, written_v, meta_fast)
+    assert out_fast.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out_fast, out_plain, rtol=tol, atol=tol)
+    if dtype != torch.float32:
+        dec = meta_fast.decode
+        args = (q[dec.q_index].float().contiguous(),)
+        raw = kernel.paged_decode(*args, written_k, written_v, dec.tables, dec.lens, 16, d ** -0.5)
+        wide = kernel.paged_decode(*args, written_k.float(), written_v.float(), dec.tables, dec.lens, 16, d ** -0.5)
+        torch.testing.assert_close(raw, wide, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("lens", [(1, 5, 17, 4, 30, 9), (0, 0, 12, 0, 0, 7)],

@@ -5,6 +5,7 @@ import logging
 import os
 
 import pytest
+import torch
 
 from services.engine.kernels import ISA_LEVELS, cpu_flags, host_isa, paged_attention, pick_isa, sampler, supported_isas
 
@@ -58,7 +59,8 @@ def test_every_level_of_the_attention_kernel_matches_pytorch(isa):
     from tests.engine.test_attention import SHAPES, check_kernel_against_pytorch
 
     for kv_heads, heads, d in SHAPES:
-        check_kernel_against_pytorch(built(paged_attention, isa), kv_heads, heads, d)
+        for dtype in (torch.float32, torch.bfloat16):
+            check_kernel_against_pytorch(built(paged_attention, isa), kv_heads, heads, d, dtype)
 
 
 @pytest.mark.parametrize("isa", machine_levels())

@@ -1,6 +1,7 @@
 """Greedy output must equal Hugging Face transformers token for token, whatever the batching."""
 
 import pytest
+import torch
 
 from tests.support.reference import (CONFIGS, assert_matches, greedy, hf_greedy, make_engine, random_prompts,
                                      run_all, save_hf_model)
@@ -94,3 +95,18 @@ def test_export_import_continues_identically(k, hf_models, mixed_prompts, refere
     outputs = [finished[i].output_token_ids for i in range(12)]
     assert_matches(outputs, references["gqa"][:12])
     assert target.kv.pool.counts()["used"] == 0
+
+
+@pytest.mark.parametrize("name", ["gqa", "qkv_bias"])
+def test_bfloat16_greedy_equals_transformers_in_bfloat16(name, hf_models, mixed_prompts):
+    """bfloat16 weights, activations and KV against transformers in bfloat16: token-identical except at a
+    bfloat16 near-tie (a top-2 gap of at most 2 units of the top logit's last bit). These random-weight models
+    have flat logits, so in bfloat16 about a third of the requests meet an exact or one-unit tie within 16 tokens
+    (10 of 32 for gqa); most requests must still be identical to the end."""
+    refs = hf_greedy(hf_models[name], mixed_prompts, NEW_TOKENS, dtype=torch.bfloat16)
+    engine = make_engine(hf_models[name], dtype="bfloat16")
+    assert engine.model.dtype == torch.bfloat16 and engine.kv_cache.k[0].dtype == torch.bfloat16
+    outputs = run_all(engine, mixed_prompts, greedy(NEW_TOKENS), check_each_step)
+    ties = assert_matches(outputs, refs)
+    assert len(ties) <= len(mixed_prompts) // 2, f"too many near-ties: {ties}"
+    assert engine.kv.pool.counts()["used"] == 0
