@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -102,11 +103,15 @@ class TorchAttention:
         self.kernel = kernel  # services.engine.kernels.paged_attention() module, or None
 
     def build_metadata(self, seqs: list[SeqLayout]) -> AttentionMetadata:
+        bs = self.block_size
         offsets, slots, starts = [], [], 0
         for s in seqs:
             offsets.append(starts)
             starts += s.num_new
-            slots.extend(self._slots(s))
+            if s.num_new == 1:  # a decode token: one slot (most of a busy batch; no list to build)
+                slots.append(s.block_table[s.num_computed // bs] * bs + s.num_computed % bs)
+            else:
+                slots.extend(self._slots(s))
         decodes = [i for i in range(len(seqs)) if seqs[i].num_new == 1]
         fresh = [(offsets[i], s.num_new) for i, s in enumerate(seqs) if s.num_new > 1 and s.num_computed == 0]
         prefills = [[i] for i, s in enumerate(seqs) if s.num_new > 1 and s.num_computed > 0]
@@ -127,9 +132,13 @@ class TorchAttention:
 
     @staticmethod
     def _decode_batch(seqs: list[SeqLayout], offsets: list[int]) -> DecodeBatch:
+        """Tables padded with block 0, filled row by row in numpy (a nested list through torch.tensor cost
+        ~0.35 ms a step at 256 sequences, 3x this)."""
         width = max(len(s.block_table) for s in seqs)
-        tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], dtype=torch.long)
-        return DecodeBatch(q_index=torch.tensor(offsets), tables=tables,
+        tables = np.zeros((len(seqs), width), dtype=np.int64)
+        for row, s in zip(tables, seqs):
+            row[:len(s.block_table)] = s.block_table
+        return DecodeBatch(q_index=torch.tensor(offsets), tables=torch.from_numpy(tables),
                            lens=torch.tensor([s.num_computed + 1 for s in seqs], dtype=torch.long))
 
     def _group(self, seqs: list[SeqLayout], offsets: list[int]) -> AttentionGroup:

@@ -118,5 +118,5 @@ def layer_ops(isa: str | None = None):
     isa (default: host_isa()), or None. No FMA contraction, so products round as PyTorch's do."""
     isa = isa or host_isa()
     return _build(f"meshserve_layer_ops_{isa}", "layer_ops.cpp",
-                  ["-O3", "-ffast-math", "-fno-finite-math-only", "-ffp-contract=off", "-fopenmp", *ISA_CFLAGS[isa]],
+                  ["-O3", "-ffast-math", "-ffp-contract=off", "-fopenmp", *ISA_CFLAGS[isa]],
                   f"layer ops ({isa})")

@@ -12,9 +12,9 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 
 def last_bit(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
-    """Equal but for the last bit (sums in another order, another exp)."""
+    """Equal but for the last two bits (sums in another order; glibc's vector exp, within 4 ulp)."""
     eps = torch.finfo(dtype).eps
-    torch.testing.assert_close(a.float(), b.float(), rtol=2 * eps, atol=2 * eps)
+    torch.testing.assert_close(a.float(), b.float(), rtol=4 * eps, atol=4 * eps)
 
 
 def check_ops(ops, dtype: torch.dtype, rows: int = 37, heads: int = 4, kv_heads: int = 2, d: int = 64) -> None:
