@@ -3,7 +3,10 @@
 A prefill worker puts a transfer's blocks as chunks finish; a decode worker gets them as they
 land (get() waits on the transfer's condition) and releases the transfer once imported.
 Eviction under the byte budget takes the least recently used *complete* transfers first; a
-transfer never claimed is dropped after ttl_s. Pure apart from asyncio conditions; the clock is
+transfer never claimed is dropped after ttl_s. A released transfer id is remembered for ttl_s
+(at most MAX_RELEASED ids): a Put or Get that arrives after the release (the straggler of a request
+cancelled while its calls were in flight) is refused with NotFound instead of creating the transfer
+again, where it would have held bytes until its TTL. Pure apart from asyncio conditions; the clock is
 injected.
 """
 
@@ -26,13 +29,19 @@ class Transfer:
     changed: asyncio.Condition = field(default_factory=asyncio.Condition)
 
 
+MAX_RELEASED = 1_000_000  # released ids remembered at most (~100 MB at worst; the oldest are forgotten first)
+
+
 class KVStore:
     def __init__(self, byte_budget: int, ttl_s: float, clock):
         self.byte_budget, self.ttl_s, self.clock = byte_budget, ttl_s, clock
         self.transfers: OrderedDict[str, Transfer] = OrderedDict()
+        self.released: OrderedDict[str, float] = OrderedDict()  # transfer id -> when it was released
         self.nbytes = self.evicted = self.expired = 0
 
     def _get_or_create(self, transfer_id: str) -> Transfer:
+        if transfer_id in self.released:
+            raise NotFound(f"transfer {transfer_id!r} was released")
         t = self.transfers.get(transfer_id)
         if t is None:
             t = self.transfers[transfer_id] = Transfer(self.clock())
@@ -81,6 +90,11 @@ class KVStore:
                 return
 
     async def release(self, transfer_id: str) -> bool:
+        """Drop the transfer (if held) and refuse it from now on; False if nothing was held."""
+        self.released[transfer_id] = self.clock()
+        self.released.move_to_end(transfer_id)
+        while len(self.released) > MAX_RELEASED:
+            self.released.popitem(last=False)
         t = self.transfers.get(transfer_id)
         if t is None:
             return False
@@ -94,10 +108,12 @@ class KVStore:
         self.nbytes -= t.nbytes
 
     def expire(self) -> int:
-        """Drop transfers older than ttl_s (never claimed); returns how many."""
+        """Drop transfers older than ttl_s (never claimed) and forget older releases; returns how many transfers."""
         now = self.clock()
         old = [tid for tid, t in self.transfers.items() if now - t.created_s > self.ttl_s]
         for tid in old:
             self._drop(tid)
         self.expired += len(old)
+        while self.released and now - next(iter(self.released.values())) > self.ttl_s:
+            self.released.popitem(last=False)
         return len(old)

@@ -7,7 +7,9 @@ prefill: runs chunked prefill; after every step the request's newly full blocks 
 decode: streams the transfer from the kvstore as blocks land, imports them into its paged
   cache, joins the request to the running batch and streams the following tokens.
 unified: prefill and decode in one engine.
-A cancelled or expired call aborts its request in the engine, freeing its blocks at once.
+A cancelled or expired call aborts its request in the engine, freeing its blocks at once, at
+whatever point it is cancelled: also while its registration (add, or a decode's KV reservation) is
+still queued for the engine thread (see WorkerServicer._registered).
 """
 
 from __future__ import annotations
@@ -89,10 +91,21 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         if self.role not in roles:
             raise InvalidRequest(f"this worker's role is {self.role}, not {' or '.join(roles)}")
 
+    async def _registered(self, req_id: str, registering):
+        """Await a call that registers req_id in the engine. Cancelled while it waits, the call is still
+        queued for the engine thread and runs anyway: the abort queued behind it frees what it takes
+        (without this, requests cancelled within milliseconds of sending held their slots forever)."""
+        try:
+            return await registering
+        except asyncio.CancelledError:
+            self.runner.abort(req_id)
+            raise
+
     @rpc.mapped
     async def Generate(self, request, context):
         self._check_role("unified")
-        q = await self.runner.add(spec_from_work(request, self.runner.engine.clock))
+        q = await self._registered(request.request_id,
+                                   self.runner.add(spec_from_work(request, self.runner.engine.clock)))
         async for ev in self._stream(request.request_id, q):
             yield ev
 
@@ -100,7 +113,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     async def Prefill(self, request, context):
         self._check_role("prefill", "unified")
         sender = KVSender(self.runner, request.transfer_id)
-        q = await self.runner.add(spec_from_work(request, self.runner.engine.clock), hook=sender)
+        q = await self._registered(request.request_id,
+                                   self.runner.add(spec_from_work(request, self.runner.engine.clock), hook=sender))
         put = pb_grpc.KVStoreStub(self.channels.get(request.kvstore)).Put(sender.chunks())
         try:
             first = await self._next(q)
@@ -131,7 +145,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         delay = 0.01
         while True:
             try:
-                await self.runner.call(lambda engine: engine.begin_import(spec))
+                await self._registered(spec.request_id, self.runner.call(lambda engine: engine.begin_import(spec)))
                 return
             except CapacityExhausted:
                 await asyncio.sleep(delay)  # the call's deadline bounds the wait

@@ -68,3 +68,23 @@ def test_get_of_released_transfer_is_not_found():
             await task
 
     asyncio.run(scenario())
+
+
+def test_a_released_transfer_is_not_created_again_by_stragglers():
+    """A cancelled request's Get or Put that lands after the gateway released its transfer must not bring it
+    back (it would hold its bytes until the TTL); the memory of releases itself expires with the TTL."""
+    async def scenario():
+        clock = Clock()
+        store = KVStore(1000, ttl_s=5, clock=clock)
+        assert not await store.release("t")  # released before anything arrived
+        with pytest.raises(NotFound):
+            await store.put("t", 0, b"x")
+        with pytest.raises(NotFound):
+            [x async for x in store.get("t", timeout_s=1)]
+        assert "t" not in store.transfers and store.nbytes == 0
+        clock.now = 6
+        store.expire()
+        assert not store.released
+        await store.put("t", 0, b"x")  # long forgotten: an id is an id again
+
+    asyncio.run(scenario())
