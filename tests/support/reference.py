@@ -126,3 +126,14 @@ def assert_matches(outputs: list, refs: list[Reference]) -> list:
         else:
             assert len(got) == len(ref.tokens), f"request {i}: {len(got)} tokens, want {len(ref.tokens)}"
     return ties
+
+
+def agreement(outputs: list, refs: list[Reference]) -> float:
+    """The share of reference tokens our outputs reproduce before their first difference."""
+    same = 0
+    for got, ref in zip(outputs, refs):
+        for a, b in zip(got, ref.tokens):
+            if a != b:
+                break
+            same += 1
+    return same / sum(len(ref.tokens) for ref in refs)
