@@ -22,7 +22,7 @@ import typing
 from pathlib import Path
 from typing import Literal
 
-from pydantic import (BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, ValidationError, field_validator,
+from pydantic import (BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, ValidationError, field_validator,
                       model_validator)
 
 from services.engine.config import ArbitrationPolicyName, EngineSection
@@ -76,6 +76,9 @@ class AdmissionSection(Section):
     policy: ArbitrationPolicyName = Field("fair-deadline", description="fcfs | priority | deadline | fair | "
                                                                        "fair-deadline")
     starvation_s: PositiveFloat = Field(30.0, description="the longest a request may wait to start")
+    max_prompt_bytes: NonNegativeInt = Field(0, description="the largest text prompt (or chat message text, or "
+                                             "Tokenize text) in UTF-8 bytes, refused before tokenizing; 0 = 32 bytes "
+                                             "per token of the model's context, at least 64 KiB")
 
 
 RENAMED = {("mesh", "policy"): "routing.policy", ("engine", "policy"): "engine.slot_policy"}

@@ -16,7 +16,7 @@ from services.common.config import MeshConfig, add_config_flag, add_section_flag
 from services.common.tenants import Authenticator
 from services.common.tokenizer import Tokenizer
 from services.gateway.admission import Admission
-from services.gateway.server import GatewayServicer, ModelInfo, add_to_server
+from services.gateway.server import GatewayServicer, Limits, ModelInfo, add_to_server
 
 
 async def watch_mesh(server: rpc.Server, router: str, mode: str, admission: Admission, period_s: float = 0.25) -> None:
@@ -38,9 +38,9 @@ async def watch_mesh(server: rpc.Server, router: str, mode: str, admission: Admi
 async def serve(args, config: MeshConfig) -> None:
     tenants, adm = config.tenant_objects(), config.admission
     admission = Admission(adm.policy, adm.starvation_s)
-    servicer = GatewayServicer(ModelInfo.from_dir(args.model, args.served_model_name or ()), Tokenizer(args.model),
-                               args.router, args.kvstore,
-                               Authenticator(tenants), admission)
+    model = ModelInfo.from_dir(args.model, args.served_model_name or ())
+    servicer = GatewayServicer(model, Tokenizer(args.model), args.router, args.kvstore, Authenticator(tenants),
+                               admission, Limits.for_model(model.max_model_len, adm.max_prompt_bytes))
     server = rpc.Server(["Generation"], args.port, args.host)
     add_to_server(servicer, server.server)
     tasks = [asyncio.create_task(watch_mesh(server, args.router, args.mode, admission)),

@@ -57,11 +57,11 @@ class OpenAIError(Exception):
 
     def response(self) -> JSONResponse:
         kind = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                404: "not_found_error", 429: "rate_limit_error", 504: "timeout_error",
+                404: "not_found_error", 413: "invalid_request_error", 429: "rate_limit_error", 504: "timeout_error",
                 503: "service_unavailable_error"}.get(self.status, "internal_error")
         headers = {}
         if self.retry_after_ms is not None and self.status == 429:
-            headers = {"Retry-After": str(max(1, math.ceil(self.retry_after_ms / 1000))),
+            headers = {"Retry-After": str(math.ceil(self.retry_after_ms / 1000)),  # 0 beside 0: the same advice
                        "retry-after-ms": str(self.retry_after_ms)}
         return JSONResponse({"error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}},
                             status_code=self.status, headers=headers)
@@ -114,7 +114,7 @@ class HttpFront:
         span = tracer.start_span(f"POST {request.url.path}", kind=trace.SpanKind.SERVER,
                                  attributes={"http.request.method": "POST", "url.path": request.url.path})
         try:
-            body = await _json(request)
+            body = await _json(request, self.servicer.limits.max_body_bytes)
             if isinstance(body.get("user"), str):
                 span.set_attribute("enduser.id", body["user"])
             reqs, stream, include_usage, want_logprobs = self._requests(body, chat)
@@ -148,7 +148,7 @@ class HttpFront:
             for p in prompts:
                 mt = max_tokens
                 if mt is None:
-                    length = len(p) if isinstance(p, list) else len(self.servicer.tokenizer.encode(p))
+                    length = len(p) if isinstance(p, list) else len(self._encode(p, "prompt"))
                     mt = 16 if not chat else max(self.model.max_model_len - length, 1)
                 out.append(ClientRequest(
                     client_id=uuid.uuid4().hex, sampling=b.sampling(mt, b.want_logprobs),
@@ -166,7 +166,14 @@ class HttpFront:
             text = self.chat_template.render(messages)
         except InvalidRequest as e:
             raise bad("messages", str(e)) from None
-        return self.servicer.tokenizer.encode(text, add_special_tokens=False)
+        return self._encode(text, "messages", add_special_tokens=False)
+
+    def _encode(self, text: str, param: str, **kwargs) -> list:
+        """The servicer's bounded tokenization (over the prompt limit or invalid Unicode: 400 naming param)."""
+        try:
+            return self.servicer.encode(text, param, **kwargs)
+        except InvalidRequest as e:
+            raise bad(param, str(e)) from None
 
     def _logprobs(self, r, chat: bool) -> dict:
         """The sampled tokens' logprobs (the engine reports no alternatives)."""
@@ -345,8 +352,19 @@ def _bearer(request: Request) -> str | None:
     return request.headers.get("x-api-key")
 
 
-async def _json(request: Request) -> dict:
-    raw = await request.body()
+async def _json(request: Request, limit: int) -> dict:
+    """The body as a JSON object, read only up to limit bytes (413 beyond: nothing larger is buffered)."""
+    too_large = OpenAIError(413, f"the request body is over the limit of {limit} bytes", code="body_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    raw = b"".join(chunks)
     try:
         body = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError:

@@ -17,7 +17,9 @@ from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Str
 from services.common.sampling import SamplingParams
 
 Number = Union[StrictInt, StrictFloat]  # an int is a fine float; a bool is not
-NonNegInt = Annotated[StrictInt, Field(ge=0)]
+INT64 = 2**63  # every integer travels as a protobuf int64 (JSON allows any size: 400, not a 500 further on)
+NonNegInt = Annotated[StrictInt, Field(ge=0, lt=INT64)]
+PositiveInt = Annotated[StrictInt, Field(gt=0, lt=INT64)]
 
 # Fields that change the result, and the values we can honour (anything else: 400 naming the field).
 HONOURED_ONLY = {
@@ -59,12 +61,12 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: StrictStr | None = None
-    max_tokens: Annotated[StrictInt, Field(gt=0)] | None = None
+    max_tokens: PositiveInt | None = None
     temperature: Annotated[Number, Field(ge=0)] | None = None
     top_p: Annotated[Number, Field(gt=0, le=1)] | None = None
     top_k: NonNegInt | None = None
     min_p: Annotated[Number, Field(ge=0, le=1)] | None = None
-    seed: Annotated[StrictInt, Field(ge=0, lt=2**63)] | None = None
+    seed: NonNegInt | None = None
     stop: Annotated[StrictStr, Field(min_length=1)] | list[Annotated[StrictStr, Field(min_length=1)]] | None = None
     stop_token_ids: list[NonNegInt] | None = None
     ignore_eos: StrictBool | None = None
@@ -154,7 +156,7 @@ class CompletionBody(_Body):
 class ChatBody(_Body):
     messages: list
     logprobs: StrictBool | None = None
-    max_completion_tokens: Annotated[StrictInt, Field(gt=0)] | None = None
+    max_completion_tokens: PositiveInt | None = None
 
     @property
     def want_logprobs(self) -> bool:

@@ -33,6 +33,41 @@ from services.gateway.admission import Admission
 log = logging.getLogger("meshserve.gateway")
 
 
+MAX_ID_BYTES = 256  # request ids, model and adapter names
+MAX_STOP_STRINGS, MAX_STOP_BYTES = 16, 256  # stop strings per request, and bytes each
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Sizes checked before any work on a request: tokenizing costs the gateway ~300 bytes of memory per
+    input byte (an 8 MiB prompt once stalled every request for 12.8 s at 2.4 GB)."""
+
+    max_prompt_bytes: int  # a text prompt, a chat conversation's rendered text, a Tokenize text
+
+    @staticmethod
+    def for_model(max_model_len: int, max_prompt_bytes: int = 0) -> "Limits":
+        """max_prompt_bytes, or 0 for 32 bytes per token of context (at least 64 KiB)."""
+        return Limits(max_prompt_bytes or max(65536, 32 * max_model_len))
+
+    @property
+    def max_body_bytes(self) -> int:
+        """An HTTP body: the prompt with JSON escapes (up to 6 bytes per byte) and 1 MiB for the rest."""
+        return 6 * self.max_prompt_bytes + (1 << 20)
+
+
+def bounded(text: str, field: str, limit: int) -> str:
+    """text, if it is valid Unicode of at most limit UTF-8 bytes (InvalidRequest naming the field otherwise)."""
+    if len(text) > limit:  # every character is at least one byte: no need to encode it to know
+        raise InvalidRequest(f"{field} is over the limit of {limit} bytes ({len(text)} characters)")
+    try:
+        size = len(text.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise InvalidRequest(f"{field} is not valid Unicode (it holds a lone surrogate)") from None
+    if size > limit:
+        raise InvalidRequest(f"{field} is {size} bytes, over the limit of {limit} bytes")
+    return text
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     names: tuple  # the names requests may use; the first is reported (vLLM's --served-model-name A B ...)
@@ -95,8 +130,9 @@ def _left(deadline_s: float | None, where: str) -> float | None:
 
 class GatewayServicer(pb_grpc.GenerationServicer):
     def __init__(self, model: ModelInfo, tokenizer: Tokenizer, router: str, kvstore: str,
-                 auth: Authenticator | None = None, admission: Admission | None = None):
+                 auth: Authenticator | None = None, admission: Admission | None = None, limits: Limits | None = None):
         self.model, self.tokenizer, self.kvstore = model, tokenizer, kvstore
+        self.limits = limits or Limits.for_model(model.max_model_len)
         self.auth = auth or Authenticator([])
         self.admission = admission or Admission()
         self.channels = rpc.ChannelPool()
@@ -108,7 +144,13 @@ class GatewayServicer(pb_grpc.GenerationServicer):
     # ---- validation ------------------------------------------------------------------------
 
     def _validate(self, req: ClientRequest) -> list:
-        """The prompt's token ids, once every field of the client's request is checked."""
+        """The prompt's token ids, once every field of the client's request is checked (sizes first)."""
+        for field, value in (("request_id", req.client_id), ("model", req.model), ("adapter", req.adapter)):
+            bounded(value, field, MAX_ID_BYTES)
+        if len(req.sampling.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings, got {len(req.sampling.stop)}")
+        for stop in req.sampling.stop:
+            bounded(stop, "stop", MAX_STOP_BYTES)
         self.model.check(req.model)
         if req.priority < 0:
             raise InvalidRequest(f"priority must be >= 0, got {req.priority}")
@@ -125,13 +167,19 @@ class GatewayServicer(pb_grpc.GenerationServicer):
     def _prompt_ids(self, req: ClientRequest) -> list:
         if (req.text is None) == (req.token_ids is None):
             raise InvalidRequest("prompt is required: text or token_ids")
-        ids = self.tokenizer.encode(req.text) if req.text is not None else list(req.token_ids)
+        if req.text is not None and not req.text:
+            raise InvalidRequest("prompt is empty")  # the tokenizer's BOS alone would make it look non-empty
+        ids = self.encode(req.text) if req.text is not None else list(req.token_ids)
         if not ids:
             raise InvalidRequest("prompt is empty")
         vocab = self.model.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise InvalidRequest(f"prompt token ids must be in [0, {vocab})")
         return ids
+
+    def encode(self, text: str, field: str = "prompt", **kwargs) -> list:
+        """Token ids of a client's text, refused before any work if it is over the prompt limit."""
+        return self.tokenizer.encode(bounded(text, field, self.limits.max_prompt_bytes), **kwargs)
 
     @staticmethod
     def _timeout(req: ClientRequest, time_remaining: float | None) -> float | None:
@@ -241,16 +289,19 @@ class GatewayServicer(pb_grpc.GenerationServicer):
 
     @rpc.mapped
     async def ListModels(self, request, context):
+        self.auth.authenticate(api_key(context))  # behind the key when tenants are configured, as /v1/models
         m = self.model
         return pb.ListModelsResponse(models=[pb.ModelInfo(name=name, max_model_len=m.max_model_len,
                                                           vocab_size=m.vocab_size) for name in m.names])
 
     @rpc.mapped
     async def Tokenize(self, request, context):
+        self.auth.authenticate(api_key(context))
         if isinstance(request, BadMessage):
             raise InvalidRequest(request.error)
+        bounded(request.model, "model", MAX_ID_BYTES)
         self.model.check(request.model)
-        return pb.TokenizeResponse(token_ids=self.tokenizer.encode(utf8(request.text, "text")))
+        return pb.TokenizeResponse(token_ids=self.encode(utf8(request.text, "text"), "text"))
 
 
 async def _drain(events) -> None:

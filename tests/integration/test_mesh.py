@@ -135,6 +135,18 @@ BAD = [
      grpc.StatusCode.NOT_FOUND),
     ("unknown adapter", pb.GenerateRequest(text=b"hi", sampling=pb.Sampling(max_tokens=2), adapter="sql"),
      grpc.StatusCode.NOT_FOUND),
+    # sizes, checked before any work (issue 19): the tiny model's prompt limit is 64 KiB
+    ("text over the prompt limit", pb.GenerateRequest(text=b"a" * 70_000, sampling=pb.Sampling(max_tokens=2)),
+     grpc.StatusCode.INVALID_ARGUMENT),
+    ("request id over 256 bytes", pb.GenerateRequest(request_id="r" * 300, text=b"hi",
+                                                     sampling=pb.Sampling(max_tokens=2)), grpc.StatusCode.INVALID_ARGUMENT),
+    ("model name over 256 bytes", pb.GenerateRequest(model="m" * 300, text=b"hi", sampling=pb.Sampling(max_tokens=2)),
+     grpc.StatusCode.INVALID_ARGUMENT),
+    ("17 stop strings", pb.GenerateRequest(text=b"hi", sampling=pb.Sampling(max_tokens=2,
+                                                                           stop=[b"s%d" % i for i in range(17)])),
+     grpc.StatusCode.INVALID_ARGUMENT),
+    ("empty text prompt", pb.GenerateRequest(text=b"", sampling=pb.Sampling(max_tokens=2)),
+     grpc.StatusCode.INVALID_ARGUMENT),
 ]
 
 
@@ -155,6 +167,13 @@ def test_invalid_utf8_in_a_string_field_is_invalid_argument(disaggregated):
             list(call(_invalid_utf8_request_id(), timeout=30))
     assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "UTF-8" in exc.value.details()
+
+
+def test_tokenize_is_bounded_too(disaggregated):
+    with grpc.insecure_channel(disaggregated.gateway) as ch:
+        with pytest.raises(grpc.RpcError) as exc:
+            pb_grpc.GenerationStub(ch).Tokenize(pb.TokenizeRequest(text=b"a" * 70_000), timeout=10)
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "limit" in exc.value.details()
 
 
 def test_expired_grpc_deadline(disaggregated):

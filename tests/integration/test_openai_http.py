@@ -2,6 +2,8 @@
 completions and chat, streaming and not, equal to the gRPC path; usage (cached tokens too); each error
 status for its cause; a client disconnect frees the request's KV blocks."""
 
+import http.client
+import json
 import time
 import urllib.error
 import urllib.request
@@ -130,11 +132,53 @@ def test_error_statuses(mesh, client):
     with pytest.raises(openai.RateLimitError) as e:
         limited.completions.create(model="tiny", prompt="x", max_tokens=1)
     assert int(e.value.response.headers["retry-after"]) >= 1
+    assert int(e.value.response.headers["retry-after"]) == -(-int(e.value.response.headers["retry-after-ms"]) // 1000)
     req = urllib.request.Request(mesh.http + "/v1/completions", data=b"{not json",
                                  headers={"authorization": f"Bearer {KEY}"})
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(req, timeout=10)
     assert e.value.code == 400 and b"invalid_request_error" in e.value.read()
+
+
+def post(mesh, body: bytes, path: str = "/v1/completions") -> tuple[int, dict]:
+    req = urllib.request.Request(mesh.http + path, data=body, headers={"authorization": f"Bearer {KEY}",
+                                                                       "content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_bad_bodies_get_a_json_status_not_a_500(mesh):
+    """Sizes and values a JSON body can carry that protobuf and the tokenizer cannot (issue 19)."""
+    cases = [  # (body, status, words in the message)
+        (b'{"model": "tiny", "prompt": "x", "max_tokens": 99999999999999999999}', 400, "max_tokens"),
+        (b'{"model": "tiny", "prompt": "x", "max_tokens": 2, "seed": 18446744073709551616}', 400, "seed"),
+        (b'{"model": "tiny", "prompt": [1, 2, 99999999999999999999], "max_tokens": 2}', 400, "prompt"),
+        (b'{"model": "tiny", "prompt": "a\ud800b", "max_tokens": 2}', 400, "surrogate"),
+        (b'{"model": "tiny", "prompt": "a\ud800b"}', 400, "surrogate"),  # tokenized for the default max_tokens
+        (b'{"model": "tiny", "prompt": "x", "max_tokens": 2, "stop": ["\udfff"]}', 400, "stop"),
+        (b'{"model": "tiny", "prompt": "", "max_tokens": 2}', 400, "empty"),
+        (json.dumps({"model": "tiny", "prompt": "a" * 70_000, "max_tokens": 2}).encode(), 400, "limit"),
+    ]
+    for body, status, words in cases:
+        code, reply = post(mesh, body)
+        assert (code, words in reply["error"]["message"]) == (status, True), (body[:80], code, reply)
+    code, reply = post(mesh, json.dumps({"model": "tiny", "max_tokens": 2, "messages": [
+        {"role": "user", "content": "a" * 70_000}]}).encode(), "/v1/chat/completions")
+    assert code == 400 and reply["error"]["param"] == "messages", reply
+    # A body over the limit is answered from its Content-Length alone, before the bytes are read.
+    host, port = mesh.http.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.putrequest("POST", "/v1/completions")
+    for name, value in (("authorization", f"Bearer {KEY}"), ("content-type", "application/json"),
+                        ("content-length", str(64 << 20))):
+        conn.putheader(name, value)
+    conn.endheaders(b'{"model": "tiny", "prompt": "aaaa')
+    response = conn.getresponse()
+    assert response.status == 413 and "body" in json.loads(response.read())["error"]["message"]
+    conn.close()
 
 
 def test_status_mapping_table():
@@ -160,3 +204,13 @@ def test_client_disconnect_frees_the_kv_blocks(mesh, client):
     while sum(worker_stats(p.address).blocks_used for p in mesh.workers("unified")) > 0:
         assert time.monotonic() < deadline, "blocks still held after the client went away"
         time.sleep(0.1)
+
+
+def test_every_public_rpc_wants_the_key_when_tenants_are_configured(mesh):
+    with grpc.insecure_channel(mesh.gateway) as ch:
+        stub = pb_grpc.GenerationStub(ch)
+        for call, req in ((stub.ListModels, pb.ListModelsRequest()), (stub.Tokenize, pb.TokenizeRequest(text=b"hi"))):
+            with pytest.raises(grpc.RpcError) as exc:
+                call(req, timeout=10)
+            assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED, call
+            assert call(req, metadata=(("x-api-key", KEY),), timeout=10)
