@@ -16,8 +16,10 @@ capacity frees. The queue adds what only it can know:
   its tenant's queue.
 - deadlines: with a deadline-aware policy, a request whose slack (deadline - now - predicted
   service time) is negative is rejected at arrival with DEADLINE_EXCEEDED rather than served
-  late, and one whose slack runs out while queued is dropped the same way (expired()). Under
-  any policy a request whose own deadline has passed is dropped.
+  late, and one whose slack runs out while queued is dropped the same way (expired()), but only
+  once the predictions are trusted (`trust_predictions`: the cost model has measured enough
+  completed requests itself); until then a prediction alone never rejects work. Under any
+  policy a request whose own deadline has passed is dropped.
 - service accounting: a dispatch charges the tenant's counter prompt x 1 + max_tokens x 2
   (the reservation), finished() refunds output tokens not generated.
 """
@@ -49,24 +51,76 @@ class Pending:
     dispatched_s: float | None = None
 
 
+PREFILL_S_PER_TOKEN_RANGE = (1e-6, 1e-2)  # what a prompt token can plausibly cost, from a GPU to a slow CPU
+DECODE_S_PER_STEP_RANGE = (1e-4, 2.0)  # and a decode step
+MIN_MEASURED = 8  # completions measured before the model trusts its own fit (and predictions may reject)
+
+
+def _clamp(x: float, bounds: tuple) -> float:
+    return min(max(x, bounds[0]), bounds[1])
+
+
+def _median(xs: list) -> float:
+    xs = sorted(xs)
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
+
+
 @dataclass
 class CostModel:
     """Predicted service time = prompt x prefill_s_per_token + max_tokens x decode_s_per_step.
 
-    The per-token and per-step costs are fitted online by the workers and reported in their
-    heartbeats; the gateway averages what the router sees (update())."""
+    Two sources, the second preferred: the workers' own step-cost fits from their heartbeats
+    (update(): the median of what the workers of each role report, so one worker cannot move it
+    past the honest ones, clamped to plausible ranges), and what this gateway measures of the
+    requests it served (observe(): time to first token per prompt token, time per later token,
+    exponentially weighted). After MIN_MEASURED completions the measured fit is used and
+    `trusted` is true; before that the reported one, which a deadline alone must not act on."""
 
-    prefill_s_per_token: float = 2e-4
+    prefill_s_per_token: float = 2e-4  # the reported (or default) costs
     decode_s_per_step: float = 0.02
+    measured_prefill_s_per_token: float = 0.0  # this gateway's own fit (0 = none yet)
+    measured_decode_s_per_step: float = 0.0
+    measured: int = 0  # completions measured so far
+    alpha: float = 0.1
+
+    @property
+    def trusted(self) -> bool:
+        return self.measured >= MIN_MEASURED
 
     def predict(self, prompt_tokens: int, max_tokens: int) -> float:
+        if self.trusted:
+            return prompt_tokens * self.measured_prefill_s_per_token + max_tokens * self.measured_decode_s_per_step
         return prompt_tokens * self.prefill_s_per_token + max_tokens * self.decode_s_per_step
 
-    def update(self, prefill_s_per_token: float, decode_s_per_step: float) -> None:
-        if prefill_s_per_token > 0:
-            self.prefill_s_per_token = prefill_s_per_token
-        if decode_s_per_step > 0:
-            self.decode_s_per_step = decode_s_per_step
+    def update(self, prefill_s_per_token: list | float, decode_s_per_step: list | float) -> None:
+        """Workers' reports (one value or one per worker; 0 or less = not reported)."""
+        prefill = [x for x in _listed(prefill_s_per_token) if x > 0 and math.isfinite(x)]
+        decode = [x for x in _listed(decode_s_per_step) if x > 0 and math.isfinite(x)]
+        if prefill:
+            self.prefill_s_per_token = _clamp(_median(prefill), PREFILL_S_PER_TOKEN_RANGE)
+        if decode:
+            self.decode_s_per_step = _clamp(_median(decode), DECODE_S_PER_STEP_RANGE)
+
+    def observe(self, prompt_tokens: int, output_tokens: int, first_token_s: float, decode_s: float) -> None:
+        """A served request: seconds from dispatch to its first token, and from there to its last."""
+        if prompt_tokens <= 0 or output_tokens <= 0 or first_token_s < 0 or decode_s < 0:
+            return
+        prefill = _clamp(first_token_s / prompt_tokens, PREFILL_S_PER_TOKEN_RANGE)
+        self.measured_prefill_s_per_token = self._ewma(self.measured_prefill_s_per_token, prefill)
+        if output_tokens > 1:
+            step = _clamp(decode_s / (output_tokens - 1), DECODE_S_PER_STEP_RANGE)
+            self.measured_decode_s_per_step = self._ewma(self.measured_decode_s_per_step, step)
+        elif not self.measured_decode_s_per_step:
+            self.measured_decode_s_per_step = self.decode_s_per_step
+        self.measured += 1
+
+    def _ewma(self, old: float, new: float) -> float:
+        return new if old == 0 else (1 - self.alpha) * old + self.alpha * new
+
+
+def _listed(x) -> list:
+    return list(x) if isinstance(x, (list, tuple)) else [x]
 
 
 @dataclass
@@ -77,6 +131,7 @@ class AdmissionQueue:
     queue: list = field(default_factory=list)
     running: dict = field(default_factory=dict)  # dispatched, not finished: id(p) -> p
     calibration: float = 1.0  # EWMA of actual / predicted service time of finished requests
+    trust_predictions: bool = True  # may a predicted service time alone reject a request with a deadline?
     _seq: int = 0
 
     def backlogged(self) -> set[str]:
@@ -93,7 +148,7 @@ class AdmissionQueue:
         tenant with the most queued work per unit of weight (push-out from the longest weighted
         queue, as fair queueing manages its buffer), which is the newcomer only if its own tenant
         is that one. Returns the requests pushed out, for the caller to reject."""
-        if p.deadline_s is not None and (p.deadline_s <= now or self.policy.uses_deadlines and slack(p, now) < 0):
+        if p.deadline_s is not None and (p.deadline_s <= now or self._late(p, now)):
             raise DeadlineExceeded(f"the deadline cannot be met: {max(p.deadline_s - now, 0) * 1e3:.0f} ms left, "
                                    f"predicted service {p.predicted_s * 1e3:.0f} ms")
         if p.max_queued is not None and self.queued(p.tenant) >= p.max_queued:
@@ -165,11 +220,14 @@ class AdmissionQueue:
 
     def expired(self, now: float) -> list[Pending]:
         """Remove and return requests that can no longer meet their deadline."""
-        out = [p for p in self.queue if p.deadline_s is not None and
-               (p.deadline_s <= now or self.policy.uses_deadlines and slack(p, now) < 0)]
+        out = [p for p in self.queue if p.deadline_s is not None and (p.deadline_s <= now or self._late(p, now))]
         for p in out:
             self.queue.remove(p)
         return out
+
+    def _late(self, p: Pending, now: float) -> bool:
+        """Predicted to miss its deadline (deadline-aware policies, trusted predictions only)."""
+        return self.policy.uses_deadlines and self.trust_predictions and slack(p, now) < 0
 
     def cancel(self, p: Pending) -> None:
         if p in self.queue:

@@ -55,8 +55,9 @@ class Admission:
     def __init__(self, policy_name: str = "fair-deadline", starvation_s: float = 30.0, clock=time.monotonic,
                  meter=None):
         self.clock = clock
-        self.queue = AdmissionQueue(make_policy(policy_name, starvation_s), starvation_s=starvation_s)
         self.cost = CostModel()
+        self.queue = AdmissionQueue(make_policy(policy_name, starvation_s), starvation_s=starvation_s,
+                                    trust_predictions=self.cost.trusted)
         self.view = MeshView()
         self.states: dict[str, TenantState] = {}
         self.waiters: dict[int, asyncio.Future] = {}
@@ -76,10 +77,10 @@ class Admission:
         self.view = MeshView(sum(w.max_num_seqs for w in serving), sum(w.kv_capacity_tokens for w in serving),
                              sum(w.outstanding_tokens for w in serving))
         self.queue.slots = max(self.view.slots, 1)
-        fitted = [w for w in serving if w.prefill_s_per_token > 0 and w.decode_s_per_step > 0]
-        if fitted:
-            self.cost.update(sum(w.prefill_s_per_token for w in fitted) / len(fitted),
-                             sum(w.decode_s_per_step for w in fitted) / len(fitted))
+        # Each cost from the role that measures it (decode workers never prefill a prompt: in disaggregated mode
+        # the prefill cost comes from the prefill workers); the model takes medians and clamps them.
+        self.cost.update([w.prefill_s_per_token for w in workers if w.role in ("prefill", "unified")],
+                         [w.decode_s_per_step for w in workers if w.role in ("decode", "unified")])
         self.pump()
 
     def _has_room(self, p: Pending) -> bool:
@@ -129,8 +130,14 @@ class Admission:
         self.metrics.queue_wait.record((p.dispatched_s - p.arrival_s) * 1e3, {"tenant": tenant.name})
         return p
 
-    def done(self, p: Pending, output_tokens: int) -> None:
-        """A dispatched request ended (any way): free its share of capacity; refund unused reservation."""
+    def done(self, p: Pending, output_tokens: int, first_token_s: float | None = None,
+             last_token_s: float | None = None) -> None:
+        """A dispatched request ended (any way): free its share of capacity; refund unused reservation. With the
+        times of its first and last token (this gateway's clock), a completed request teaches the cost model."""
+        if p.dispatched_s is not None and first_token_s is not None and last_token_s is not None:
+            self.cost.observe(p.input_tokens, output_tokens, first_token_s - p.dispatched_s,
+                              last_token_s - first_token_s)
+            self.queue.trust_predictions = self.cost.trusted
         self._release(p, output_tokens)
         self.metrics.tokens.add(p.input_tokens, {"tenant": p.tenant, "kind": "prompt"})
         self.metrics.tokens.add(output_tokens, {"tenant": p.tenant, "kind": "output"})

@@ -216,7 +216,7 @@ class GatewayServicer(pb_grpc.GenerationServicer):
         req_id = f"{client_id}.{uuid.uuid4().hex[:12]}"
         deadline_s = time.monotonic() + timeout if timeout is not None else None
         ticket = await self.admission.admit(tenant, req_id, len(ids), params.max_tokens, req.priority, deadline_s)
-        outputs = 0
+        outputs, first_s, last_s, finished = 0, None, None, False
         try:
             spec = RequestSpec(req_id, tuple(ids), params, priority=req.priority, tenant=tenant.name,
                                weight=tenant.weight, deadline_s=deadline_s, predicted_s=ticket.predicted_s,
@@ -229,10 +229,13 @@ class GatewayServicer(pb_grpc.GenerationServicer):
             text = _TextStream(self.tokenizer, params.stop)
             queue_ms = (ticket.dispatched_s - ticket.arrival_s) * 1e3
             async for ev in self._events(decision, work, _left(deadline_s, "while routing")):
-                if outputs == 0 and ev.token_ids:
-                    self.admission.metrics.ttft.record((time.monotonic() - ticket.arrival_s) * 1e3,
-                                                       {"tenant": tenant.name})
+                if ev.token_ids:
+                    last_s = time.monotonic()
+                    if outputs == 0:
+                        first_s = last_s
+                        self.admission.metrics.ttft.record((first_s - ticket.arrival_s) * 1e3, {"tenant": tenant.name})
                 outputs += len(ev.token_ids)
+                finished = bool(ev.finish_reason)
                 yield pb.GenerateResponse(request_id=client_id, token_ids=ev.token_ids, logprobs=ev.logprobs,
                                           text=text.push(ev.token_ids, bool(ev.finish_reason)),
                                           finish_reason=ev.finish_reason, prompt_tokens=ev.prompt_tokens,
@@ -240,8 +243,8 @@ class GatewayServicer(pb_grpc.GenerationServicer):
                 queue_ms = 0.0
                 if ev.finish_reason:
                     return
-        finally:
-            self.admission.done(ticket, outputs)
+        finally:  # a completed request's times teach the admission cost model (a cut-short one's would not)
+            self.admission.done(ticket, outputs, *((first_s, last_s) if finished else ()))
 
     async def _events(self, decision, work, timeout):
         if decision.mode == "unified":

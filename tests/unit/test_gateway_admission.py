@@ -6,7 +6,7 @@ import pytest
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-from services.common.errors import CapacityExhausted
+from services.common.errors import CapacityExhausted, DeadlineExceeded
 from services.common.pb import meshserve_pb2 as pb
 from services.common.tenants import Limits, Tenant
 from services.gateway.admission import Admission
@@ -42,3 +42,38 @@ def test_queue_when_full_dispatch_on_finish_and_per_tenant_metrics():
         waits = {d.attributes["tenant"]: d for d in p["meshserve.gateway.queue_wait"]}
         assert waits["A"].count == 2 and waits["A"].max == pytest.approx(250.0)
     asyncio.run(go())
+
+
+def test_poisoned_heartbeat_costs_cannot_reject_feasible_work():
+    """Issue 19: one burst of heartbeats with huge step costs made every request with a deadline fail for as long as
+    the gateway ran, and in disaggregated mode (decode workers report no prefill cost) predictions were ~30x high.
+    Now a prediction alone rejects nothing until this gateway has measured completions itself, and then its own fit
+    is used: heartbeats can no longer poison it."""
+    async def go():
+        clock = Clock(100.0)
+        adm = Admission("fair-deadline", 30.0, clock=clock)
+        poisoned = [pb.WorkerLoad(role="prefill", max_num_seqs=8, kv_capacity_tokens=10_000,
+                                  prefill_s_per_token=1e6, decode_s_per_step=1e6),
+                    pb.WorkerLoad(role="decode", max_num_seqs=8, kv_capacity_tokens=10_000, decode_s_per_step=1e6)]
+        adm.update_view(poisoned, "decode")
+        assert adm.cost.prefill_s_per_token <= 1e-2 and adm.cost.decode_s_per_step <= 2.0  # clamped
+        for i in range(12):  # 64-token prompts, 16 tokens each: served in 40 ms against a 500 ms deadline
+            p = await adm.admit(A, f"r{i}", 64, 16, 0, clock.now + 0.5)
+            clock.now += 0.04
+            adm.done(p, 16, first_token_s=p.dispatched_s + 0.01, last_token_s=clock.now)
+        assert adm.cost.trusted and adm.cost.predict(64, 16) == pytest.approx(0.04, rel=0.1)
+        adm.update_view(poisoned, "decode")  # more poison after the fit: the measured costs stand
+        assert adm.cost.predict(64, 16) == pytest.approx(0.04, rel=0.1)
+        await adm.admit(A, "after", 64, 16, 0, clock.now + 0.5)
+        with pytest.raises(DeadlineExceeded):  # and a trusted prediction still turns away the infeasible
+            await adm.admit(A, "too-tight", 64, 16, 0, clock.now + 0.01)
+    asyncio.run(go())
+
+
+def test_one_poisoned_worker_of_three_does_not_move_the_reported_cost():
+    adm = Admission("fair-deadline", 30.0, clock=Clock(0.0))
+    honest = dict(role="unified", max_num_seqs=8, kv_capacity_tokens=10_000, prefill_s_per_token=2e-4,
+                  decode_s_per_step=0.02)
+    adm.update_view([pb.WorkerLoad(**honest), pb.WorkerLoad(**honest),
+                     pb.WorkerLoad(**{**honest, "prefill_s_per_token": 50.0, "decode_s_per_step": 900.0})], "unified")
+    assert (adm.cost.prefill_s_per_token, adm.cost.decode_s_per_step) == (2e-4, 0.02)
