@@ -2,7 +2,15 @@
 
 Used by `meshserve up`, the integration tests and the mesh benchmarks. Each service runs in its
 own process group (start_new_session), so stopping sends SIGTERM to the whole group, then
-SIGKILL to whatever is left after the grace period: no orphans.
+SIGKILL to whatever is left after the grace period: no orphans. Every service also gets the
+kernel's parent-death signal (SIGKILL when the process that started it dies, even by kill -9),
+so a killed `meshserve up` leaves nothing running.
+
+Supervision (Mesh.supervise(), called in a loop by `meshserve up`): a service that exits is
+started again with the same command, port and worker id (so its address and registration stay
+the same), after a backoff that doubles from 0.5 s to 10 s while it keeps dying and resets once
+it has stayed up for 30 s; one that dies RESTART_LIMIT times in a row without staying up is given
+up on (RestartLimit), for a mesh that cannot start should stop with its log, not loop forever.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,6 +49,40 @@ class Proc:
     log: Path
     grpc_health: bool = True  # checked with grpc.health.v1 (Redis is not)
     metrics_url: str = ""  # GET this for the service's Prometheus text ("" for Redis)
+    args: list = field(default_factory=list)  # the command, to start it again
+    started_s: float = 0.0  # monotonic time of the latest start
+    restarts: int = 0  # times started again
+    failures: int = 0  # exits in a row without staying up STABLE_S
+    restart_at: float | None = None  # when the pending restart is due
+
+
+RESTART_BACKOFF_S = (0.5, 10.0)  # first delay, cap (doubling in between)
+STABLE_S = 30.0  # up this long: the next exit starts the backoff over
+RESTART_LIMIT = 6  # exits in a row without staying up STABLE_S, then supervision gives up
+
+
+class RestartLimit(RuntimeError):
+    """A service keeps dying right after it starts."""
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL when the parent dies (Linux prctl PR_SET_PDEATHSIG; elsewhere nothing)."""
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGKILL, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+
+
+def _load_prctl():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl  # resolved now: the child only calls it
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _load_prctl()
 
 
 @dataclass
@@ -84,12 +127,40 @@ class Mesh:
 
     def _spawn(self, name: str, args: list, port: int, grpc_health: bool = True) -> Proc:
         log = self.log_dir / f"{name}.log"
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **self.spec.env}
-        popen = subprocess.Popen(args, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env,
-                                 start_new_session=True, stdin=subprocess.DEVNULL)
-        proc = Proc(name, f"127.0.0.1:{port}", popen, log, grpc_health)
+        proc = Proc(name, f"127.0.0.1:{port}", self._popen(args, log, "wb"), log, grpc_health, args=args,
+                    started_s=time.monotonic())
         self.procs.append(proc)
         return proc
+
+    def _popen(self, args: list, log: Path, mode: str) -> subprocess.Popen:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **self.spec.env}
+        with open(log, mode) as out:
+            return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                    stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+
+    def supervise(self, say: Callable[[str], None] = print) -> None:
+        """One round of supervision (see the module doc): start again what exited, when its backoff is due.
+        Raises RestartLimit for a service that keeps dying."""
+        now = time.monotonic()
+        for p in self.procs:
+            code = p.popen.poll()
+            if code is None:
+                if p.failures and now - p.started_s >= STABLE_S:
+                    p.failures = 0
+                continue
+            if p.restart_at is None:
+                p.failures = 1 if now - p.started_s >= STABLE_S else p.failures + 1
+                if p.failures > RESTART_LIMIT:
+                    raise RestartLimit(f"{p.name} exited {RESTART_LIMIT} times in a row (code {code}); see {p.log}:\n"
+                                       + p.log.read_text(errors="replace")[-3000:])
+                delay = min(RESTART_BACKOFF_S[0] * 2 ** (p.failures - 1), RESTART_BACKOFF_S[1])
+                p.restart_at = now + delay
+                say(f"{p.name} exited with code {code}; starting it again in {delay:g} s (logs in {p.log})")
+            if now >= p.restart_at:
+                signal_group(p.popen, signal.SIGKILL)  # whatever it left in its group goes with it
+                p.popen = self._popen(p.args, p.log, "ab")
+                p.started_s, p.restart_at, p.restarts = now, None, p.restarts + 1
+                say(f"{p.name} started again (restart {p.restarts})")
 
     def _service(self, name: str, module: str, *flags, port: int = 0) -> Proc:
         port = port or self._free_port()

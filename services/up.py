@@ -81,7 +81,7 @@ def resolve_model(name: str | None) -> Path:
 
 
 def cmd_up(args) -> int:
-    from services.launcher import Mesh
+    from services.launcher import Mesh, RestartLimit
 
     try:
         cfg = load_mesh_config(args.config)
@@ -107,10 +107,11 @@ def cmd_up(args) -> int:
               flush=True)
         print(f"meshserve is ready: gateway {mesh.gateway}, HTTP {mesh.http}, router {mesh.router}, kvstore {mesh.kvstore}, "
               f"redis {mesh.redis_url}", flush=True)
-        while not stop.wait(0.5):
-            dead = [p.name for p in mesh.procs if p.popen.poll() is not None]
-            if dead:
-                print(f"stopping: {', '.join(dead)} exited (logs in {mesh.log_dir})", file=sys.stderr, flush=True)
+        while not stop.wait(0.2):
+            try:
+                mesh.supervise(lambda line: print(line, file=sys.stderr, flush=True))
+            except RestartLimit as e:
+                print(f"stopping: {e}", file=sys.stderr, flush=True)
                 return 1
         return 0
     finally:

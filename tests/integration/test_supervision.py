@@ -1,0 +1,97 @@
+"""`meshserve up` supervises its services (issue 19): a service killed with SIGKILL is started again on the same
+address and the mesh serves again; a killed `up` leaves no process behind."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+
+from services.common.pb import meshserve_pb2 as pb
+from services.common.pb import meshserve_pb2_grpc as pb_grpc
+from tests.integration.test_up import processes_in
+
+READY = re.compile(r"meshserve is ready: gateway (\S+), HTTP \S+, router \S+, kvstore \S+, redis \S+")
+
+
+def start_up(folder) -> tuple[subprocess.Popen, str, list]:
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--model", "tiny", "--port", "0",
+                             "--http-port", "0", "--router-port", "0", "--kvstore-port", "0"], cwd=folder,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if found := READY.search(line):
+            return proc, found.group(1), lines
+    pytest.fail("up never got ready:\n" + "".join(lines))
+
+
+def service_pid(folder, marker: str) -> int | None:
+    """The pid of the process of the mesh whose command line holds marker (e.g. 'services.router')."""
+    for pid in processes_in(folder):
+        try:
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if marker in cmd and " up " not in cmd:
+            return pid
+    return None
+
+
+def generate(gateway: str, timeout_s: float = 30) -> list:
+    req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=list(range(3, 30))),
+                             sampling=pb.Sampling(max_tokens=6, temperature=0.0, ignore_eos=True))
+    with grpc.insecure_channel(gateway) as ch:
+        return [t for r in pb_grpc.GenerationStub(ch).Generate(req, timeout=timeout_s) for t in r.token_ids]
+
+
+def serves_again(gateway: str, within_s: float) -> list:
+    """Retry a request until it succeeds (the mesh recovering) or within_s passes."""
+    deadline, last = time.monotonic() + within_s, None
+    while time.monotonic() < deadline:
+        try:
+            return generate(gateway, timeout_s=10)
+        except grpc.RpcError as e:
+            last = e
+            time.sleep(0.2)
+    pytest.fail(f"the mesh did not serve again within {within_s} s: {last}")
+
+
+@pytest.fixture
+def up(tmp_path):
+    proc, gateway, lines = start_up(tmp_path)
+    yield tmp_path, proc, gateway
+    os.killpg(proc.pid, signal.SIGTERM)
+    proc.communicate(timeout=60)
+
+
+# Redis and the router first: the rest of the mesh must come back to them. One decode worker of two.
+@pytest.mark.parametrize("marker", ["redis-server", "services.router", "services.kvstore",
+                                    "--worker-id decode-0", "--worker-id prefill-0", "services.gateway"])
+def test_a_killed_service_is_started_again_and_the_mesh_serves(up, marker):
+    folder, proc, gateway = up
+    want = generate(gateway)
+    victim = service_pid(folder, marker)
+    assert victim, f"no process with {marker!r}"
+    os.kill(victim, signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while (pid := service_pid(folder, marker)) in (None, victim):
+        assert time.monotonic() < deadline, f"{marker} not started again within 5 s"
+        time.sleep(0.1)
+    assert serves_again(gateway, within_s=30) == want  # greedy: the same tokens as before the kill
+    assert proc.poll() is None, "up itself stopped"
+
+
+def test_killing_up_leaves_no_process(tmp_path):
+    proc, gateway, _ = start_up(tmp_path)
+    assert len(processes_in(tmp_path)) >= 8  # up, redis, kvstore, router, 3 workers, gateway
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(10)
+    deadline = time.monotonic() + 10
+    while processes_in(tmp_path):
+        assert time.monotonic() < deadline, f"orphans left: {processes_in(tmp_path)}"
+        time.sleep(0.1)
