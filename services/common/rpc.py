@@ -1,7 +1,8 @@
 """gRPC plumbing shared by every service: server set-up, health, reflection, error mapping, shutdown.
 
 Errors map once, here: a MeshError becomes its status (RESOURCE_EXHAUSTED carries trailing
-metadata retry-after-ms); anything else is INTERNAL, logged with the request id.
+metadata retry-after-ms); a call to another service that failed keeps its status (a dead kvstore is
+UNAVAILABLE to the caller, not INTERNAL); anything else is INTERNAL, logged with the request id.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ async def _fail(method, request, context, error: Exception) -> None:
     """Turn an exception escaping a servicer into its status (an abort already under way passes through)."""
     if isinstance(error, grpc.aio.AbortError):
         raise error
+    if isinstance(error, grpc.aio.AioRpcError):
+        error = forward_rpc_error(error)
     if isinstance(error, MeshError):
         await abort(context, error)
     log.error("bug in %s (request %s)", method.__name__, getattr(request, "request_id", "?"), exc_info=error)
