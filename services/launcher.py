@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -30,6 +31,8 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common.tenants import CACHE_SECRET_ENV
 
 
 METRICS_LINE = re.compile(r" metrics on (http://\S+/metrics)")  # what services.common.telemetry prints
@@ -116,6 +119,8 @@ class Mesh:
         self.http = ""  # the gateway's OpenAI-compatible HTTP address, when served
         self.redis_url = spec.redis_url
         self.ports: set[int] = set()  # handed out to this mesh's processes
+        # The gateway's cache-salt secret: one per mesh, so a restarted gateway salts (and finds) the same prefixes.
+        self.cache_secret = os.environ.get(CACHE_SECRET_ENV) or secrets.token_hex(32)
 
     def _free_port(self) -> int:
         """A free port not already handed to another process of this mesh: the OS may give a port just
@@ -133,7 +138,8 @@ class Mesh:
         return proc
 
     def _popen(self, args: list, log: Path, mode: str) -> subprocess.Popen:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **self.spec.env}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", CACHE_SECRET_ENV: self.cache_secret,
+               **self.spec.env}
         with open(log, mode) as out:
             return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                                     stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)

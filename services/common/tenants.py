@@ -85,6 +85,25 @@ class Tenant:
 OPEN_TENANT = Tenant(DEFAULT_TENANT)  # no tenants configured: one open tenant, one shared cache
 
 
+CACHE_SECRET_ENV = "MESHSERVE_CACHE_SECRET"  # the gateway's key for cache salts (`meshserve up` makes one per run)
+
+
+def wire_salt(secret: bytes, cache_salt: str) -> str:
+    """The salt that travels with a request and keys its prefix-cache blocks: an HMAC of the tenant's isolation
+    domain under the gateway's secret, so that knowing a tenant's name (its domain is "tenant:<name>") is not enough
+    to read its cached prefixes from a worker. The open default tenant ("") stays unsalted."""
+    if not cache_salt:
+        return ""
+    return hmac.new(secret, cache_salt.encode(), hashlib.sha256).hexdigest()[:32]
+
+
+def cache_secret(environ) -> tuple[bytes, bool]:
+    """The cache-salt secret from the environment, or a fresh random one (then False: salts, hence the tenants'
+    prefix caches, do not outlive this process nor match another gateway's)."""
+    value = environ.get(CACHE_SECRET_ENV, "")
+    return (value.encode(), True) if value else (secrets.token_bytes(32), False)
+
+
 class Authenticator:
     def __init__(self, tenants: list[Tenant]):
         self.tenants = tenants

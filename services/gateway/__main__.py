@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 
 import grpc
@@ -13,10 +14,12 @@ from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.common.telemetry import add_metrics_flag, setup_telemetry
 from services.common.config import MeshConfig, add_config_flag, add_section_flags, config_from_args
-from services.common.tenants import Authenticator
+from services.common.tenants import CACHE_SECRET_ENV, Authenticator, cache_secret
 from services.common.tokenizer import Tokenizer
 from services.gateway.admission import Admission
 from services.gateway.server import GatewayServicer, Limits, ModelInfo, add_to_server
+
+log = logging.getLogger("meshserve.gateway")
 
 
 async def watch_mesh(server: rpc.Server, router: str, mode: str, admission: Admission, period_s: float = 0.25) -> None:
@@ -39,8 +42,12 @@ async def serve(args, config: MeshConfig) -> None:
     tenants, adm = config.tenant_objects(), config.admission
     admission = Admission(adm.policy, adm.starvation_s)
     model = ModelInfo.from_dir(args.model, args.served_model_name or ())
+    secret, given = cache_secret(os.environ)
+    if tenants and not given:
+        log.warning("%s is not set: tenants' prefix caches are salted with a secret of this process only (lost on "
+                    "restart, not shared with other gateways)", CACHE_SECRET_ENV)
     servicer = GatewayServicer(model, Tokenizer(args.model), args.router, args.kvstore, Authenticator(tenants),
-                               admission, Limits.for_model(model.max_model_len, adm.max_prompt_bytes))
+                               admission, Limits.for_model(model.max_model_len, adm.max_prompt_bytes), secret)
     server = rpc.Server(["Generation"], args.port, args.host)
     add_to_server(servicer, server.server)
     tasks = [asyncio.create_task(watch_mesh(server, args.router, args.mode, admission)),

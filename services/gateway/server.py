@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import secrets
 import time
 import uuid
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from services.common.errors import DeadlineExceeded, InvalidRequest, NotFound, O
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.common.request import ClientRequest, RequestSpec
-from services.common.tenants import Authenticator
+from services.common.tenants import Authenticator, wire_salt
 from services.common.tokenizer import Tokenizer, cut_at_stop
 from services.gateway.admission import Admission
 
@@ -130,8 +131,10 @@ def _left(deadline_s: float | None, where: str) -> float | None:
 
 class GatewayServicer(pb_grpc.GenerationServicer):
     def __init__(self, model: ModelInfo, tokenizer: Tokenizer, router: str, kvstore: str,
-                 auth: Authenticator | None = None, admission: Admission | None = None, limits: Limits | None = None):
+                 auth: Authenticator | None = None, admission: Admission | None = None, limits: Limits | None = None,
+                 cache_secret: bytes = b""):
         self.model, self.tokenizer, self.kvstore = model, tokenizer, kvstore
+        self.cache_secret = cache_secret or secrets.token_bytes(32)
         self.limits = limits or Limits.for_model(model.max_model_len)
         self.auth = auth or Authenticator([])
         self.admission = admission or Admission()
@@ -220,7 +223,7 @@ class GatewayServicer(pb_grpc.GenerationServicer):
         try:
             spec = RequestSpec(req_id, tuple(ids), params, priority=req.priority, tenant=tenant.name,
                                weight=tenant.weight, deadline_s=deadline_s, predicted_s=ticket.predicted_s,
-                               adapter=req.adapter, cache_salt=tenant.cache_salt)
+                               adapter=req.adapter, cache_salt=wire_salt(self.cache_secret, tenant.cache_salt))
             work = work_from_spec(spec, uuid.uuid4().hex, self.kvstore)
             timeout = _left(deadline_s, "in the admission queue")
             decision = await self._call(self.router.Route(pb.RouteRequest(

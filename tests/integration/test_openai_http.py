@@ -214,3 +214,21 @@ def test_every_public_rpc_wants_the_key_when_tenants_are_configured(mesh):
                 call(req, timeout=10)
             assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED, call
             assert call(req, metadata=(("x-api-key", KEY),), timeout=10)
+
+
+def test_a_tenants_cached_prefix_cannot_be_read_with_a_guessed_salt(mesh):
+    """Issue 19: a worker called directly with cache salt "tenant:main" used to serve tenant main's cached prefix
+    (its name is all one needed). The salt on the wire is now an HMAC under the gateway's secret."""
+    prompt = list(range(100, 100 + 96))  # six blocks
+    assert grpc_generate(mesh, prompt, 2)  # tenant main fills the cache...
+    req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=pb.Sampling(max_tokens=2, temperature=0.0))
+    with grpc.insecure_channel(mesh.gateway) as ch:
+        again = list(pb_grpc.GenerationStub(ch).Generate(req, metadata=(("x-api-key", KEY),), timeout=60))
+    assert again[-1].cached_prompt_tokens >= 64  # ...and finds it again through the gateway
+    worker = mesh.workers("unified")[0].address
+    for guess in ("tenant:main", "main", ""):
+        work = pb.WorkRequest(request_id=f"guess-{guess}", prompt_token_ids=prompt, cache_salt=guess,
+                              sampling=pb.Sampling(max_tokens=2, temperature=0.0))
+        with grpc.insecure_channel(worker) as ch:
+            events = list(pb_grpc.WorkerStub(ch).Generate(work, timeout=60))
+        assert max(e.cached_prompt_tokens for e in events) == 0, guess

@@ -111,3 +111,12 @@ def test_up_gives_each_worker_a_small_pool_unless_the_config_sizes_it(tmp_path):
     assert mesh_spec(named, tmp_path, args).gateway_args == ["--served-model-name", "smol", "gpt-x"]
     flagged = Namespace(**{**vars(args), "served_model_name": ["mine"]})
     assert mesh_spec(named, tmp_path, flagged).gateway_args == ["--served-model-name", "mine"]
+
+
+def test_wire_salts_are_keyed_by_the_secret_not_the_tenant_name():
+    from services.common.tenants import wire_salt
+
+    a, b = wire_salt(b"s1", "tenant:alice"), wire_salt(b"s2", "tenant:alice")
+    assert a == wire_salt(b"s1", "tenant:alice") and a != b  # stable under one secret, unrelated under another
+    assert "alice" not in a and a != "tenant:alice" and a != wire_salt(b"s1", "tenant:bob")
+    assert wire_salt(b"s1", "") == ""  # the open default tenant shares one cache
