@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 from services.common.config import add_config_flag, add_section_flags, config_from_args
 from services.common.errors import MeshError
@@ -54,6 +55,20 @@ def cmd_tenant_key(args) -> int:
     return 0
 
 
+def cmd_certs(args) -> int:
+    from services.common.certs import DEFAULT_HOSTS, IDENTITIES, make_certs
+
+    out = Path(args.out_dir)
+    if out.exists() and any(out.iterdir()):
+        print(f"meshserve certs: {out} is not empty (refusing to overwrite a mesh's certificates)", file=sys.stderr)
+        return 2
+    hosts = [*DEFAULT_HOSTS, *args.host]
+    make_certs(out, hosts)
+    print(f"wrote a CA and certificates for {', '.join(IDENTITIES)} to {out} (valid for {', '.join(hosts)}); give "
+          f"each service MESHSERVE_TLS_DIR={out} and MESHSERVE_TLS_NAME=<its identity>")
+    return 0
+
+
 def cmd_bench(args) -> int:
     from bench.runner import run_workload
 
@@ -92,6 +107,14 @@ def build_parser() -> argparse.ArgumentParser:
     tenant = sub.add_parser("tenant", help="tenant helpers").add_subparsers(dest="tenant_command", required=True)
     tenant.add_parser("key", help="make a new API key and the salted hash the config file stores").set_defaults(
         func=cmd_tenant_key)
+
+    certs = sub.add_parser("certs", help="a CA and one certificate per service identity, for mutual TLS in a "
+                                          "deployment (`meshserve up` mints its own)")
+    certs.add_argument("out_dir")
+    certs.add_argument("--host", action="append", default=[],
+                       help="a host name or address the services are reached at (repeat; 127.0.0.1 and localhost "
+                            "are always in)")
+    certs.set_defaults(func=cmd_certs)
 
     from bench.runner import add_bench_parser
     from services.chat_cli import add_parser as add_chat_parser

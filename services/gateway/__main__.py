@@ -48,7 +48,7 @@ async def serve(args, config: MeshConfig) -> None:
                     "restart, not shared with other gateways)", CACHE_SECRET_ENV)
     servicer = GatewayServicer(model, Tokenizer(args.model), args.router, args.kvstore, Authenticator(tenants),
                                admission, Limits.for_model(model.max_model_len, adm.max_prompt_bytes), secret)
-    server = rpc.Server(["Generation"], args.port, args.host)
+    server = rpc.Server(["Generation"], args.port, args.host, public=True)
     add_to_server(servicer, server.server)
     tasks = [asyncio.create_task(watch_mesh(server, args.router, args.mode, admission)),
              asyncio.create_task(admission.tick())]

@@ -41,6 +41,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     @rpc.mapped
     async def Put(self, request_iterator, context):
+        rpc.require_peer(context, "worker")
         blocks = nbytes = 0
         t0 = time.monotonic()
         async for chunk in request_iterator:
@@ -53,6 +54,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     @rpc.mapped
     async def Get(self, request, context):
+        rpc.require_peer(context, "worker")
         timeout = (request.wait_ms or 30000) / 1000
         nbytes, t0 = 0, time.monotonic()
         async for index, data in self.store.get(request.transfer_id, timeout):
@@ -65,10 +67,12 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     @rpc.mapped
     async def Release(self, request, context):
+        rpc.require_peer(context, "gateway", "worker")
         return pb.ReleaseReply(released=await self.store.release(request.transfer_id))
 
     @rpc.mapped
     async def Stats(self, request, context):
+        rpc.require_peer(context, "client")
         s = self.store
         return pb.KVStoreStats(transfers=len(s.transfers), bytes=s.nbytes, byte_budget=s.byte_budget,
                                evicted=s.evicted, expired=s.expired)

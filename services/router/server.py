@@ -63,16 +63,19 @@ class RouterServicer(pb_grpc.RouterServicer):
 
     @rpc.mapped
     async def Heartbeat(self, request, context):
+        rpc.require_peer(context, "worker")
         self.registry.beat_view(load_from_pb(request))
         return pb.HeartbeatReply(interval_ms=self.beat_ms)
 
     @rpc.mapped
     async def Deregister(self, request, context):
+        rpc.require_peer(context, "worker")
         self.registry.remove(request.worker_id)
         return pb.HeartbeatReply(interval_ms=self.beat_ms)
 
     @rpc.mapped
     async def Route(self, request, context):
+        rpc.require_peer(context, "gateway")
         t0 = time.perf_counter()
         mode = request.mode or self.mode
         if mode == "unified":
@@ -126,6 +129,7 @@ class RouterServicer(pb_grpc.RouterServicer):
 
     @rpc.mapped
     async def ListWorkers(self, request, context):
+        rpc.require_peer(context, "gateway", "client")
         return pb.ListWorkersResponse(
             workers=[load_to_pb(w) for w in self.registry.prune()],
             prefix_index_degraded=bool(self.index is not None and self.index.degraded))

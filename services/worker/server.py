@@ -103,6 +103,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
     @rpc.mapped
     async def Generate(self, request, context):
+        rpc.require_peer(context, "gateway")
         self._check_role("unified")
         q = await self._registered(request.request_id,
                                    self.runner.add(spec_from_work(request, self.runner.engine.clock)))
@@ -111,6 +112,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
     @rpc.mapped
     async def Prefill(self, request, context):
+        rpc.require_peer(context, "gateway")
         self._check_role("prefill", "unified")
         sender = KVSender(self.runner, request.transfer_id)
         q = await self._registered(request.request_id,
@@ -128,6 +130,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
     @rpc.mapped
     async def Decode(self, request, context):
+        rpc.require_peer(context, "gateway")
         self._check_role("decode", "unified")
         req_id = request.request_id
         await self._begin_import(request)
@@ -185,6 +188,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
     @rpc.mapped
     async def Stats(self, request, context):
+        rpc.require_peer(context, "gateway", "client")
         load = await self.runner.call(lambda engine: engine.load())
         return pb.WorkerStats(worker_id=self.worker_id, role=self.role, blocks_used=load.blocks_used,
                               blocks_cached=load.blocks_cached,

@@ -1,0 +1,103 @@
+"""Service identity (issue 19): with mutual TLS (the default of `meshserve up`), a caller without a mesh certificate
+is refused by the router, the kvstore and every worker; a certificate of the wrong identity cannot register a worker,
+route, read a transfer or generate; the public gateway port still serves plain gRPC; Redis wants its password."""
+
+import asyncio
+from pathlib import Path
+
+import grpc
+import pytest
+import redis
+
+from services.common.certs import make_certs
+from services.common.pb import meshserve_pb2 as pb
+from services.common.pb import meshserve_pb2_grpc as pb_grpc
+from services.launcher import Mesh, MeshSpec, client_channel
+from tests.integration.conftest import ENGINE
+from tests.integration.test_mesh import generate_request
+
+
+@pytest.fixture(scope="module")
+def mesh(tiny_model, tmp_path_factory):
+    spec = MeshSpec(str(tiny_model), mode="disaggregated", decode=1, engine_args=ENGINE, tls=True)
+    m = Mesh(spec, log_dir=str(tmp_path_factory.mktemp("mtls"))).start()
+    yield m
+    m.stop()
+
+
+def as_identity(tls_dir: str, identity: str, address: str) -> grpc.Channel:
+    read = lambda f: (Path(tls_dir) / f).read_bytes()  # noqa: E731
+    creds = grpc.ssl_channel_credentials(read("ca.pem"), read(f"{identity}-key.pem"), read(f"{identity}.pem"))
+    return grpc.secure_channel(address, creds)
+
+
+def internal(mesh) -> dict:
+    return {"router": mesh.router, "kvstore": mesh.kvstore, "prefill-0": mesh.proc("prefill-0").address,
+            "decode-0": mesh.proc("decode-0").address}
+
+
+def test_the_public_port_serves_plain_grpc_through_a_tls_mesh(mesh):
+    with grpc.insecure_channel(mesh.gateway) as ch:
+        out = list(pb_grpc.GenerationStub(ch).Generate(generate_request(list(range(3, 40)), max_tokens=6), timeout=60))
+    assert sum(len(r.token_ids) for r in out) == 6
+
+
+def test_no_certificate_no_service(mesh):
+    calls = {"router": lambda ch: pb_grpc.RouterStub(ch).Heartbeat(pb.WorkerLoad(worker_id="evil", address="x:1",
+                                                                                 role="unified"), timeout=5),
+             "kvstore": lambda ch: pb_grpc.KVStoreStub(ch).Stats(pb.StatsRequest(), timeout=5),
+             "prefill-0": lambda ch: pb_grpc.WorkerStub(ch).Stats(pb.StatsRequest(), timeout=5),
+             "decode-0": lambda ch: pb_grpc.WorkerStub(ch).Stats(pb.StatsRequest(), timeout=5)}
+    for name, address in internal(mesh).items():
+        with grpc.insecure_channel(address) as ch:  # plaintext: the handshake never completes
+            with pytest.raises(grpc.RpcError) as exc:
+                calls[name](ch)
+        assert exc.value.code() == grpc.StatusCode.UNAVAILABLE, name
+    other_ca = make_certs(Path(mesh.log_dir) / "other-ca")  # a certificate, but not of this mesh's CA
+    for name, address in internal(mesh).items():
+        with as_identity(str(other_ca), "worker", address) as ch:
+            with pytest.raises(grpc.RpcError) as exc:
+                calls[name](ch)
+        assert exc.value.code() == grpc.StatusCode.UNAVAILABLE, name
+
+
+def test_a_certificate_of_the_wrong_identity_is_refused(mesh):
+    tls = mesh.tls_dir
+    forged = pb.WorkerLoad(worker_id="evil", address="127.0.0.1:1", role="unified", max_num_seqs=8)
+    refused = [
+        ("client registers a worker", "client", mesh.router, lambda ch: pb_grpc.RouterStub(ch).Heartbeat(forged)),
+        ("gateway registers a worker", "gateway", mesh.router, lambda ch: pb_grpc.RouterStub(ch).Heartbeat(forged)),
+        ("worker routes", "worker", mesh.router,
+         lambda ch: pb_grpc.RouterStub(ch).Route(pb.RouteRequest(request_id="x", prompt_tokens=4, max_tokens=2))),
+        ("client reads a transfer", "client", mesh.kvstore,
+         lambda ch: list(pb_grpc.KVStoreStub(ch).Get(pb.GetRequest(transfer_id="t", wait_ms=10)))),
+        ("worker asks a worker to generate", "worker", mesh.proc("prefill-0").address,
+         lambda ch: list(pb_grpc.WorkerStub(ch).Prefill(pb.WorkRequest(request_id="x", prompt_token_ids=[1, 2],
+                                                                       sampling=pb.Sampling(max_tokens=2))))),
+    ]
+    for what, identity, address, call in refused:
+        with as_identity(tls, identity, address) as ch:
+            with pytest.raises(grpc.RpcError) as exc:
+                call(ch)
+        assert exc.value.code() == grpc.StatusCode.PERMISSION_DENIED, what
+    with client_channel(mesh.router, tls) as ch:  # and the forged worker never made it into the router's view
+        assert "evil" not in {w.worker_id for w in pb_grpc.RouterStub(ch).ListWorkers(pb.ListWorkersRequest()).workers}
+
+
+def test_redis_wants_its_password(mesh):
+    port = int(mesh.redis_url.rsplit(":", 1)[1].split("/")[0])
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis(port=port).ping()
+    assert redis.Redis.from_url(mesh.redis_url).ping()
+
+
+def test_the_mesh_works_across_tls_in_both_halves(mesh):
+    async def many():
+        async with grpc.aio.insecure_channel(mesh.gateway) as ch:
+            stub = pb_grpc.GenerationStub(ch)
+
+            async def one(i):
+                return sum([len(r.token_ids) async for r in stub.Generate(
+                    generate_request(list(range(3 + i, 60 + i)), max_tokens=8), timeout=60)])
+            return await asyncio.gather(*(one(i) for i in range(8)))
+    assert asyncio.run(many()) == [8] * 8  # prefill -> kvstore -> decode, every hop over mutual TLS
