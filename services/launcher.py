@@ -36,6 +36,7 @@ from services.common.rpc import TLS_DIR_ENV, TLS_NAME_ENV
 from services.common.tenants import CACHE_SECRET_ENV
 
 
+PORT_TAKEN = "Address already in use"  # in a service's log when its port was taken before it could bind it
 METRICS_LINE = re.compile(r" metrics on (http://\S+/metrics)")  # what services.common.telemetry prints
 
 
@@ -186,13 +187,24 @@ class Mesh:
         return self._spawn(name, [sys.executable, "-m", f"services.{module}", "--port", str(port),
                                   "--metrics-port", "0", *map(str, flags)], port, identity=module)
 
-    def start(self, timeout_s: float = 180.0) -> "Mesh":
-        """Start every process and wait until all are healthy; if any fails, stop the ones started."""
-        try:
-            self._launch(timeout_s)
-        except BaseException:
-            self.stop()
-            raise
+    def start(self, timeout_s: float = 180.0, attempts: int = 3) -> "Mesh":
+        """Start every process and wait until all are healthy; if any fails, stop the ones started.
+
+        A port probed free can be taken before its service binds it (the OS hands the same range out for
+        outgoing connections): a start that fails only because a port was in use is tried again with new
+        ports, up to `attempts` times."""
+        for attempt in range(1, attempts + 1):
+            try:
+                self._launch(timeout_s)
+                return self
+            except RuntimeError as e:
+                self.stop()
+                if PORT_TAKEN not in str(e) or attempt == attempts:
+                    raise
+                self.procs, self.ports, self.redis_url = [], set(), self.spec.redis_url
+            except BaseException:
+                self.stop()
+                raise
         return self
 
     def _launch(self, timeout_s: float) -> None:
