@@ -156,9 +156,9 @@ def test_bad_bodies_get_a_json_status_not_a_500(mesh):
         (b'{"model": "tiny", "prompt": "x", "max_tokens": 99999999999999999999}', 400, "max_tokens"),
         (b'{"model": "tiny", "prompt": "x", "max_tokens": 2, "seed": 18446744073709551616}', 400, "seed"),
         (b'{"model": "tiny", "prompt": [1, 2, 99999999999999999999], "max_tokens": 2}', 400, "prompt"),
-        (b'{"model": "tiny", "prompt": "a\ud800b", "max_tokens": 2}', 400, "surrogate"),
-        (b'{"model": "tiny", "prompt": "a\ud800b"}', 400, "surrogate"),  # tokenized for the default max_tokens
-        (b'{"model": "tiny", "prompt": "x", "max_tokens": 2, "stop": ["\udfff"]}', 400, "stop"),
+        (b'{"model": "tiny", "prompt": "a\\ud800b", "max_tokens": 2}', 400, "surrogate"),
+        (b'{"model": "tiny", "prompt": "a\\ud800b"}', 400, "surrogate"),  # tokenized for the default max_tokens
+        (b'{"model": "tiny", "prompt": "x", "max_tokens": 2, "stop": ["\\udfff"]}', 400, "stop"),
         (b'{"model": "tiny", "prompt": "", "max_tokens": 2}', 400, "empty"),
         (json.dumps({"model": "tiny", "prompt": "a" * 70_000, "max_tokens": 2}).encode(), 400, "limit"),
     ]
