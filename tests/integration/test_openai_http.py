@@ -232,3 +232,19 @@ def test_a_tenants_cached_prefix_cannot_be_read_with_a_guessed_salt(mesh):
         with grpc.insecure_channel(worker) as ch:
             events = list(pb_grpc.WorkerStub(ch).Generate(work, timeout=60))
         assert max(e.cached_prompt_tokens for e in events) == 0, guess
+
+
+def test_a_half_sent_request_is_disconnected(mesh):
+    """Slow-loris (issue 19): a connection that never finishes its request head is closed after HTTP_IDLE_S."""
+    import socket
+
+    from services.gateway.http import HTTP_IDLE_S
+
+    host, port = mesh.http.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=HTTP_IDLE_S + 10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n")  # no blank line
+        t0 = time.monotonic()
+        assert s.recv(1024) == b""  # the server closed it, answering nothing
+        assert time.monotonic() - t0 < HTTP_IDLE_S + 5
+    # while a complete request on a fresh connection is served as ever
+    assert post(mesh, b'{"model": "tiny", "prompt": "x", "max_tokens": 2}')[0] == 200
