@@ -17,7 +17,7 @@ from services.common.config import MeshConfig, add_config_flag, add_section_flag
 from services.common.tenants import CACHE_SECRET_ENV, Authenticator, cache_secret
 from services.common.tokenizer import Tokenizer
 from services.gateway.admission import Admission
-from services.gateway.server import GatewayServicer, Limits, ModelInfo, add_to_server
+from services.gateway.server import GatewayServicer, ModelInfo, SizeBounds, add_to_server
 
 log = logging.getLogger("meshserve.gateway")
 
@@ -47,7 +47,7 @@ async def serve(args, config: MeshConfig) -> None:
         log.warning("%s is not set: tenants' prefix caches are salted with a secret of this process only (lost on "
                     "restart, not shared with other gateways)", CACHE_SECRET_ENV)
     servicer = GatewayServicer(model, Tokenizer(args.model), args.router, args.kvstore, Authenticator(tenants),
-                               admission, Limits.for_model(model.max_model_len, adm.max_prompt_bytes), secret)
+                               admission, SizeBounds.for_model(model.max_model_len, adm.max_prompt_bytes), secret)
     server = rpc.Server(["Generation"], args.port, args.host, public=True)
     add_to_server(servicer, server.server)
     tasks = [asyncio.create_task(watch_mesh(server, args.router, args.mode, admission)),

@@ -116,7 +116,7 @@ class HttpFront:
         span = tracer.start_span(f"POST {request.url.path}", kind=trace.SpanKind.SERVER,
                                  attributes={"http.request.method": "POST", "url.path": request.url.path})
         try:
-            body = await _json(request, self.servicer.limits.max_body_bytes)
+            body = await _json(request, self.servicer.bounds.max_body_bytes)
             if isinstance(body.get("user"), str):
                 span.set_attribute("enduser.id", body["user"])
             reqs, stream, include_usage, want_logprobs = self._requests(body, chat)

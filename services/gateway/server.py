@@ -39,16 +39,16 @@ MAX_STOP_STRINGS, MAX_STOP_BYTES = 16, 256  # stop strings per request, and byte
 
 
 @dataclass(frozen=True)
-class Limits:
+class SizeBounds:
     """Sizes checked before any work on a request: tokenizing costs the gateway ~300 bytes of memory per
     input byte (an 8 MiB prompt once stalled every request for 12.8 s at 2.4 GB)."""
 
     max_prompt_bytes: int  # a text prompt, a chat conversation's rendered text, a Tokenize text
 
     @staticmethod
-    def for_model(max_model_len: int, max_prompt_bytes: int = 0) -> "Limits":
+    def for_model(max_model_len: int, max_prompt_bytes: int = 0) -> "SizeBounds":
         """max_prompt_bytes, or 0 for 32 bytes per token of context (at least 64 KiB)."""
-        return Limits(max_prompt_bytes or max(65536, 32 * max_model_len))
+        return SizeBounds(max_prompt_bytes or max(65536, 32 * max_model_len))
 
     @property
     def max_body_bytes(self) -> int:
@@ -131,11 +131,11 @@ def _left(deadline_s: float | None, where: str) -> float | None:
 
 class GatewayServicer(pb_grpc.GenerationServicer):
     def __init__(self, model: ModelInfo, tokenizer: Tokenizer, router: str, kvstore: str,
-                 auth: Authenticator | None = None, admission: Admission | None = None, limits: Limits | None = None,
+                 auth: Authenticator | None = None, admission: Admission | None = None, bounds: SizeBounds | None = None,
                  cache_secret: bytes = b""):
         self.model, self.tokenizer, self.kvstore = model, tokenizer, kvstore
         self.cache_secret = cache_secret or secrets.token_bytes(32)
-        self.limits = limits or Limits.for_model(model.max_model_len)
+        self.bounds = bounds or SizeBounds.for_model(model.max_model_len)
         self.auth = auth or Authenticator([])
         self.admission = admission or Admission()
         self.channels = rpc.ChannelPool()
@@ -182,7 +182,7 @@ class GatewayServicer(pb_grpc.GenerationServicer):
 
     def encode(self, text: str, field: str = "prompt", **kwargs) -> list:
         """Token ids of a client's text, refused before any work if it is over the prompt limit."""
-        return self.tokenizer.encode(bounded(text, field, self.limits.max_prompt_bytes), **kwargs)
+        return self.tokenizer.encode(bounded(text, field, self.bounds.max_prompt_bytes), **kwargs)
 
     @staticmethod
     def _timeout(req: ClientRequest, time_remaining: float | None) -> float | None:
