@@ -120,8 +120,11 @@ class Admission:
             await fut
         except BaseException:
             self.queue.cancel(p)
-            if fut.done() and not fut.cancelled() and fut.exception() is None:
-                self._release(p, 0)  # dispatched just as the caller went away
+            # Dispatched just as the caller went away: also when its future was cancelled first and pump() then
+            # dispatched it (it found the future done and could not tell it); the slot goes back either way.
+            if id(p) in self.queue.running:
+                self._release(p, 0)
+                self.pump()
             raise
         finally:
             self.waiters.pop(id(p), None)

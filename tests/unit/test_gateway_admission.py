@@ -77,3 +77,24 @@ def test_one_poisoned_worker_of_three_does_not_move_the_reported_cost():
     adm.update_view([pb.WorkerLoad(**honest), pb.WorkerLoad(**honest),
                      pb.WorkerLoad(**{**honest, "prefill_s_per_token": 50.0, "decode_s_per_step": 900.0})], "unified")
     assert (adm.cost.prefill_s_per_token, adm.cost.decode_s_per_step) == (2e-4, 0.02)
+
+
+def test_a_request_cancelled_as_it_is_dispatched_gives_its_slot_back():
+    """Found by the early-cancel test (issue 19): the caller's task is cancelled (its future with it), then a slot
+    frees and pump() dispatches the request to the cancelled future before the task runs its cleanup. The
+    slot used to stay counted forever: with every slot lost so, every later request waited until its deadline."""
+    async def go():
+        clock = Clock(100.0)
+        adm = Admission("fcfs", 30.0, clock=clock)
+        adm.update_view([pb.WorkerLoad(role="unified", max_num_seqs=1, kv_capacity_tokens=10_000)], "unified")
+        first = await adm.admit(A, "a1", 10, 5, 0, None)
+        waiting = asyncio.ensure_future(adm.admit(A, "a2", 10, 5, 0, None))
+        await asyncio.sleep(0)  # queued behind the only slot
+        waiting.cancel()  # the client goes away...
+        adm.done(first, 5)  # ...just as the slot frees: pump() hands it to the cancelled waiter
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert adm.running_requests == 0 and not adm.queue.running
+        third = await asyncio.wait_for(adm.admit(A, "a3", 10, 5, 0, None), 1)  # the slot is free for the next
+        assert third.dispatched_s is not None
+    asyncio.run(go())
