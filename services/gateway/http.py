@@ -290,9 +290,10 @@ class _Call:
     async def _run(self) -> None:
         async def one(index, req):
             try:
-                async for r in self.servicer.generate(req, self.key):
-                    self._account(index, r)
-                    await self.queue.put((index, r))
+                async with contextlib.aclosing(self.servicer.generate(req, self.key)) as responses:
+                    async for r in responses:
+                        self._account(index, r)
+                        await self.queue.put((index, r))
             except MeshError as e:
                 await self.queue.put((index, OpenAIError.of(e)))
             except asyncio.CancelledError:

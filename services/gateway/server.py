@@ -9,6 +9,7 @@ sooner) bounds every hop; a client cancel cancels every hop, and the workers fre
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import secrets
@@ -201,8 +202,12 @@ class GatewayServicer(pb_grpc.GenerationServicer):
         self.auth.authenticate(key)  # who asks comes before what is asked, for malformed requests too
         if isinstance(request, BadMessage):
             raise InvalidRequest(request.error)
-        async for response in self.generate(client_request_from_pb(request), key, context.time_remaining()):
-            yield response
+        # aclosing: a cancelled call closes generate() at once (its finally returns the admission slot), not
+        # whenever the garbage collector gets to a suspended generator.
+        async with contextlib.aclosing(self.generate(client_request_from_pb(request), key,
+                                                     context.time_remaining())) as responses:
+            async for response in responses:
+                yield response
 
     async def generate(self, req: ClientRequest, key: str | None, time_remaining: float | None = None):
         """The one generation path of both faces (gRPC and HTTP, each converting its request once): the

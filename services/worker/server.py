@@ -15,6 +15,7 @@ still queued for the engine thread (see WorkerServicer._registered).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 import grpc
@@ -107,8 +108,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self._check_role("unified")
         q = await self._registered(request.request_id,
                                    self.runner.add(spec_from_work(request, self.runner.engine.clock)))
-        async for ev in self._stream(request.request_id, q):
-            yield ev
+        async with contextlib.aclosing(self._stream(request.request_id, q)) as events:  # a cancel aborts at once
+            async for ev in events:
+                yield ev
 
     @rpc.mapped
     async def Prefill(self, request, context):
@@ -139,8 +141,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         except BaseException:
             self.runner.abort(req_id)
             raise
-        async for ev in self._stream(req_id, q):
-            yield ev
+        async with contextlib.aclosing(self._stream(req_id, q)) as events:
+            async for ev in events:
+                yield ev
 
     async def _begin_import(self, request) -> None:
         """Reserve blocks for the prompt's KV, waiting while the pool or the batch is full."""
