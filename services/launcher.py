@@ -32,7 +32,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.rpc import TLS_DIR_ENV, TLS_NAME_ENV
+from services.common.rpc import TLS_DIR_ENV, TLS_NAME_ENV, channel_credentials, read_tls
 from services.common.tenants import CACHE_SECRET_ENV
 
 
@@ -292,13 +292,11 @@ def redis_command(port: int, password: str = "") -> list[str]:
     return [redis_server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", *auth]
 
 
-def client_channel(address: str, tls_dir: str = "") -> grpc.Channel:
-    """A blocking channel to a service of a mesh, as its operator (identity `client`) when it runs TLS."""
+def client_channel(address: str, tls_dir: str = "", identity: str = "client") -> grpc.Channel:
+    """A blocking channel to a service of a mesh, as `identity` (its operator by default) when it runs TLS."""
     if not tls_dir:
         return grpc.insecure_channel(address)
-    read = lambda f: (Path(tls_dir) / f).read_bytes()  # noqa: E731
-    creds = grpc.ssl_channel_credentials(read("ca.pem"), read("client-key.pem"), read("client.pem"))
-    return grpc.secure_channel(address, creds)
+    return grpc.secure_channel(address, channel_credentials(read_tls(tls_dir, identity)))
 
 
 def signal_group(popen: subprocess.Popen, sig: int) -> None:

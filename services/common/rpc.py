@@ -34,14 +34,22 @@ CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 TLS_DIR_ENV, TLS_NAME_ENV = "MESHSERVE_TLS_DIR", "MESHSERVE_TLS_NAME"
 
 
+def read_tls(folder: str, identity: str) -> tuple[bytes, bytes, bytes]:
+    """(CA, the identity's key, its certificate) from a certificate folder (services.common.certs)."""
+    read = lambda f: open(os.path.join(folder, f), "rb").read()  # noqa: E731
+    return read("ca.pem"), read(f"{identity}-key.pem"), read(f"{identity}.pem")
+
+
+def channel_credentials(files: tuple[bytes, bytes, bytes]) -> grpc.ChannelCredentials:
+    ca, key, cert = files
+    return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+
+
 @functools.cache
 def tls_files() -> tuple[bytes, bytes, bytes] | None:
-    """(CA, this identity's key, its certificate) from the environment, or None when TLS is off."""
-    folder, name = os.environ.get(TLS_DIR_ENV), os.environ.get(TLS_NAME_ENV, "client")
-    if not folder:
-        return None
-    read = lambda f: open(os.path.join(folder, f), "rb").read()  # noqa: E731
-    return read("ca.pem"), read(f"{name}-key.pem"), read(f"{name}.pem")
+    """This process's (CA, key, certificate) from the environment, or None when TLS is off."""
+    folder = os.environ.get(TLS_DIR_ENV)
+    return read_tls(folder, os.environ.get(TLS_NAME_ENV, "client")) if folder else None
 
 
 def peer_name(context) -> str | None:
@@ -151,19 +159,7 @@ def channel(address: str) -> grpc.aio.Channel:
     files = tls_files()
     if files is None:
         return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-    ca, key, cert = files
-    creds = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
-    return grpc.aio.secure_channel(address, creds, options=CHANNEL_OPTIONS)
-
-
-def sync_channel(address: str) -> grpc.Channel:
-    """The same, blocking (operators' tools: health checks, stats)."""
-    files = tls_files()
-    if files is None:
-        return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-    ca, key, cert = files
-    creds = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
-    return grpc.secure_channel(address, creds, options=CHANNEL_OPTIONS)
+    return grpc.aio.secure_channel(address, channel_credentials(files), options=CHANNEL_OPTIONS)
 
 
 class ChannelPool:

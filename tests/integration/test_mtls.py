@@ -25,12 +25,6 @@ def mesh(tiny_model, tmp_path_factory):
     m.stop()
 
 
-def as_identity(tls_dir: str, identity: str, address: str) -> grpc.Channel:
-    read = lambda f: (Path(tls_dir) / f).read_bytes()  # noqa: E731
-    creds = grpc.ssl_channel_credentials(read("ca.pem"), read(f"{identity}-key.pem"), read(f"{identity}.pem"))
-    return grpc.secure_channel(address, creds)
-
-
 def internal(mesh) -> dict:
     return {"router": mesh.router, "kvstore": mesh.kvstore, "prefill-0": mesh.proc("prefill-0").address,
             "decode-0": mesh.proc("decode-0").address}
@@ -55,7 +49,7 @@ def test_no_certificate_no_service(mesh):
         assert exc.value.code() == grpc.StatusCode.UNAVAILABLE, name
     other_ca = make_certs(Path(mesh.log_dir) / "other-ca")  # a certificate, but not of this mesh's CA
     for name, address in internal(mesh).items():
-        with as_identity(str(other_ca), "worker", address) as ch:
+        with client_channel(address, str(other_ca), "worker") as ch:
             with pytest.raises(grpc.RpcError) as exc:
                 calls[name](ch)
         assert exc.value.code() == grpc.StatusCode.UNAVAILABLE, name
@@ -76,7 +70,7 @@ def test_a_certificate_of_the_wrong_identity_is_refused(mesh):
                                                                        sampling=pb.Sampling(max_tokens=2))))),
     ]
     for what, identity, address, call in refused:
-        with as_identity(tls, identity, address) as ch:
+        with client_channel(address, tls, identity) as ch:
             with pytest.raises(grpc.RpcError) as exc:
                 call(ch)
         assert exc.value.code() == grpc.StatusCode.PERMISSION_DENIED, what
