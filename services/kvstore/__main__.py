@@ -10,6 +10,7 @@ import time
 from opentelemetry import metrics
 
 from services.common import rpc
+from services.common.errors import MeshError
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.common.telemetry import add_metrics_flag, setup_telemetry
@@ -44,11 +45,24 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         rpc.require_peer(context, "worker")
         blocks = nbytes = 0
         t0 = time.monotonic()
+        failure = None
         async for chunk in request_iterator:
-            await self.store.put(chunk.transfer_id, chunk.index, chunk.data,
-                                 chunk.meta if chunk.last else None, chunk.last)
+            if failure is not None:
+                continue  # read to the end: see below
+            try:
+                await self.store.put(chunk.transfer_id, chunk.index, chunk.data,
+                                     chunk.meta if chunk.last else None, chunk.last)
+            except MeshError as e:
+                failure = e
+                continue
             blocks += bool(chunk.data)
             nbytes += len(chunk.data)
+        if failure is not None:
+            # Raised only once the sender has half-closed: a client-streaming call the server ends while the client
+            # still writes reaches an asyncio client as INTERNAL "Internal error from Core" instead of this status
+            # when a write races the trailers (grpc/grpc#36066). The rest of the stream (one prompt's blocks) is read
+            # and dropped.
+            raise failure
         self.metrics.record("put", nbytes, time.monotonic() - t0)
         return pb.PutReply(blocks=blocks, bytes=nbytes)
 
