@@ -64,7 +64,8 @@ def spec_from_work(msg: pb.WorkRequest, clock=time.monotonic) -> RequestSpec:
         deadline_s = clock() + msg.deadline_unix_ms / 1000 - time.time()
     return RequestSpec(msg.request_id, tuple(msg.prompt_token_ids), sampling_from_pb(msg.sampling),
                        priority=msg.priority, tenant=msg.tenant, weight=msg.weight or 1.0, deadline_s=deadline_s,
-                       predicted_s=msg.predicted_s, adapter=msg.adapter, cache_salt=msg.cache_salt)
+                       predicted_s=msg.predicted_s, adapter=msg.adapter, cache_salt=msg.cache_salt,
+                       resumed_outputs=msg.resumed_outputs)
 
 
 def work_from_spec(spec: RequestSpec, transfer_id: str, kvstore: str, clock=time.monotonic) -> pb.WorkRequest:
@@ -73,7 +74,8 @@ def work_from_spec(spec: RequestSpec, transfer_id: str, kvstore: str, clock=time
     return pb.WorkRequest(request_id=spec.request_id, prompt_token_ids=spec.prompt_token_ids,
                           sampling=sampling_to_pb(spec.sampling), priority=spec.priority, transfer_id=transfer_id,
                           kvstore=kvstore, adapter=spec.adapter, cache_salt=spec.cache_salt, tenant=spec.tenant,
-                          weight=spec.weight, predicted_s=spec.predicted_s, deadline_unix_ms=deadline)
+                          weight=spec.weight, predicted_s=spec.predicted_s, deadline_unix_ms=deadline,
+                          resumed_outputs=spec.resumed_outputs)
 
 
 def client_request_from_pb(msg: pb.GenerateRequest) -> ClientRequest:

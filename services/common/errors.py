@@ -10,6 +10,7 @@ class MeshError(Exception):
     """Base of every error meshserve reports to a caller."""
 
     code = "INTERNAL"  # the gRPC status name this error maps to
+    peer = ""  # the address of the service that reported it, when it came from another
 
 
 class InvalidRequest(MeshError):

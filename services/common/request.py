@@ -37,3 +37,4 @@ class RequestSpec:
     predicted_s: float = 0.0  # predicted service time (the gateway's cost model), for slack
     adapter: str = ""  # LoRA adapter ("" = base model)
     cache_salt: str = ""  # prefix-cache isolation domain
+    resumed_outputs: int = 0  # resumed after a worker failed: the prompt ends with this many streamed outputs

@@ -22,13 +22,17 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common.errors import CapacityExhausted, MeshError, PermissionDenied
+from services.common.errors import CapacityExhausted, MeshError, PermissionDenied, Unavailable
 from services.common.pb import meshserve_pb2
 
 log = logging.getLogger("meshserve.rpc")
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                   # A restarted service is reconnected to within a second: gRPC's default backoff (1 s growing to
+                   # 120 s) would keep a channel failing calls for many seconds after its peer is back.
+                   ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                   ("grpc.max_reconnect_backoff_ms", 1000)]
 
 
 TLS_DIR_ENV, TLS_NAME_ENV = "MESHSERVE_TLS_DIR", "MESHSERVE_TLS_NAME"
@@ -111,11 +115,28 @@ def mapped(method):
     return streaming
 
 
-def forward_rpc_error(e: grpc.aio.AioRpcError) -> MeshError:
-    """A downstream failure as a MeshError with the same status, for the caller to see."""
+def forward_rpc_error(e: grpc.aio.AioRpcError, peer: str = "") -> MeshError:
+    """A downstream failure (of the service at `peer`) as a MeshError with the same status, for the caller to see."""
     err = MeshError(e.details() or e.code().name)
-    err.code = e.code().name
+    err.code, err.peer = e.code().name, peer
     return err
+
+
+# What an asyncio client of a client-streaming call reports when one of its writes fails as the call ends
+# (grpc/grpc#36066): the real status (the server's, or UNAVAILABLE for a dead peer) is replaced by this.
+WRITE_RACE_DETAILS = "Internal error from Core"
+
+
+async def finish_client_stream(call, peer: str):
+    """The reply of a client-streaming call; a peer that died mid-stream is UNAVAILABLE (a MeshError), even when
+    gRPC masked it as INTERNAL WRITE_RACE_DETAILS. Our servers read a stream to its end before failing it
+    (services/kvstore), so only a broken connection leaves a write racing the end of the call."""
+    try:
+        return await call
+    except grpc.aio.AioRpcError as e:
+        if e.code() == grpc.StatusCode.INTERNAL and e.details() == WRITE_RACE_DETAILS:
+            raise Unavailable(f"the stream to {peer} broke mid-call (its connection failed)") from None
+        raise
 
 
 class Server:

@@ -139,7 +139,7 @@ class LLMEngine:
         return Request(spec.request_id, ids, spec.sampling, arrival_s=self.clock(), seq_no=next(self._seq),
                        priority=spec.priority, adapter=spec.adapter, cache_salt=spec.cache_salt, tenant=spec.tenant,
                        weight=spec.weight, deadline_s=spec.deadline_s, predicted_s=spec.predicted_s,
-                       sample_seed=self._sample_seed(spec.sampling))
+                       sample_seed=self._sample_seed(spec.sampling), resumed_outputs=spec.resumed_outputs)
 
     def _sample_seed(self, params: SamplingParams) -> int:
         return params.seed if params.seed is not None else self._seeds.getrandbits(63)

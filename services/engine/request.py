@@ -37,6 +37,7 @@ class Request:
     sample_seed: int | None = None  # keys the sampling noise: params.seed, else drawn at admission
     logprobs: list = field(default_factory=list)  # per output token, when asked
     num_preemptions: int = 0
+    resumed_outputs: int = 0  # the prompt ends with this many outputs of an earlier attempt (a resume)
 
     def __post_init__(self):
         if not self.tokens:

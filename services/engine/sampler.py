@@ -66,7 +66,7 @@ class SamplingBatch:
             top_p=torch.tensor([x.top_p for x in p], dtype=torch.float32),
             log_min_p=torch.tensor([math.log(x.min_p) if x.min_p > 0 else -math.inf for x in p], dtype=torch.float32),
             seeds=torch.tensor([r.sample_seed for r in reqs], dtype=torch.int64),
-            positions=torch.tensor([r.num_output for r in reqs], dtype=torch.int64),
+            positions=torch.tensor([r.resumed_outputs + r.num_output for r in reqs], dtype=torch.int64),
             ban_offsets=torch.tensor(offsets, dtype=torch.int64), ban_ids=torch.tensor(bans, dtype=torch.int64),
             want_logprobs=torch.tensor([x.logprobs for x in p], dtype=torch.bool))
 

@@ -10,21 +10,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import secrets
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import grpc
 from google.protobuf.message_factory import GetMessageClass
+from opentelemetry import metrics
 
 from services.common import rpc
 from services.common.block_hash import pack_tokens
 from services.common.convert import client_request_from_pb, utf8, work_from_spec
-from services.common.errors import DeadlineExceeded, InvalidRequest, NotFound, OutOfRange
+from services.common.errors import DeadlineExceeded, InvalidRequest, MeshError, NotFound, OutOfRange, Unavailable
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.common.request import ClientRequest, RequestSpec
@@ -37,6 +39,9 @@ log = logging.getLogger("meshserve.gateway")
 
 MAX_ID_BYTES = 256  # request ids, model and adapter names
 MAX_STOP_STRINGS, MAX_STOP_BYTES = 16, 256  # stop strings per request, and bytes each
+MAX_ATTEMPTS, RESUME_BACKOFF_S, MAX_BACKOFF_S = 9, 0.1, 2.0  # a request failed by a dead service is resumed 8
+# times at most, after 0.1, 0.2, 0.4 ... 2 s (9.1 s in all, bounded by its deadline): under `meshserve up` a killed
+# service is back within ~5 s
 
 
 @dataclass(frozen=True)
@@ -131,7 +136,7 @@ def _left(deadline_s: float | None, where: str) -> float | None:
 
 
 class GatewayServicer(pb_grpc.GenerationServicer):
-    def __init__(self, model: ModelInfo, tokenizer: Tokenizer, router: str, kvstore: str,
+    def __init__(self, model: ModelInfo, tokenizer: Tokenizer, routers, kvstore: str,
                  auth: Authenticator | None = None, admission: Admission | None = None, bounds: SizeBounds | None = None,
                  cache_secret: bytes = b""):
         self.model, self.tokenizer, self.kvstore = model, tokenizer, kvstore
@@ -140,7 +145,10 @@ class GatewayServicer(pb_grpc.GenerationServicer):
         self.auth = auth or Authenticator([])
         self.admission = admission or Admission()
         self.channels = rpc.ChannelPool()
-        self.router = pb_grpc.RouterStub(self.channels.get(router))
+        self.routers = routers.split(",") if isinstance(routers, str) else list(routers)
+        self._route_turn = itertools.count()
+        self.resumes = metrics.get_meter("meshserve.gateway").create_counter(
+            "meshserve.gateway.resumes", description="requests resumed on another worker after a failure")
 
     def worker(self, address: str) -> pb_grpc.WorkerStub:
         return pb_grpc.WorkerStub(self.channels.get(address))
@@ -224,44 +232,91 @@ class GatewayServicer(pb_grpc.GenerationServicer):
         req_id = f"{client_id}.{uuid.uuid4().hex[:12]}"
         deadline_s = time.monotonic() + timeout if timeout is not None else None
         ticket = await self.admission.admit(tenant, req_id, len(ids), params.max_tokens, req.priority, deadline_s)
-        outputs, first_s, last_s, finished = 0, None, None, False
+        if params.seed is None and not params.greedy:
+            params = replace(params, seed=secrets.randbits(63))  # drawn here, so that a resume draws the same
+        spec = RequestSpec(req_id, tuple(ids), params, priority=req.priority, tenant=tenant.name,
+                           weight=tenant.weight, deadline_s=deadline_s, predicted_s=ticket.predicted_s,
+                           adapter=req.adapter, cache_salt=wire_salt(self.cache_secret, tenant.cache_salt))
+        streamed: list = []  # output tokens the client has
+        first_s = last_s = counts = None
+        finished = False
         try:
-            spec = RequestSpec(req_id, tuple(ids), params, priority=req.priority, tenant=tenant.name,
-                               weight=tenant.weight, deadline_s=deadline_s, predicted_s=ticket.predicted_s,
-                               adapter=req.adapter, cache_salt=wire_salt(self.cache_secret, tenant.cache_salt))
-            work = work_from_spec(spec, uuid.uuid4().hex, self.kvstore)
-            timeout = _left(deadline_s, "in the admission queue")
-            decision = await self._call(self.router.Route(pb.RouteRequest(
-                request_id=req_id, prompt_tokens=len(ids), max_tokens=params.max_tokens, prompt_u32=pack_tokens(ids),
-                adapter=work.adapter, cache_salt=work.cache_salt), timeout=timeout))
             text = _TextStream(self.tokenizer, params.stop)
             queue_ms = (ticket.dispatched_s - ticket.arrival_s) * 1e3
-            async for ev in self._events(decision, work, _left(deadline_s, "while routing")):
+            async for ev in self._resumable(spec, streamed):
                 if ev.token_ids:
                     last_s = time.monotonic()
-                    if outputs == 0:
+                    if not streamed:
                         first_s = last_s
                         self.admission.metrics.ttft.record((first_s - ticket.arrival_s) * 1e3, {"tenant": tenant.name})
-                outputs += len(ev.token_ids)
+                streamed.extend(ev.token_ids)
+                counts = counts or (ev.prompt_tokens, ev.cached_prompt_tokens)  # the first attempt's prompt
                 finished = bool(ev.finish_reason)
                 yield pb.GenerateResponse(request_id=client_id, token_ids=ev.token_ids, logprobs=ev.logprobs,
                                           text=text.push(ev.token_ids, bool(ev.finish_reason)),
-                                          finish_reason=ev.finish_reason, prompt_tokens=ev.prompt_tokens,
-                                          cached_prompt_tokens=ev.cached_prompt_tokens, queue_wait_ms=queue_ms)
+                                          finish_reason=ev.finish_reason, prompt_tokens=counts[0],
+                                          cached_prompt_tokens=counts[1], queue_wait_ms=queue_ms)
                 queue_ms = 0.0
                 if ev.finish_reason:
                     return
         finally:  # a completed request's times teach the admission cost model (a cut-short one's would not)
-            self.admission.done(ticket, outputs, *((first_s, last_s) if finished else ()))
+            self.admission.done(ticket, len(streamed), *((first_s, last_s) if finished else ()))
+
+    async def _resumable(self, spec: RequestSpec, streamed: list):
+        """The request's token events, resumed on another worker when a worker, the kvstore or the router fails
+        it (UNAVAILABLE): the next attempt prefills the prompt and the tokens already streamed (`streamed`, kept by
+        the caller) with sampling counting them as outputs, so greedy and seeded requests continue exactly and the
+        client sees no duplicated and no missing token. Bounded by MAX_ATTEMPTS and the deadline."""
+        avoid: set = set()
+        for attempt in range(MAX_ATTEMPTS):
+            done = len(streamed)
+            p = spec.sampling
+            now = replace(spec, request_id=spec.request_id + (f".r{attempt}" if attempt else ""),
+                          prompt_token_ids=spec.prompt_token_ids + tuple(streamed), resumed_outputs=done,
+                          sampling=replace(p, max_tokens=p.max_tokens - done, min_tokens=max(p.min_tokens - done, 0)))
+            try:
+                work = work_from_spec(now, uuid.uuid4().hex, self.kvstore)
+                decision = await self._route(pb.RouteRequest(
+                    request_id=now.request_id, prompt_tokens=len(now.prompt_token_ids), max_tokens=now.sampling.max_tokens,
+                    prompt_u32=pack_tokens(now.prompt_token_ids), adapter=work.adapter, cache_salt=work.cache_salt,
+                    avoid=sorted(avoid)), _left(spec.deadline_s, "in the admission queue"))
+                async for ev in self._events(decision, work, _left(spec.deadline_s, "while routing")):
+                    yield ev
+                    if ev.finish_reason:
+                        return
+                raise Unavailable("a worker's stream ended before the request finished")
+            except MeshError as e:
+                delay = min(RESUME_BACKOFF_S * 2 ** attempt, MAX_BACKOFF_S)
+                if (e.code != "UNAVAILABLE" or attempt + 1 == MAX_ATTEMPTS
+                        or (spec.deadline_s is not None and time.monotonic() + delay >= spec.deadline_s)):
+                    raise
+                avoid.add(e.peer)
+                self.resumes.add(1, {"after_tokens": "0" if not streamed else "some"})
+                log.warning("request %s: %s (from %s); attempt %d in %.2f s, resuming after %d streamed tokens",
+                            spec.request_id, e, e.peer or "the gateway", attempt + 2, delay, len(streamed))
+                await asyncio.sleep(delay)
+
+    async def _route(self, request: pb.RouteRequest, timeout: float | None) -> pb.RouteDecision:
+        """Route calls spread over the routers (stateless: each sees every worker's heartbeats and the Redis
+        index); an unavailable router fails over to the next at once."""
+        start = next(self._route_turn)
+        for i in range(len(self.routers)):
+            address = self.routers[(start + i) % len(self.routers)]
+            try:
+                return await pb_grpc.RouterStub(self.channels.get(address)).Route(request, timeout=timeout)
+            except grpc.aio.AioRpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE or i + 1 == len(self.routers):
+                    raise rpc.forward_rpc_error(e, address) from None
 
     async def _events(self, decision, work, timeout):
         if decision.mode == "unified":
-            async for ev in self._stream(self.worker(decision.decode_worker).Generate(work, timeout=timeout)):
+            call = self.worker(decision.decode_worker).Generate(work, timeout=timeout)
+            async for ev in self._stream(call, decision.decode_worker):
                 yield ev
             return
         prefill = self.worker(decision.prefill_worker).Prefill(work, timeout=timeout)
         decode = self.worker(decision.decode_worker).Decode(work, timeout=timeout)
-        prefill_events = self._stream(prefill)
+        prefill_events = self._stream(prefill, decision.prefill_worker)
         try:
             first = await anext(prefill_events)
             drain = asyncio.ensure_future(_drain(prefill_events))  # the call ends once its KV has landed
@@ -269,7 +324,7 @@ class GatewayServicer(pb_grpc.GenerationServicer):
             yield first
             if first.finish_reason:
                 return
-            async for ev in _unless_failed(self._stream(decode), drain):
+            async for ev in _unless_failed(self._stream(decode, decision.decode_worker), drain):
                 ev.prompt_tokens, ev.cached_prompt_tokens = prompt.prompt_tokens, prompt.cached_prompt_tokens
                 yield ev
             await drain
@@ -285,18 +340,12 @@ class GatewayServicer(pb_grpc.GenerationServicer):
         except grpc.aio.AioRpcError:
             pass  # the kvstore's TTL drops an unclaimed transfer anyway
 
-    async def _stream(self, call):
+    async def _stream(self, call, peer: str):
         try:
             async for ev in call:
                 yield ev
         except grpc.aio.AioRpcError as e:
-            raise rpc.forward_rpc_error(e) from None
-
-    async def _call(self, call):
-        try:
-            return await call
-        except grpc.aio.AioRpcError as e:
-            raise rpc.forward_rpc_error(e) from None
+            raise rpc.forward_rpc_error(e, peer) from None
 
     @rpc.mapped
     async def ListModels(self, request, context):

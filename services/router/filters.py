@@ -6,6 +6,8 @@ applies them in order and answers UNAVAILABLE naming the filter that left nobody
 - RoleFilter: workers of the role this hop needs (prefill, decode or unified).
 - BlockSizeFilter: when the request's KV comes from elsewhere (the decode hop after a prefill),
   workers with that block size: KV blocks move as whole blocks and are not re-blocked.
+- AvoidFilter: a resumed request (its worker failed mid-stream) avoids the workers that failed it while
+  another can take it (the failed one may still look live until its heartbeats are missed).
 - AdapterFilter: the LoRA slot: with an adapter asked for, the workers that have it loaded when
   any does (residency and loading on demand belong to the LoRA work); else every candidate.
 """
@@ -22,6 +24,7 @@ class Need:
     role: str  # prefill | decode | unified
     block_size: int = 0  # the block size the KV arrives in (0 = any)
     adapter: str = ""  # the request's LoRA adapter ("" = base model)
+    avoid: frozenset = frozenset()  # addresses that failed this request (kept only when nobody else is left)
 
 
 class RoleFilter:
@@ -46,7 +49,14 @@ class AdapterFilter:
         return having or workers
 
 
-FILTERS = (RoleFilter(), BlockSizeFilter(), AdapterFilter())
+class AvoidFilter:
+    name = "avoid"
+
+    def keep(self, workers: list[WorkerView], need: Need) -> list[WorkerView]:
+        return [w for w in workers if w.address not in need.avoid] or workers
+
+
+FILTERS = (RoleFilter(), BlockSizeFilter(), AvoidFilter(), AdapterFilter())
 
 
 def candidates(workers: list[WorkerView], need: Need, filters=FILTERS) -> tuple[list[WorkerView], str]:

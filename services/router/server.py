@@ -98,7 +98,8 @@ class RouterServicer(pb_grpc.RouterServicer):
 
     async def _pick(self, role: str, cost: int, request, block_size: int = 0):
         """Filter, decide, then commit; returns (worker, why, cached prompt tokens on it per the index)."""
-        policy, workers = self.policies[role], self.registry.live(Need(role, block_size, request.adapter))
+        policy, workers = self.policies[role], self.registry.live(
+            Need(role, block_size, request.adapter, frozenset(request.avoid)))
         hashes, ctx = [], None
         if policy.uses_prefix and role in PREFIX_ROLES and (request.prompt_u32 or request.prompt_token_ids):
             hashes, ctx = await self._prefix_context(workers, request)

@@ -124,7 +124,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             first = await self._next(q)
             yield _event(first)  # the first token goes out at once; the KV tail may still be in flight
             if not first.finished:
-                await put
+                await rpc.finish_client_stream(put, f"the kvstore at {request.kvstore}")
         finally:
             self.runner.abort(request.request_id)
             if not put.done():

@@ -215,6 +215,24 @@ def test_sampled_tokens_continue_across_export_import(tiny_model, seed):
     assert req.output_token_ids == whole.output_token_ids
 
 
+@pytest.mark.parametrize("k", [1, 7])
+def test_a_resumed_request_continues_the_same_draws(tiny_model, k):
+    """A resume (the gateway's, after a worker died mid-stream) is a new request whose prompt ends with the k
+    tokens already streamed, with resumed_outputs=k: its sampled tokens are the rest of the original's."""
+    params = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.95, seed=77, min_tokens=10, ignore_eos=True)
+    prompt = random_prompts(1, seed=43, lo=30, hi=30, vocab=4000)[0]
+    whole = run_all(make_engine(tiny_model), [prompt], params)[0]
+    engine = make_engine(tiny_model)
+    rest = SamplingParams(max_tokens=16 - k, temperature=1.0, top_p=0.95, seed=77, min_tokens=max(10 - k, 0),
+                          ignore_eos=True)
+    resumed = engine.add_request("a.r1", prompt + whole[:k], rest, resumed_outputs=k)
+    while engine.has_unfinished():
+        engine.step()
+    assert whole[:k] + resumed.output_token_ids == whole
+    fresh = run_all(make_engine(tiny_model), [prompt + whole[:k]], rest)[0]
+    assert fresh != whole[k:], "without resumed_outputs the draws restart: the test would not see a mistake"
+
+
 def test_unseeded_requests_draw_their_own_seeds(tiny_model):
     engine = make_engine(tiny_model)
     params = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)

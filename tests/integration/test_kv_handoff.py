@@ -43,12 +43,13 @@ def test_a_full_kvstore_is_resource_exhausted_at_once(tiny_model, tmp_path_facto
 
 
 def test_a_dead_kvstore_is_unavailable_not_internal(tiny_model, tmp_path_factory):
+    """Nobody restarts the kvstore here: the gateway's resumes (0.1 s doubling to 2 s, 9.1 s in all) give up."""
     mesh = start(tiny_model, tmp_path_factory, "kv-dead")
     try:
         os.killpg(mesh.proc("kvstore").popen.pid, signal.SIGKILL)
         mesh.proc("kvstore").popen.wait()
         got, code, took = first_token_then_error(mesh.gateway)
         assert code == grpc.StatusCode.UNAVAILABLE, code
-        assert took < 10, f"the client waited {took:.1f} s"
+        assert took < 20, f"the client waited {took:.1f} s"
     finally:
         mesh.stop()

@@ -77,6 +77,17 @@ def test_filters_keep_the_decode_hop_to_the_prefill_block_size_and_name_the_filt
         reg.live(Need("decode", block_size=32))
 
 
+def test_a_resumed_request_avoids_the_workers_that_failed_it_while_another_can_take_it():
+    from services.router.filters import Need
+
+    reg = Registry(Clock(), ttl_s=3.0)
+    reg.beat("d0", "127.0.0.1:9001", "decode", 0, 100)
+    reg.beat("d1", "127.0.0.1:9002", "decode", 50, 100)
+    assert [w.worker_id for w in reg.live(Need("decode", avoid=frozenset({"127.0.0.1:9001"})))] == ["d1"]
+    everyone = frozenset({"127.0.0.1:9001", "127.0.0.1:9002"})  # nobody else: the failed ones (one may be back)
+    assert {w.worker_id for w in reg.live(Need("decode", avoid=everyone))} == {"d0", "d1"}
+
+
 def test_heartbeat_fields_round_trip_through_the_one_conversion():
     from services.common.convert import load_from_pb, load_to_pb
     from services.common.pb import meshserve_pb2 as pb

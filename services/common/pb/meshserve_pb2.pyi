@@ -113,7 +113,7 @@ class TokenizeResponse(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WorkRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "adapter", "cache_salt", "transfer_id", "kvstore", "tenant", "weight", "deadline_unix_ms", "predicted_s")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "adapter", "cache_salt", "transfer_id", "kvstore", "tenant", "weight", "deadline_unix_ms", "predicted_s", "resumed_outputs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +126,7 @@ class WorkRequest(_message.Message):
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_S_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: Sampling
@@ -138,7 +139,8 @@ class WorkRequest(_message.Message):
     weight: float
     deadline_unix_ms: int
     predicted_s: float
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., priority: _Optional[int] = ..., adapter: _Optional[str] = ..., cache_salt: _Optional[str] = ..., transfer_id: _Optional[str] = ..., kvstore: _Optional[str] = ..., tenant: _Optional[str] = ..., weight: _Optional[float] = ..., deadline_unix_ms: _Optional[int] = ..., predicted_s: _Optional[float] = ...) -> None: ...
+    resumed_outputs: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., priority: _Optional[int] = ..., adapter: _Optional[str] = ..., cache_salt: _Optional[str] = ..., transfer_id: _Optional[str] = ..., kvstore: _Optional[str] = ..., tenant: _Optional[str] = ..., weight: _Optional[float] = ..., deadline_unix_ms: _Optional[int] = ..., predicted_s: _Optional[float] = ..., resumed_outputs: _Optional[int] = ...) -> None: ...
 
 class TokenEvent(_message.Message):
     __slots__ = ("token_ids", "logprobs", "finish_reason", "prompt_tokens", "cached_prompt_tokens")
@@ -229,7 +231,7 @@ class HeartbeatReply(_message.Message):
     def __init__(self, interval_ms: _Optional[int] = ...) -> None: ...
 
 class RouteRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_tokens", "max_tokens", "mode", "prompt_token_ids", "adapter", "cache_salt", "prompt_u32")
+    __slots__ = ("request_id", "prompt_tokens", "max_tokens", "mode", "prompt_token_ids", "adapter", "cache_salt", "prompt_u32", "avoid")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -238,6 +240,7 @@ class RouteRequest(_message.Message):
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_U32_FIELD_NUMBER: _ClassVar[int]
+    AVOID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_tokens: int
     max_tokens: int
@@ -246,7 +249,8 @@ class RouteRequest(_message.Message):
     adapter: str
     cache_salt: str
     prompt_u32: bytes
-    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., mode: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., adapter: _Optional[str] = ..., cache_salt: _Optional[str] = ..., prompt_u32: _Optional[bytes] = ...) -> None: ...
+    avoid: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., mode: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., adapter: _Optional[str] = ..., cache_salt: _Optional[str] = ..., prompt_u32: _Optional[bytes] = ..., avoid: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RouteDecision(_message.Message):
     __slots__ = ("prefill_worker", "decode_worker", "mode", "reason", "decision_ms", "cached_prefix_tokens")
