@@ -72,26 +72,6 @@ class RestartLimit(RuntimeError):
     """A service keeps dying right after it starts."""
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: SIGKILL when the parent dies (Linux prctl PR_SET_PDEATHSIG; elsewhere nothing)."""
-    if _PRCTL is not None:
-        _PRCTL(1, signal.SIGKILL, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
-
-
-def _load_prctl():
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        import ctypes
-
-        return ctypes.CDLL(None, use_errno=True).prctl  # resolved now: the child only calls it
-    except (OSError, AttributeError):
-        return None
-
-
-_PRCTL = _load_prctl()
-
-
 @dataclass
 class MeshSpec:
     model_dir: str
@@ -99,6 +79,7 @@ class MeshSpec:
     prefill: int = 1  # prefill workers (disaggregated)
     decode: int = 2  # decode workers (disaggregated)
     unified: int = 1  # unified workers (unified mode)
+    routers: int = 1  # routers (stateless; each hears every worker; the first takes router_port)
     engine_args: list = field(default_factory=list)  # extra engine flags for every worker
     policy: str = "least-outstanding"  # routing policy
     routing: dict = field(default_factory=dict)  # the routing section: weights, guard thresholds
@@ -120,7 +101,8 @@ class Mesh:
         self.spec = spec
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="meshserve-"))
         self.procs: list[Proc] = []
-        self.gateway = self.router = self.kvstore = ""
+        self.gateway = self.router = self.kvstore = ""  # router: the first router's address
+        self.routers: list[str] = []
         self.http = ""  # the gateway's OpenAI-compatible HTTP address, when served
         self.redis_url = spec.redis_url
         self.ports: set[int] = set()  # handed out to this mesh's processes
@@ -152,9 +134,10 @@ class Mesh:
             env.pop(var, None)
         if identity:
             env.update({TLS_DIR_ENV: self.tls_dir, TLS_NAME_ENV: identity})
-        with open(log, mode) as out:
-            return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                    stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        guarded = [sys.executable, "-m", "services.common.die_with_parent", str(os.getpid()), *map(str, args)]
+        with open(log, mode) as out:  # no preexec_fn: unsafe with threads (services/common/die_with_parent.py)
+            return subprocess.Popen(guarded, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                    stdin=subprocess.DEVNULL)
 
     def supervise(self, say: Callable[[str], None] = print) -> None:
         """One round of supervision (see the module doc): start again what exited, when its backoff is due.
@@ -222,13 +205,15 @@ class Mesh:
         config = ["--config", s.config_file] if s.config_file else []
         self.kvstore = self._service("kvstore", "kvstore", port=s.kvstore_port).address
         routing = [f"--{k}={json.dumps(v)}" for k, v in s.routing.items()]
-        self.router = self._service("router", "router", *config, "--policy", s.policy, *routing, "--mode", s.mode,
-                                    "--redis-url", self.redis_url, port=s.router_port).address
+        self.routers = [self._service(f"router-{i}" if i else "router", "router", *config, "--policy", s.policy,
+                                      *routing, "--mode", s.mode, "--redis-url", self.redis_url,
+                                      port=s.router_port if i == 0 else 0).address for i in range(s.routers)]
+        self.router, routers = self.routers[0], ",".join(self.routers)
         roles = [("unified", s.unified)] if s.mode == "unified" else [("prefill", s.prefill), ("decode", s.decode)]
         for role, count in roles:
             for i in range(count):
                 name = f"{role}-{i}"
-                self._service(name, "worker", "--role", role, "--model", s.model_dir, "--router", self.router,
+                self._service(name, "worker", "--role", role, "--model", s.model_dir, "--router", routers,
                               "--redis-url", self.redis_url, "--worker-id", name, "--threads", s.threads, *config,
                               *s.engine_args, *s.worker_args.get(name, []))
         http = []
@@ -236,7 +221,7 @@ class Mesh:
             http_port = s.http_port or self._free_port()
             http = ["--http-port", http_port]
             self.http = f"http://127.0.0.1:{http_port}"
-        self.gateway = self._service("gateway", "gateway", "--model", s.model_dir, "--router", self.router,
+        self.gateway = self._service("gateway", "gateway", "--model", s.model_dir, "--router", routers,
                                      "--kvstore", self.kvstore, "--mode", s.mode, *config, *http, *s.gateway_args,
                                      port=s.gateway_port).address
         self.wait_healthy(timeout_s)

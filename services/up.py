@@ -33,7 +33,7 @@ def mesh_spec(cfg: MeshConfig, model: Path, args):
     m = cfg.mesh
     names = args.served_model_name or m.served_model_name
     return MeshSpec(str(model), mode=m.mode, prefill=m.prefill, decode=m.decode, unified=m.unified,
-                    engine_args=engine_args, policy=cfg.routing.policy,
+                    routers=m.router, engine_args=engine_args, policy=cfg.routing.policy,
                     routing=cfg.routing.model_dump(include={"weights", "guard"}), threads=cfg.engine.threads or 1,
                     gateway_port=args.port, http_port=args.http_port, router_port=args.router_port,
                     kvstore_port=args.kvstore_port, config_file=args.config, tls=m.tls,
@@ -110,7 +110,7 @@ def cmd_up(args) -> int:
         if mesh.tls_dir:
             print(f"internal services speak mutual TLS (certificates in {mesh.tls_dir}; the gateway's public port "
                   "is plain)", flush=True)
-        print(f"meshserve is ready: gateway {mesh.gateway}, HTTP {mesh.http}, router {mesh.router}, kvstore {mesh.kvstore}, "
+        print(f"meshserve is ready: gateway {mesh.gateway}, HTTP {mesh.http}, router {','.join(mesh.routers)}, kvstore {mesh.kvstore}, "
               f"redis {redis}", flush=True)
         while not stop.wait(0.2):
             try:

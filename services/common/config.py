@@ -46,6 +46,8 @@ class MeshSection(Section):
     prefill: PositiveInt = Field(1, description="prefill workers (disaggregated)")
     decode: PositiveInt = Field(2, description="decode workers (disaggregated)")
     unified: PositiveInt = Field(1, description="unified workers (unified mode)")
+    router: PositiveInt = Field(1, description="routers: stateless, every worker beats to each, the gateway spreads "
+                                               "Route calls over them and fails over when one is down")
     tls: bool = Field(True, description="mutual TLS between the mesh's services, with certificates minted per run "
                                         "(`meshserve up`), and a password on the embedded Redis; the public gateway "
                                         "port stays plain")

@@ -22,18 +22,22 @@ from services.gateway.server import GatewayServicer, ModelInfo, SizeBounds, add_
 log = logging.getLogger("meshserve.gateway")
 
 
-async def watch_mesh(server: rpc.Server, router: str, mode: str, admission: Admission, period_s: float = 0.25) -> None:
-    """Poll the router's view of the workers: readiness (SERVING while the router answers and has
-    the workers this mode needs) and the admission queue's capacity and cost model."""
-    chan = rpc.channel(router)  # held for the loop's lifetime
-    stub = pb_grpc.RouterStub(chan)
+async def watch_mesh(server: rpc.Server, routers: list, mode: str, admission: Admission,
+                     period_s: float = 0.25) -> None:
+    """Poll the routers' view of the workers (the first that answers): readiness (SERVING while a router answers
+    and has the workers this mode needs) and the admission queue's capacity and cost model."""
+    stubs = [pb_grpc.RouterStub(rpc.channel(r)) for r in routers]  # channels held for the loop's lifetime
     need = {"unified"} if mode == "unified" else {"prefill", "decode"}
     while True:
-        try:
-            workers = (await stub.ListWorkers(pb.ListWorkersRequest(), timeout=1)).workers
+        for stub in stubs:
+            try:
+                workers = (await stub.ListWorkers(pb.ListWorkersRequest(), timeout=1)).workers
+            except grpc.aio.AioRpcError:
+                continue
             await server.set_serving(need <= {w.role for w in workers})
             admission.update_view(workers, "unified" if mode == "unified" else "decode")
-        except grpc.aio.AioRpcError:
+            break
+        else:
             await server.set_serving(False)
         await asyncio.sleep(period_s)
 
@@ -46,11 +50,12 @@ async def serve(args, config: MeshConfig) -> None:
     if tenants and not given:
         log.warning("%s is not set: tenants' prefix caches are salted with a secret of this process only (lost on "
                     "restart, not shared with other gateways)", CACHE_SECRET_ENV)
-    servicer = GatewayServicer(model, Tokenizer(args.model), args.router, args.kvstore, Authenticator(tenants),
+    routers = args.router.split(",")
+    servicer = GatewayServicer(model, Tokenizer(args.model), routers, args.kvstore, Authenticator(tenants),
                                admission, SizeBounds.for_model(model.max_model_len, adm.max_prompt_bytes), secret)
     server = rpc.Server(["Generation"], args.port, args.host, public=True)
     add_to_server(servicer, server.server)
-    tasks = [asyncio.create_task(watch_mesh(server, args.router, args.mode, admission)),
+    tasks = [asyncio.create_task(watch_mesh(server, routers, args.mode, admission)),
              asyncio.create_task(admission.tick())]
     http = None
     if args.http_port is not None:
@@ -82,7 +87,8 @@ def main() -> None:
                     help="the served model folder (config.json and tokenizer.json are read here)")
     ap.add_argument("--served-model-name", nargs="+", metavar="NAME",
                     help="the model name(s) requests use (the first is reported; default: the folder's name)")
-    ap.add_argument("--router", default=os.environ.get("ROUTER_ADDR", f"127.0.0.1:{rpc.DEFAULT_PORTS['router']}"))
+    ap.add_argument("--router", default=os.environ.get("ROUTER_ADDR", f"127.0.0.1:{rpc.DEFAULT_PORTS['router']}"),
+                    help="router address, or several separated by commas (Route calls spread over them and fail over)")
     ap.add_argument("--kvstore", default=os.environ.get("KVSTORE_ADDR", f"127.0.0.1:{rpc.DEFAULT_PORTS['kvstore']}"))
     ap.add_argument("--mode", default=os.environ.get("ROUTER_MODE", "disaggregated"),
                     choices=["disaggregated", "unified"], help="which workers readiness waits for")

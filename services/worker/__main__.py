@@ -33,18 +33,24 @@ async def serve(args) -> None:
         from services.common.prefix_index import IndexPublisher, connect
         publisher = IndexPublisher(connect(args.redis_url), worker_id)
         publishing = asyncio.create_task(index_loop(runner, publisher))
-    beat = asyncio.create_task(heartbeat_loop(runner, args.router, worker_id, server.address, args.role,
-                                              on_first=lambda: server.set_serving(True), publisher=publisher))
+    routers = args.router.split(",")  # every router hears every heartbeat: none holds state the others lack
+    beats = [asyncio.create_task(heartbeat_loop(runner, router, worker_id, server.address, args.role,
+                                                on_first=lambda: server.set_serving(True), publisher=publisher))
+             for router in routers]
+
+    async def deregister(router: str) -> None:
+        try:
+            await pb_grpc.RouterStub(rpc.channel(router)).Deregister(pb.WorkerId(worker_id=worker_id), timeout=1)
+        except Exception:
+            pass  # the router drops silent workers anyway
 
     async def on_stop():
-        beat.cancel()
+        for beat in beats:
+            beat.cancel()
         if publishing is not None:
             publishing.cancel()
             await publisher.withdraw()
-        try:
-            await pb_grpc.RouterStub(rpc.channel(args.router)).Deregister(pb.WorkerId(worker_id=worker_id), timeout=1)
-        except Exception:
-            pass  # the router drops silent workers anyway
+        await asyncio.gather(*(deregister(r) for r in routers))
 
     print(f"{args.role} worker {worker_id} listening on {server.address}", flush=True)
     await server.run(grace_s=args.grace_s, on_stop=on_stop)
@@ -56,7 +62,8 @@ def parser(role: str | None = None) -> argparse.ArgumentParser:
     if role is None:
         ap.add_argument("--role", required=True, choices=ROLES)
     ap.add_argument("--model", default=os.environ.get("MESHSERVE_MODEL"), required="MESHSERVE_MODEL" not in os.environ)
-    ap.add_argument("--router", default=os.environ.get("ROUTER_ADDR", f"127.0.0.1:{rpc.DEFAULT_PORTS['router']}"))
+    ap.add_argument("--router", default=os.environ.get("ROUTER_ADDR", f"127.0.0.1:{rpc.DEFAULT_PORTS['router']}"),
+                    help="router address, or several separated by commas (heartbeats go to each)")
     rpc.add_server_flags(ap, "WORKER_PORT", grace_s=10.0)
     ap.add_argument("--worker-id")
     ap.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),

@@ -23,7 +23,7 @@ def test_yaml_and_toml(tmp_path):
 @pytest.mark.parametrize("text,fragment", [
     # unknown key or section
     ("autoscaler2: {}\n", "autoscaler2: unknown section"),
-    ("mesh: {workers: 3}\n", "mesh.workers: unknown key (known: model, served_model_name, mode, prefill, decode, unified, tls)"),
+    ("mesh: {workers: 3}\n", "mesh.workers: unknown key (known: model, served_model_name, mode, prefill, decode, unified, router, tls)"),
     ("engine: {blocksize: 8}\n", "engine.blocksize: unknown key"),
     ("routing: {guard: {absolute: 1}}\n", "routing.guard.absolute: unknown key (known: abs, rel)"),
     # wrong type
