@@ -6,11 +6,12 @@ import argparse
 import shlex
 import sys
 
-from bench import engine_mixed, mesh_mixed, prefix_shared, router_latency, sampler, skewed_costs, tenants_overload
+from bench import (engine_mixed, mesh_mixed, prefix_shared, router_latency, sampler, skewed_costs, soak,
+                   tenants_overload)
 
 WORKLOADS = {"engine-mixed": engine_mixed, "mesh-mixed": mesh_mixed, "prefix-shared": prefix_shared,
              "skewed-costs": skewed_costs, "router-latency": router_latency, "tenants-overload": tenants_overload,
-             "sampler": sampler}
+             "sampler": sampler, "soak": soak}
 
 
 def add_bench_parser(sub, func) -> None:

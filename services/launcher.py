@@ -93,6 +93,7 @@ class MeshSpec:
     http_port: int | None = 0  # the OpenAI-compatible HTTP front (0 = any free port, None = off)
     config_file: str | None = None  # the mesh config file: every service reads its sections; flags here win
     tls: bool = False  # mutual TLS between the services (certificates minted per mesh) and a Redis password
+    public_tls: bool = False  # the gateway's public gRPC and HTTP ports over TLS too (the mesh CA's gateway cert)
     gateway_args: list = field(default_factory=list)  # extra gateway flags (e.g. --admission-policy)
 
 
@@ -123,7 +124,7 @@ class Mesh:
         log = self.log_dir / f"{name}.log"
         identity = identity if self.tls_dir else ""
         proc = Proc(name, f"127.0.0.1:{port}", self._popen(args, log, "wb", identity), log, grpc_health, args=args,
-                    started_s=time.monotonic(), identity=identity, tls_health=bool(identity) and identity != "gateway")
+                    started_s=time.monotonic(), identity=identity, tls_health=bool(identity) and (identity != "gateway" or self.spec.public_tls))
         self.procs.append(proc)
         return proc
 
@@ -220,11 +221,20 @@ class Mesh:
         if s.http_port is not None:
             http_port = s.http_port or self._free_port()
             http = ["--http-port", http_port]
-            self.http = f"http://127.0.0.1:{http_port}"
+            self.http = f"{'https' if s.public_tls else 'http'}://127.0.0.1:{http_port}"
         self.gateway = self._service("gateway", "gateway", "--model", s.model_dir, "--router", routers,
-                                     "--kvstore", self.kvstore, "--mode", s.mode, *config, *http, *s.gateway_args,
+                                     "--kvstore", self.kvstore, "--mode", s.mode, *config, *http, *self._public_tls(),
+                                     *s.gateway_args,
                                      port=s.gateway_port).address
         self.wait_healthy(timeout_s)
+
+    def _public_tls(self) -> list:
+        if not self.spec.public_tls:
+            return []
+        if not self.tls_dir:
+            raise ValueError("public_tls needs tls: the public certificate comes from the mesh's CA")
+        folder = Path(self.tls_dir)
+        return ["--tls-cert", folder / "gateway.pem", "--tls-key", folder / "gateway-key.pem"]
 
     def wait_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

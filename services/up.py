@@ -36,7 +36,7 @@ def mesh_spec(cfg: MeshConfig, model: Path, args):
                     routers=m.router, engine_args=engine_args, policy=cfg.routing.policy,
                     routing=cfg.routing.model_dump(include={"weights", "guard"}), threads=cfg.engine.threads or 1,
                     gateway_port=args.port, http_port=args.http_port, router_port=args.router_port,
-                    kvstore_port=args.kvstore_port, config_file=args.config, tls=m.tls,
+                    kvstore_port=args.kvstore_port, config_file=args.config, tls=m.tls, public_tls=m.public_tls,
                     gateway_args=["--served-model-name", *names] if names else [])
 
 
@@ -108,8 +108,8 @@ def cmd_up(args) -> int:
               flush=True)
         redis = re.sub(r"//:[^@]*@", "//:***@", mesh.redis_url)
         if mesh.tls_dir:
-            print(f"internal services speak mutual TLS (certificates in {mesh.tls_dir}; the gateway's public port "
-                  "is plain)", flush=True)
+            print(f"internal services speak mutual TLS (certificates in {mesh.tls_dir}; the gateway's public ports "
+                  + ("use TLS too: clients trust ca.pem there)" if mesh.spec.public_tls else "are plain)"), flush=True)
         print(f"meshserve is ready: gateway {mesh.gateway}, HTTP {mesh.http}, router {','.join(mesh.routers)}, kvstore {mesh.kvstore}, "
               f"redis {redis}", flush=True)
         while not stop.wait(0.2):
@@ -163,7 +163,9 @@ async def _client(args) -> int:
     lines = [json.loads(t) for t in Path(args.input).read_text().splitlines() if t.strip()]
     sem = asyncio.Semaphore(args.concurrency)
     metadata = (("x-api-key", args.api_key),) if args.api_key else None
-    async with grpc.aio.insecure_channel(args.target) as ch:
+    channel = (grpc.aio.secure_channel(args.target, grpc.ssl_channel_credentials(Path(args.ca).read_bytes()))
+               if args.ca else grpc.aio.insecure_channel(args.target))
+    async with channel as ch:
         stub = pb_grpc.GenerationStub(ch)
 
         async def bounded(obj):
@@ -199,4 +201,6 @@ def add_parsers(sub) -> None:
     client.add_argument("--output", required=True)
     client.add_argument("--concurrency", type=int, default=16)
     client.add_argument("--api-key")
+    client.add_argument("--ca", help="speak TLS to the gateway, trusting this CA (PEM; a mesh with public_tls: "
+                                     "ca.pem of its certificate folder)")
     client.set_defaults(func=cmd_client)

@@ -50,7 +50,16 @@ class MeshSection(Section):
                                                "Route calls over them and fails over when one is down")
     tls: bool = Field(True, description="mutual TLS between the mesh's services, with certificates minted per run "
                                         "(`meshserve up`), and a password on the embedded Redis; the public gateway "
-                                        "port stays plain")
+                                        "ports stay plain unless public_tls")
+    public_tls: bool = Field(False, description="serve the gateway's public gRPC and HTTP ports over TLS too, with the "
+                                                "mesh CA's gateway certificate (clients trust ca.pem of the mesh's "
+                                                "certificate folder); needs tls")
+
+    @model_validator(mode="after")
+    def _public_tls_needs_tls(self):
+        if self.public_tls and not self.tls:
+            raise ValueError("public_tls needs tls: the public certificate comes from the mesh's CA")
+        return self
 
 
 class Guard(Section):

@@ -142,14 +142,19 @@ async def finish_client_stream(call, peer: str):
 class Server:
     """A grpc.aio server with health, reflection, explicit message sizes and graceful SIGTERM."""
 
-    def __init__(self, service_names: list[str], port: int, host: str = "127.0.0.1", public: bool = False):
+    def __init__(self, service_names: list[str], port: int, host: str = "127.0.0.1", public: bool = False,
+                 public_tls: tuple[bytes, bytes] | None = None):
+        """public: the gateway's port, never mutual TLS; public_tls: its (key, certificate chain) PEMs to serve TLS
+        to any client (no client certificate), else it is plain."""
         self.server = grpc.aio.server(options=CHANNEL_OPTIONS)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = [meshserve_pb2.DESCRIPTOR.services_by_name[n].full_name for n in service_names]
         reflection.enable_server_reflection(names + [reflection.SERVICE_NAME, health.SERVICE_NAME], self.server)
         files = None if public else tls_files()
-        if files is None:
+        if public_tls is not None:
+            self.port = self.server.add_secure_port(f"{host}:{port}", grpc.ssl_server_credentials([public_tls]))
+        elif files is None:
             self.port = self.server.add_insecure_port(f"{host}:{port}")
         else:
             ca, key, cert = files

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import os
+from pathlib import Path
 
 import grpc
 
@@ -53,16 +54,19 @@ async def serve(args, config: MeshConfig) -> None:
     routers = args.router.split(",")
     servicer = GatewayServicer(model, Tokenizer(args.model), routers, args.kvstore, Authenticator(tenants),
                                admission, SizeBounds.for_model(model.max_model_len, adm.max_prompt_bytes), secret)
-    server = rpc.Server(["Generation"], args.port, args.host, public=True)
+    tls = (args.tls_key, args.tls_cert) if args.tls_cert else None
+    public_tls = tuple(Path(f).read_bytes() for f in tls) if tls else None
+    server = rpc.Server(["Generation"], args.port, args.host, public=True, public_tls=public_tls)
     add_to_server(servicer, server.server)
     tasks = [asyncio.create_task(watch_mesh(server, routers, args.mode, admission)),
              asyncio.create_task(admission.tick())]
     http = None
     if args.http_port is not None:
         from services.gateway.http import HttpFront, http_server
-        http, sock = http_server(HttpFront(servicer, args.model), args.host, args.http_port)
+        http, sock = http_server(HttpFront(servicer, args.model), args.host, args.http_port, tls)
         tasks.append(asyncio.create_task(http.serve(sockets=[sock])))
-        print(f"gateway HTTP (OpenAI-compatible) on http://{args.host}:{sock.getsockname()[1]}", flush=True)
+        scheme = "https" if tls else "http"
+        print(f"gateway HTTP (OpenAI-compatible) on {scheme}://{args.host}:{sock.getsockname()[1]}", flush=True)
     print(f"gateway listening on {server.address}; " + (f"{len(tenants)} tenant(s)" if tenants else
           "no tenants configured: one open default tenant (no API key needed)") +
           f"; admission {admission.queue.policy.name}, starvation bound {admission.queue.starvation_s:g} s", flush=True)
@@ -96,9 +100,14 @@ def main() -> None:
     add_section_flags(ap, "admission", prefix="admission-")
     ap.add_argument("--http-port", type=int, default=_env_int("GATEWAY_HTTP_PORT"),
                     help="serve the OpenAI-compatible HTTP API on this port (0 = any free port; default: off)")
+    ap.add_argument("--tls-cert", default=os.environ.get("GATEWAY_TLS_CERT"),
+                    help="serve the public gRPC and HTTP ports over TLS with this PEM certificate (chain) ...")
+    ap.add_argument("--tls-key", default=os.environ.get("GATEWAY_TLS_KEY"), help="... and this PEM private key")
     rpc.add_server_flags(ap, "GATEWAY_PORT", grace_s=10.0, default_port=rpc.DEFAULT_PORTS["gateway"])
     add_metrics_flag(ap)
     args = ap.parse_args()
+    if bool(args.tls_cert) != bool(args.tls_key):
+        ap.error("--tls-cert and --tls-key go together")
     config = config_from_args(ap, args, "admission")
     setup_telemetry("gateway", args.metrics_port, args.host)
     asyncio.run(serve(args, config))

@@ -425,13 +425,16 @@ class _Uvicorn(uvicorn.Server):
         return contextlib.nullcontext()
 
 
-def http_server(front: HttpFront, host: str, port: int) -> tuple[_Uvicorn, socket.socket]:
-    """A uvicorn server for the front on the running loop, and its bound socket (port 0 = any free port)."""
+def http_server(front: HttpFront, host: str, port: int, tls: tuple[str, str] | None = None
+                ) -> tuple[_Uvicorn, socket.socket]:
+    """A uvicorn server for the front on the running loop, and its bound socket (port 0 = any free port); HTTPS
+    when tls gives (key file, certificate file)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     sock.listen(1024)
     sock.setblocking(False)
+    key, cert = tls or (None, None)
     server = _Uvicorn(uvicorn.Config(front.app, log_level="warning", lifespan="off", http=_H11,
-                                     timeout_keep_alive=HTTP_IDLE_S))
+                                     timeout_keep_alive=HTTP_IDLE_S, ssl_keyfile=key, ssl_certfile=cert))
     return server, sock

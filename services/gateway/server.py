@@ -334,9 +334,11 @@ class GatewayServicer(pb_grpc.GenerationServicer):
             asyncio.ensure_future(self._release(work.transfer_id))
 
     async def _release(self, transfer_id: str) -> None:
+        """Drop the transfer; waits up to 5 s for a kvstore that is coming back (its new incarnation may already
+        hold blocks a prefill put there while this gateway's channel was still reconnecting)."""
         try:
             await pb_grpc.KVStoreStub(self.channels.get(self.kvstore)).Release(
-                pb.ReleaseRequest(transfer_id=transfer_id), timeout=2)
+                pb.ReleaseRequest(transfer_id=transfer_id), timeout=5, wait_for_ready=True)
         except grpc.aio.AioRpcError:
             pass  # the kvstore's TTL drops an unclaimed transfer anyway
 

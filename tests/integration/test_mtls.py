@@ -95,3 +95,31 @@ def test_the_mesh_works_across_tls_in_both_halves(mesh):
                     generate_request(list(range(3 + i, 60 + i)), max_tokens=8), timeout=60)])
             return await asyncio.gather(*(one(i) for i in range(8)))
     assert asyncio.run(many()) == [8] * 8  # prefill -> kvstore -> decode, every hop over mutual TLS
+
+
+def test_the_public_ports_serve_tls_when_asked(tiny_model, tmp_path_factory):
+    """mesh.public_tls: the gateway's gRPC and HTTP ports speak TLS with the mesh CA's gateway certificate; a client
+    that trusts ca.pem needs no certificate of its own; a plaintext client gets nothing."""
+    import json
+    import ssl
+    import urllib.request
+
+    spec = MeshSpec(str(tiny_model), mode="unified", engine_args=ENGINE, tls=True, public_tls=True)
+    m = Mesh(spec, log_dir=str(tmp_path_factory.mktemp("public-tls"))).start()
+    try:
+        ca = (Path(m.tls_dir) / "ca.pem").read_bytes()
+        with grpc.secure_channel(m.gateway, grpc.ssl_channel_credentials(root_certificates=ca)) as ch:
+            out = list(pb_grpc.GenerationStub(ch).Generate(generate_request(list(range(3, 40)), max_tokens=4),
+                                                           timeout=60))
+        assert sum(len(r.token_ids) for r in out) == 4
+        with grpc.insecure_channel(m.gateway) as ch, pytest.raises(grpc.RpcError) as exc:
+            list(pb_grpc.GenerationStub(ch).Generate(generate_request([3, 4, 5], max_tokens=2), timeout=10))
+        assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert m.http.startswith("https://")
+        context = ssl.create_default_context(cadata=ca.decode())
+        with urllib.request.urlopen(m.http + "/v1/models", context=context, timeout=30) as r:
+            assert json.load(r)["data"][0]["id"] == Path(str(tiny_model)).name
+        with pytest.raises(urllib.error.URLError):  # a client that does not trust the mesh CA
+            urllib.request.urlopen(m.http + "/v1/models", context=ssl.create_default_context(), timeout=30)
+    finally:
+        m.stop()

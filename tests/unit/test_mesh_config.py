@@ -23,7 +23,7 @@ def test_yaml_and_toml(tmp_path):
 @pytest.mark.parametrize("text,fragment", [
     # unknown key or section
     ("autoscaler2: {}\n", "autoscaler2: unknown section"),
-    ("mesh: {workers: 3}\n", "mesh.workers: unknown key (known: model, served_model_name, mode, prefill, decode, unified, router, tls)"),
+    ("mesh: {workers: 3}\n", "mesh.workers: unknown key (known: model, served_model_name, mode, prefill, decode, unified, router, tls, public_tls)"),
     ("engine: {blocksize: 8}\n", "engine.blocksize: unknown key"),
     ("routing: {guard: {absolute: 1}}\n", "routing.guard.absolute: unknown key (known: abs, rel)"),
     # wrong type
@@ -33,6 +33,7 @@ def test_yaml_and_toml(tmp_path):
     # bad value
     ("engine: {max_num_seqs: -1}\n", "engine.max_num_seqs: input should be greater than 0 (got -1)"),
     ("mesh: {mode: sideways}\n", "mesh.mode: input should be 'disaggregated' or 'unified'"),
+    ("mesh: {tls: false, public_tls: true}\n", "public_tls needs tls"),
     ("admission: {policy: lottery}\n", "admission.policy: unknown arbitration policy"),
     ("engine: {slot_policy: lottery}\n", "engine.slot_policy: unknown arbitration policy"),
     ("routing: {policy: prefix-aware, weights: {cache: 1}}\n", "routing.weights: unknown scorer"),

@@ -191,3 +191,32 @@ def test_event_backlog_overflow_asks_for_a_full_republish():
     assert overflowed and len(events) <= 4
     assert pool.drain_events() == ([], False)
     assert sorted(pool.hashes()) == sorted(bytes([i]) * 16 for i in range(8))
+
+
+def test_the_index_works_over_tls_with_mesh_certificates(server, tmp_path):
+    """A `rediss://` URL with the mesh's CA and a client certificate (redis-py's ssl_* query parameters) is all the
+    services need to reach a Redis that speaks TLS; a plaintext client of that port gets nothing."""
+    import redis
+
+    from services.common.certs import make_certs
+    from tests.support.tls_proxy import TLSProxy
+
+    certs = make_certs(tmp_path / "tls")
+    proxy = TLSProxy(server.port, str(certs / "ca.pem"), str(certs / "kvstore.pem"), str(certs / "kvstore-key.pem"))
+    proxy.start()
+    url = (f"rediss://127.0.0.1:{proxy.port}/0?ssl_ca_certs={certs / 'ca.pem'}&ssl_certfile={certs / 'worker.pem'}"
+           f"&ssl_keyfile={certs / 'worker-key.pem'}&ssl_cert_reqs=required")
+    try:
+        async def go():
+            client = connect(url, timeout_s=5)
+            a = Holder(client, "a")
+            hs = hashes(list(range(100, 132)))
+            a.store(hs[:5])
+            await a.publish()
+            await client.aclose()
+            return PrefixIndex(connect_lookup(url, timeout_s=5)).longest_prefix(hs)
+        assert {worker_of(m): n for m, n in run(go()).items()} == {"a": 5}
+        with pytest.raises(redis.ConnectionError):
+            redis.Redis(port=proxy.port, socket_timeout=2, socket_connect_timeout=2).ping()
+    finally:
+        proxy.stop()

@@ -1,0 +1,204 @@
+"""Workload soak (issue 19; outside CI): mixed load with random cancels and one random SIGKILL per minute.
+
+A supervised mesh as `meshserve up` runs it (mutual TLS, 1 prefill + 2 decode workers, two routers) serves
+`--concurrency` client loops for `--soak-s` seconds. Each loop sends one of 64 fixed requests (prompts of 16-256
+tokens, 16-96 new tokens, half greedy and half seeded sampling at temperature 0.8) and cancels one in five at a random
+moment 0-2 s in. Every `--kill-every-s` seconds one service picked at random (a decode or the prefill worker, the
+kvstore, a router, Redis) is killed with SIGKILL; the supervisor starts it again.
+
+What it checks and reports:
+- every completed request equals the first completion of the same request (0 duplicated or missing tokens across
+  resumes); errors other than the intended cancels, by status;
+- the resident memory (VmRSS) of every service, sampled every 10 s: after the first minute (warm) and at the end, for
+  the gateway and for the services never killed (a restarted one starts afresh); the target is within 10%;
+- afterwards: blocks, sequences and transfers still held (target 0).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import grpc
+
+from bench.common import default_model, log, machine, write_result
+from services.common.pb import meshserve_pb2 as pb
+from services.common.pb import meshserve_pb2_grpc as pb_grpc
+from services.launcher import Mesh, MeshSpec, client_channel
+
+ENGINE_ARGS = ["--kv-cache-gb", "0.25", "--max-num-batched-tokens", "256"]
+VICTIMS = ("decode-0", "decode-1", "prefill-0", "kvstore", "router", "router-1", "redis")
+RSS_PERIOD_S = 10.0
+
+
+def add_flags(p) -> None:
+    g = p.add_argument_group("soak")
+    g.add_argument("--soak-s", type=float, default=600.0, help="soak: seconds of load")
+    g.add_argument("--kill-every-s", type=float, default=60.0, help="soak: one random SIGKILL this often (0 = none)")
+    g.add_argument("--concurrency", type=int, default=12, help="soak: client loops")
+
+
+def _requests(seed: int) -> list[pb.GenerateRequest]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(64):
+        ids = [rng.randrange(3, 32000) for _ in range(rng.randint(16, 256))]
+        sampling = pb.Sampling(max_tokens=rng.randint(16, 96), ignore_eos=True, temperature=0.0)
+        if i % 2:
+            sampling.temperature, sampling.seed = 0.8, rng.randrange(1 << 32)
+        out.append(pb.GenerateRequest(request_id=f"soak-{i}", token_ids=pb.TokenIds(ids=ids), sampling=sampling))
+    return out
+
+
+def _rss_mb(pid: int) -> float | None:
+    try:
+        for line in open(f"/proc/{pid}/status"):
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+class Soak:
+    def __init__(self, mesh: Mesh, reqs: list, seed: int):
+        self.mesh, self.reqs, self.rng = mesh, reqs, random.Random(seed + 1)
+        self.outcomes: Counter = Counter()
+        self.errors: Counter = Counter()
+        self.first: dict[int, list] = {}  # request index -> its first completed tokens
+        self.mismatches: list = []
+        self.kills: list = []
+        self.rss: list = []  # (seconds since start, {service: MB})
+
+    async def client(self, stub, until: float) -> None:
+        while time.monotonic() < until:
+            i = self.rng.randrange(len(self.reqs))
+            cancel_at = self.rng.uniform(0, 2.0) if self.rng.random() < 0.2 else None
+            call = stub.Generate(self.reqs[i], timeout=120)
+            tokens, t0 = [], time.monotonic()
+            try:
+                async for r in call:
+                    tokens += r.token_ids
+                    if cancel_at is not None and time.monotonic() - t0 >= cancel_at:
+                        call.cancel()
+                        break
+            except grpc.aio.AioRpcError as e:
+                if e.code() != grpc.StatusCode.CANCELLED:
+                    self.errors[f"{e.code().name}: {e.details()[:120]}"] += 1
+                    self.outcomes["error"] += 1
+                    continue
+            if cancel_at is not None and call.cancelled():
+                self.outcomes["cancelled"] += 1
+                continue
+            self.outcomes["completed"] += 1
+            want = self.first.setdefault(i, tokens)
+            if tokens != want:
+                self.mismatches.append({"request": i, "got": len(tokens), "want": len(want)})
+
+    def killer(self, start: float, until: float, every_s: float, stop: threading.Event) -> None:
+        next_kill = start + every_s
+        while not stop.wait(0.2) and time.monotonic() < until - 5:
+            if every_s and time.monotonic() >= next_kill:
+                victim = self.rng.choice(VICTIMS)
+                proc = self.mesh.proc(victim)
+                os.killpg(proc.popen.pid, signal.SIGKILL)
+                self.kills.append({"at_s": round(time.monotonic() - start, 1), "service": victim})
+                log(f"killed {victim}")
+                next_kill += every_s
+
+    def sampler(self, start: float, stop: threading.Event) -> None:
+        while True:
+            self.rss.append((round(time.monotonic() - start, 1),
+                             {p.name: _rss_mb(p.popen.pid) for p in self.mesh.procs}))
+            if stop.wait(RSS_PERIOD_S):
+                return
+
+    async def drive(self, concurrency: int, duration_s: float) -> None:
+        until = time.monotonic() + duration_s
+        async with grpc.aio.insecure_channel(self.mesh.gateway) as ch:
+            stub = pb_grpc.GenerationStub(ch)
+            await asyncio.gather(*(self.client(stub, until) for _ in range(concurrency)))
+
+
+def _held(mesh: Mesh) -> dict:
+    held = {}
+    for p in mesh.workers("prefill") + mesh.workers("decode"):
+        with client_channel(p.address, mesh.tls_dir) as ch:
+            s = pb_grpc.WorkerStub(ch).Stats(pb.StatsRequest(), timeout=5)
+        if s.blocks_used or s.running or s.waiting:
+            held[p.name] = {"blocks": s.blocks_used, "running": s.running, "waiting": s.waiting}
+    with client_channel(mesh.kvstore, mesh.tls_dir) as ch:
+        transfers = pb_grpc.KVStoreStub(ch).Stats(pb.StatsRequest(), timeout=5).transfers
+    if transfers:
+        held["kvstore"] = {"transfers": transfers}
+    return held
+
+
+def run(args) -> int:
+    model_dir = Path(args.model) if args.model else default_model("bench")
+    duration = 120.0 if args.quick else args.soak_s
+    spec = MeshSpec(str(model_dir), mode="disaggregated", decode=2, routers=2, tls=True, engine_args=ENGINE_ARGS)
+    with Mesh(spec) as mesh:
+        stop, stop_supervising = threading.Event(), threading.Event()
+        supervisor = threading.Thread(target=lambda: [mesh.supervise(log)
+                                                      for _ in iter(lambda: stop_supervising.wait(0.1), True)])
+        supervisor.start()
+        soak = Soak(mesh, _requests(args.seed), args.seed)
+        start = time.monotonic()
+        threads = [threading.Thread(target=soak.killer, args=(start, start + duration, args.kill_every_s, stop)),
+                   threading.Thread(target=soak.sampler, args=(start, stop))]
+        for t in threads:
+            t.start()
+        log(f"soak: {duration:g} s, {args.concurrency} client loops, a kill every {args.kill_every_s:g} s")
+        try:
+            asyncio.run(soak.drive(args.concurrency, duration))
+            soak.sampler_end = {p.name: _rss_mb(p.popen.pid) for p in mesh.procs}
+            stop.set()
+            for t in threads:
+                t.join()
+            deadline, held = time.monotonic() + 30, None
+            while time.monotonic() < deadline:
+                try:
+                    held = _held(mesh)
+                except grpc.RpcError as e:  # a service still coming back
+                    held = {"unreachable": e.code().name}
+                if not held:
+                    break
+                time.sleep(0.5)
+        finally:
+            stop.set()
+            stop_supervising.set()
+            supervisor.join()
+    result = _result(args, soak, duration, held)
+    write_result(result, args.out)
+    s = result["systems"]["mesh-soak"]
+    print(f"soak {duration:g} s: {s['completed']} completed, {s['cancelled']} cancelled, {s['errors']} errors, "
+          f"{s['mismatched']} mismatched, kills {len(soak.kills)}; held after: {held or 'nothing'}")
+    for name, r in result["rss"].items():
+        print(f"  {name:12} RSS {r['warm_mb']:8.1f} -> {r['end_mb']:8.1f} MB ({r['change']:+.1%})")
+    return 0
+
+
+def _result(args, soak: Soak, duration: float, held: dict | None) -> dict:
+    killed = {k["service"] for k in soak.kills}
+    warm = next((rss for at, rss in soak.rss if at >= 60), soak.rss[-1][1])
+    end = soak.sampler_end
+    rss = {name: {"warm_mb": round(warm[name], 1), "end_mb": round(end[name], 1),
+                  "change": round(end[name] / warm[name] - 1, 4)}
+           for name in warm if name not in killed and warm.get(name) and end.get(name)}
+    return {"workload": "soak", "command": args.command_line, "machine": machine(),
+            "config": {"duration_s": duration, "concurrency": args.concurrency, "kill_every_s": args.kill_every_s,
+                       "cancel_fraction": 0.2, "requests": 64, "engine_args": ENGINE_ARGS, "routers": 2, "tls": True},
+            "systems": {"mesh-soak": {"completed": soak.outcomes["completed"], "cancelled": soak.outcomes["cancelled"],
+                                      "errors": soak.outcomes["error"], "mismatched": len(soak.mismatches),
+                                      "kills": len(soak.kills),
+                                      "max_rss_change_unkilled": max((abs(r["change"]) for r in rss.values()),
+                                                                     default=None)}},
+            "errors": dict(soak.errors), "mismatches": soak.mismatches[:20], "kills": soak.kills, "rss": rss,
+            "rss_samples": soak.rss, "held_after": held or {}}
