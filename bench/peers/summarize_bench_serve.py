@@ -23,7 +23,22 @@ def main(folder: str) -> None:
     for (run, system), r in sorted(out.items()):
         print(f"{run:10}{system:11}" + "".join(f"{r.get(k, float('nan')):>14.1f}" for k, _ in METRICS))
     summary = {f"{system}:{run}": {k: out[(run, system)].get(k) for k, _ in METRICS} for run, system in out}
+    print("\nCPU seconds per 1,000 output tokens, by server process")
+    for (run, system), r in sorted(out.items()):
+        cpu = cpu_per_kilotoken(Path(folder), f"{system}-{run}", r.get("total_output_tokens") or 0)
+        if cpu:
+            summary[f"{system}:{run}"]["cpu_s_per_1k_output_tokens"] = cpu
+            print(f"{run:10}{system:11}" + "  ".join(f"{name} {s:.3f}" for name, s in sorted(cpu.items())))
     (Path(folder) / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+
+
+def cpu_per_kilotoken(folder: Path, run: str, tokens: int) -> dict:
+    before, after = folder / f"{run}.cpu-before.json", folder / f"{run}.cpu-after.json"
+    if not (before.exists() and after.exists() and tokens):
+        return {}
+    a, b = json.loads(before.read_text()), json.loads(after.read_text())
+    return {name: round((b[name] - a.get(name, 0.0)) * 1000 / tokens, 4) for name in b
+            if b[name] - a.get(name, 0.0) > 0.005 * tokens / 1000}
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@
 # VLLM_VENV: made by ../shared/peers/vllm_cpu/setup.sh. Each system runs at unlimited rate and at 4 req/s,
 # each at the client's default sampling (no temperature sent: both servers sample at 1.0) and with
 # --temperature 0 (greedy). Results: OUT_DIR/{meshserve,vllm}-{inf,rate4}{,-t0}.json and a side-by-side
-# table (bench/peers/summarize_bench_serve.py). Never run in CI.
+# table (bench/peers/summarize_bench_serve.py), with each server process's CPU seconds per 1,000 output tokens
+# (bench/proc_cpu.py snapshots around every run). Never run in CI.
 set -euo pipefail
 VENV=${1:?vLLM venv}; MODEL=${2:?model folder}; OUT=${3:?output folder}
 HERE=$(cd "$(dirname "$0")/../.." && pwd)
@@ -14,16 +15,19 @@ NAME=$(basename "$MODEL")
 mkdir -p "$OUT"
 free_port() { "$HERE/.venv/bin/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
-bench() {  # $1 = system label, $2 = base url
+bench() {  # $1 = system label, $2 = base url, $3 = the server's root pid (CPU seconds of its process tree)
   for temp in default 0; do
     for rate in inf 4; do
       extra=(); suffix=""
       if [ "$temp" != default ]; then extra=(--temperature "$temp"); suffix="-t$temp"; fi
+      run="$1-$([ "$rate" = inf ] && echo inf || echo rate$rate)$suffix"
+      (cd "$HERE" && .venv/bin/python -m bench.proc_cpu "$3" --out "$OUT/$run.cpu-before.json")
       $CLI bench serve --backend openai --base-url "$2" --endpoint /v1/completions --model "$NAME" \
         --tokenizer "$MODEL" --dataset-name random --random-input-len 256 --random-output-len 128 \
         --num-prompts 200 --request-rate "$rate" --ignore-eos --seed 0 "${extra[@]}" \
         --percentile-metrics ttft,tpot,itl,e2el --save-result --result-dir "$OUT" \
-        --result-filename "$1-$([ "$rate" = inf ] && echo inf || echo rate$rate)$suffix.json" 2>&1 | tail -25
+        --result-filename "$run.json" 2>&1 | tail -25
+      (cd "$HERE" && .venv/bin/python -m bench.proc_cpu "$3" --out "$OUT/$run.cpu-after.json")
     done
   done
 }
@@ -47,7 +51,7 @@ trap 'kill -TERM -- -$UP 2>/dev/null || true' EXIT
 for _ in $(seq 600); do grep -qw ready "$OUT/meshserve-up.log" && break; sleep 0.5; done
 grep -qw ready "$OUT/meshserve-up.log"
 echo "== meshserve (http://127.0.0.1:$PORT)"
-bench meshserve "http://127.0.0.1:$PORT"
+bench meshserve "http://127.0.0.1:$PORT" "$UP"
 kill -TERM -- -$UP; wait $UP || true
 
 # vLLM: its CPU build, float32, both cores, 2 GiB KV cache
@@ -58,6 +62,6 @@ VS=$!
 trap 'kill -TERM -- -$VS 2>/dev/null || true' EXIT
 wait_http "http://127.0.0.1:$PORT"
 echo "== vllm serve (http://127.0.0.1:$PORT)"
-bench vllm "http://127.0.0.1:$PORT"
+bench vllm "http://127.0.0.1:$PORT" "$VS"
 kill -TERM -- -$VS; wait $VS || true
 "$HERE/.venv/bin/python" "$HERE/bench/peers/summarize_bench_serve.py" "$OUT"

@@ -92,6 +92,10 @@ class EngineSection(BaseModel):
     slot_policy: ArbitrationPolicyName = Field("fair-deadline", description="slot arbitration: fcfs | priority | "
                                                                             "deadline | fair | fair-deadline")
     threads: PositiveInt | None = Field(None, description="torch threads (default: torch's choice)")
+    omp_wait_policy: Literal["passive", "active"] = Field(
+        "passive", description="a worker's engine core: OpenMP threads sleep (passive) or spin (active) between "
+                               "parallel regions; passive measured 8-12 percent more output online on 2 cores shared with "
+                               "the servicer and gateway (docs/BENCHMARKS.md)")
     seed: int = Field(0, description="seeds the sampling seeds drawn for requests that bring none")
 
     def to_engine_config(self, model_dir: str) -> EngineConfig:

@@ -5,15 +5,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-
-import torch
+import sys
 
 from services.common import rpc
 from services.common.config import add_config_flag, add_section_flags, config_from_args
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.common.telemetry import add_metrics_flag, setup_telemetry
-from services.engine.engine import LLMEngine
+from services.common.errors import ModelLoadError
 from services.worker.metrics import WorkerMetrics
 from services.worker.runner import EngineRunner
 from services.worker.server import WorkerServicer, heartbeat_loop, index_loop
@@ -21,15 +20,28 @@ from services.worker.server import WorkerServicer, heartbeat_loop, index_loop
 ROLES = ("prefill", "decode", "unified")
 
 
-async def serve(args) -> None:
-    engine = LLMEngine(args.engine.to_engine_config(args.model))
+async def serve(args) -> int:
+    """Serve until stopped (0) or until the engine core dies (1: the supervisor starts the worker again)."""
+    config = args.engine.to_engine_config(args.model)
     loop = asyncio.get_running_loop()
     server = rpc.Server(["Worker"], args.port, args.host)
     worker_id = args.worker_id or f"{args.role}-{server.port}"
-    runner = EngineRunner(engine, loop, WorkerMetrics(args.role, worker_id))
+    died: list = []
+
+    def on_dead(why: str) -> None:
+        died.append(why)
+        server.stopping.set()  # deregister, let the failed calls end, exit non-zero
+
+    runner = EngineRunner(config, loop, WorkerMetrics(args.role, worker_id), threads=args.engine.threads or 1,
+                          on_dead=on_dead, omp_wait_policy=args.engine.omp_wait_policy)
+    try:
+        await runner.ready()
+    except ModelLoadError as e:
+        runner.stop()
+        raise SystemExit(f"{args.role} worker: {e}") from None
     pb_grpc.add_WorkerServicer_to_server(WorkerServicer(runner, args.role, worker_id), server.server)
     publisher = publishing = None
-    if args.redis_url and args.role in ("prefill", "unified") and engine.config.cache.enable_prefix_caching:
+    if args.redis_url and args.role in ("prefill", "unified") and config.cache.enable_prefix_caching:
         from services.common.prefix_index import IndexPublisher, connect
         publisher = IndexPublisher(connect(args.redis_url), worker_id)
         publishing = asyncio.create_task(index_loop(runner, publisher))
@@ -52,9 +64,14 @@ async def serve(args) -> None:
             await publisher.withdraw()
         await asyncio.gather(*(deregister(r) for r in routers))
 
-    print(f"{args.role} worker {worker_id} listening on {server.address}", flush=True)
-    await server.run(grace_s=args.grace_s, on_stop=on_stop)
+    print(f"{args.role} worker {worker_id} listening on {server.address} (engine core pid {runner.process.pid})",
+          flush=True)
+    await server.run(grace_s=0.5 if died else args.grace_s, on_stop=on_stop)
     runner.stop()
+    if died:
+        print(f"{args.role} worker {worker_id}: {died[0]}; exiting", flush=True)
+        return 1
+    return 0
 
 
 def parser(role: str | None = None) -> argparse.ArgumentParser:
@@ -80,9 +97,8 @@ def main(role: str | None = None) -> None:
     if role:
         args.role = role
     args.engine = config_from_args(ap, args, "engine").engine
-    torch.set_num_threads(args.engine.threads or 1)
     setup_telemetry(args.role, args.metrics_port, args.host, log_name=f"{args.role}-worker")
-    asyncio.run(serve(args))
+    sys.exit(asyncio.run(serve(args)))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """A worker's metrics, under vLLM's names where vLLM has one (docs/METRICS.md lists them).
 
-Recorded from the engine thread after each step (on_step) and read at collection time from the
-latest EngineLoad snapshot (observable gauges), so a scrape never touches the engine. Times are
+Recorded from each step's message of the engine core (on_step, on the servicer's loop) and read at
+collection time from the latest EngineLoad snapshot (observable gauges), so a scrape never touches the engine. Times are
 seconds on the engine's clock: TTFT from the request's arrival at this worker to its first token
 (a decode worker's imported requests have their first token already and record none), inter-token
 latency between consecutive tokens of a request seen here, e2e from arrival to finish.
@@ -54,25 +54,24 @@ class WorkerMetrics:
         return callback
 
     def on_step(self, outputs, load, now: float) -> None:
-        """Record one step's outputs (engine thread)."""
+        """Record one step's outputs (services.worker.core.StepOutput, as the core reports them)."""
         self.load = load
         a = self.attrs
         for out in outputs:
-            req = out.request
             n = len(out.new_token_ids)
             if n:
                 self.generation_tokens.add(n, a)
-                if req.num_output == 1:  # the request's first token, sampled here
-                    self.ttft.record(now - req.arrival_s, a)
-                    self.prompt_tokens.add(req.num_prompt, a)
-                    self.prefix_queries.add(req.num_prompt, a)
-                    self.prefix_hits.add(req.num_cached_prompt, a)
+                if out.num_output == 1:  # the request's first token, sampled here
+                    self.ttft.record(now - out.arrival_s, a)
+                    self.prompt_tokens.add(out.num_prompt, a)
+                    self.prefix_queries.add(out.num_prompt, a)
+                    self.prefix_hits.add(out.num_cached_prompt, a)
                 elif out.req_id in self.last_token_s:
                     self.itl.record(now - self.last_token_s[out.req_id], a)
                 self.last_token_s[out.req_id] = now
             if out.finished:
                 self.last_token_s.pop(out.req_id, None)
-                self.e2e.record(now - req.arrival_s, a)
+                self.e2e.record(now - out.arrival_s, a)
 
     def forget(self, req_id: str) -> None:
         self.last_token_s.pop(req_id, None)

@@ -1,166 +1,217 @@
-"""EngineRunner: drives a synchronous LLMEngine in its own thread for an asyncio server.
+"""EngineRunner: the servicer's side of the engine core process (services/worker/core.py).
 
-Calls into the engine are queued as commands and run between steps, in the engine thread (the
-engine is never touched from two threads). Each request's outputs flow back to its asyncio
-queue; an optional per-request hook runs in the engine thread after every step (the prefill
-role uses it to export KV blocks as chunks finish). Aborting frees the request's blocks before
-the next step.
+It starts the core (multiprocessing spawn: a fresh interpreter, no inherited gRPC threads), sends it
+commands and routes what comes back on the asyncio loop: each request's outputs to its queue, KV
+pieces to the prefill request's KV queue, command results to their futures. One message per engine
+step carries every request's new tokens; a thread reads the pipe and hands each message to the loop
+in one call, and another writes commands (a large KV import never blocks the loop on the pipe).
+
+If the core dies, every pending command and every live stream fails with UNAVAILABLE at once and
+on_dead() is called (the worker then deregisters and exits non-zero, for its supervisor).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
+import multiprocessing
+import os
 import queue
 import threading
+import time
 
+from services.common.errors import MeshError, ModelLoadError, Unavailable
 from services.common.request import RequestSpec
-from services.engine.engine import LLMEngine
-from services.worker.measure import StepCostFit
+from services.worker.core import CoreStats, core_main
 from services.worker.metrics import WorkerMetrics
 
 log = logging.getLogger("meshserve.runner")
 
 
-class EngineRunner:
-    def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop, metrics: WorkerMetrics | None = None):
-        self.engine, self.loop, self.metrics = engine, loop, metrics
-        self.commands: queue.SimpleQueue = queue.SimpleQueue()
-        self.wake = threading.Event()
-        self.streams: dict[str, asyncio.Queue] = {}
-        self.hooks: dict[str, object] = {}
-        self.running = True
-        self.busy_s = 0.0  # time spent in engine steps (read by the heartbeat for the decode rate)
-        self.tokens_out = 0  # tokens sampled by those steps
-        self.aborted = 0  # requests aborted before they finished
-        self.cost = StepCostFit()  # step time model, reported in heartbeats for the gateway's predictions
-        self.thread = threading.Thread(target=self._loop, name="engine", daemon=True)
-        self.thread.start()
+class _Cost:
+    prefill_s_per_token = 0.0
+    decode_s_per_step = 0.0
 
-    def call(self, fn) -> asyncio.Future:
-        """Run fn(engine) in the engine thread; the future gets its result or exception."""
+
+class EngineRunner:
+    def __init__(self, engine_config, loop: asyncio.AbstractEventLoop, metrics: WorkerMetrics | None = None,
+                 threads: int | None = None, on_dead=None, omp_wait_policy: str = "passive"):
+        self.config, self.loop, self.metrics, self.on_dead = engine_config, loop, metrics, on_dead
+        self.clock = time.monotonic  # the core's clock too (CLOCK_MONOTONIC is system-wide)
+        self.streams: dict[str, asyncio.Queue] = {}
+        self.kv: dict[str, asyncio.Queue] = {}
+        self.pending: dict[int, asyncio.Future] = {}
+        self._seq = itertools.count()
+        self.busy_s, self.tokens_out, self.aborted = 0.0, 0, 0  # from the core's latest step
+        self.cost = _Cost()
+        self.load = None  # the core's EngineLoad after its latest step
+        self.dead: str | None = None
+        os.environ["OMP_WAIT_POLICY"] = omp_wait_policy.upper()  # read by the core's OpenMP runtime at its start
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe(duplex=True)
+        self.process = ctx.Process(target=core_main, args=(child, engine_config, os.getpid(), threads),
+                                   name="engine-core", daemon=True)
+        self.process.start()
+        child.close()
+        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._ready: asyncio.Future = loop.create_future()
+        threading.Thread(target=self._read, name="core-reader", daemon=True).start()
+        threading.Thread(target=self._write, name="core-writer", daemon=True).start()
+
+    async def ready(self) -> "EngineRunner":
+        """Wait until the core has built its engine (ModelLoadError if it could not)."""
+        await self._ready
+        return self
+
+    # ---- commands ------------------------------------------------------------------------------
+
+    def _command(self, kind: str, *args) -> asyncio.Future:
         fut = self.loop.create_future()
-        self.commands.put((fn, fut))
-        self.wake.set()
+        if self.dead:
+            fut.set_exception(Unavailable(self.dead))
+            return fut
+        seq = next(self._seq)
+        self.pending[seq] = fut
+        self.outbox.put((kind, seq, *args))
         return fut
 
-    async def add(self, spec: RequestSpec, hook=None) -> asyncio.Queue:
-        """Add a request; returns the queue its RequestOutputs arrive on."""
+    def call(self, method: str, *args) -> asyncio.Future:
+        """Run engine.method(*args) in the core, between steps; the future gets its result or exception."""
+        return self._command("call", method, args)
+
+    async def add(self, spec: RequestSpec, kv: asyncio.Queue | None = None) -> asyncio.Queue:
+        """Add a request; returns the queue its outputs (StepOutput) arrive on. With kv, its KV pieces arrive
+        there as they are computed (the prefill role)."""
         q: asyncio.Queue = asyncio.Queue()
-        req_id = spec.request_id
-
-        def add(engine):
-            req = engine.add(spec)
-            self.streams[req_id] = q
-            if hook:
-                self.hooks[req_id] = hook
-            return req
-
-        await self.call(add)
+        self.streams[spec.request_id] = q
+        if kv is not None:
+            self.kv[spec.request_id] = kv
+        try:
+            await self._command("add", spec, kv is not None)
+        except BaseException:
+            self.forget(spec.request_id)
+            raise
         return q
 
     async def end_import(self, req_id: str, **kwargs) -> asyncio.Queue:
         """Finish a staged KV import (engine.end_import kwargs); returns the request's output queue."""
         q: asyncio.Queue = asyncio.Queue()
-
-        def end(engine):
-            req = engine.end_import(req_id, **kwargs)
-            self.streams[req_id] = q
-            return req
-
-        await self.call(end)
+        self.streams[req_id] = q
+        try:
+            await self._command("end_import", req_id, kwargs)
+        except BaseException:
+            self.forget(req_id)
+            raise
         return q
 
     def abort(self, req_id: str) -> None:
-        """Abort if still live (safe to call from the event loop at any time)."""
-        def abort(engine):
-            self.forget(req_id)
-            aborted = engine.abort(req_id)
-            self.aborted += aborted
-            return aborted
-        self.call(abort)
+        """Abort if still live (safe to call at any time)."""
+        self.forget(req_id)
+        if not self.dead:
+            self.outbox.put(("abort", req_id))
 
     def forget(self, req_id: str) -> None:
-        """Stop routing outputs and hooks to a request (call from the engine thread)."""
         self.streams.pop(req_id, None)
-        self.hooks.pop(req_id, None)
+        self.kv.pop(req_id, None)
         if self.metrics is not None:
             self.metrics.forget(req_id)
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """End the loop and wait for it: a daemon thread left inside a torch call while the interpreter
-        shuts down can abort the process ("terminate called without an active exception")."""
-        self.running = False
-        self.wake.set()
-        if self.thread is not threading.current_thread():
-            self.thread.join(timeout_s)
+        """Close the pipe (the core exits when it sees that) and wait for the process."""
+        self.dead = self.dead or "the worker is stopping"
+        self.outbox.put(None)
+        self.process.join(timeout_s)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
 
-    def _loop(self) -> None:
-        while self.running:
-            self._run_commands()
-            if not self.engine.has_unfinished():
-                if self.metrics is not None:
-                    self.metrics.load = self.engine.load()
-                self.wake.wait(0.05)
-                self.wake.clear()
-                continue
+    # ---- the pipe ------------------------------------------------------------------------------
+
+    def _write(self) -> None:
+        while (msg := self.outbox.get()) is not None:
             try:
-                outputs = self.engine.step()
-            except Exception:
-                log.exception("engine step failed; aborting its requests")
-                self._fail_all()
-                continue
-            last = self.engine.last_step
-            if last is not None:
-                self.busy_s += last.step_s
-                self.cost.update(last.num_running, last.num_tokens, last.step_s)
-            self.tokens_out += sum(len(out.new_token_ids) for out in outputs)
-            if self.metrics is not None:
-                self.metrics.on_step(outputs, self.engine.load(), self.engine.clock())
-            for out in outputs:
-                q = self.streams.get(out.req_id)
-                if q is not None:
-                    self.loop.call_soon_threadsafe(q.put_nowait, out)
-                if out.finished:
-                    self.forget(out.req_id)
-            for req_id, hook in list(self.hooks.items()):
-                self._run_hook(req_id, hook)
-
-    def _run_hook(self, req_id: str, hook) -> None:
+                self.conn.send(msg)
+            except (OSError, ValueError):
+                return
         try:
-            hook(self.engine, req_id)
-        except Exception as e:
-            log.exception("hook of request %s failed; aborting it", req_id)
-            q = self.streams.get(req_id)
-            self.engine.abort(req_id)
-            self.forget(req_id)
-            if q is not None:
-                self.loop.call_soon_threadsafe(q.put_nowait, e)
+            self.conn.close()
+        except OSError:
+            pass
 
-    def _run_commands(self) -> None:
+    def _read(self) -> None:
         while True:
             try:
-                fn, fut = self.commands.get_nowait()
-            except queue.Empty:
-                return
-            try:
-                result = fn(self.engine)
-                self.loop.call_soon_threadsafe(_settle, fut, result, None)
-            except Exception as e:
-                self.loop.call_soon_threadsafe(_settle, fut, None, e)
+                msg = self.conn.recv()
+            except (EOFError, OSError):
+                break
+            self.loop.call_soon_threadsafe(self._on_message, msg)
+        self.process.join(5)
+        try:
+            self.loop.call_soon_threadsafe(self._core_exited, self.process.exitcode)
+        except RuntimeError:
+            pass  # the loop is closed: the worker has stopped
 
-    def _fail_all(self) -> None:
-        for req_id in list(self.streams):
-            q = self.streams[req_id]
-            self.engine.abort(req_id)
-            self.forget(req_id)
-            self.loop.call_soon_threadsafe(q.put_nowait, RuntimeError("engine step failed"))
+    def _on_message(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "step":
+            self._on_step(*msg[1:])
+        elif kind == "reply":
+            _, seq, result, error = msg
+            fut = self.pending.pop(seq, None)
+            if fut is not None and not fut.done():
+                if error is not None:
+                    fut.set_exception(error)
+                else:
+                    fut.set_result(result)
+        elif kind == "failed":
+            _, req_ids, message = msg
+            for req_id in req_ids:
+                self._fail(req_id, MeshError(message))
+        elif kind == "ready":
+            if not self._ready.done():
+                self._ready.set_result(None)
+        elif kind == "fatal":
+            self.dead = msg[1]
+            if not self._ready.done():
+                self._ready.set_exception(ModelLoadError(msg[1]))
 
+    def _on_step(self, outputs: list, pieces: list, stats: CoreStats) -> None:
+        self.busy_s, self.tokens_out, self.aborted = stats.busy_s, stats.tokens_out, stats.aborted
+        self.cost.prefill_s_per_token, self.cost.decode_s_per_step = stats.prefill_s_per_token, stats.decode_s_per_step
+        self.load = stats.load
+        if self.metrics is not None:  # first: forget() below drops a finished request's last token time
+            self.metrics.on_step(outputs, stats.load, self.clock())
+        for out in outputs:
+            q = self.streams.get(out.req_id)
+            if q is not None:
+                q.put_nowait(out)
+            if out.finished:
+                self.forget(out.req_id)
+        for piece in pieces:
+            kv = self.kv.get(piece.req_id)
+            if kv is not None:
+                kv.put_nowait(piece)
+            if piece.last:
+                self.kv.pop(piece.req_id, None)
 
-def _settle(fut: asyncio.Future, result, error) -> None:
-    if fut.done():
-        return
-    if error is not None:
-        fut.set_exception(error)
-    else:
-        fut.set_result(result)
+    def _fail(self, req_id: str, error: Exception) -> None:
+        for table in (self.streams, self.kv):
+            q = table.pop(req_id, None)
+            if q is not None:
+                q.put_nowait(error)
+
+    def _core_exited(self, code) -> None:
+        if self.dead is None:
+            self.dead = f"the engine core process exited (code {code})"
+            log.error("%s: failing %d stream(s)", self.dead, len(self.streams))
+        for fut in self.pending.values():
+            if not fut.done():
+                fut.set_exception(Unavailable(self.dead))
+        self.pending.clear()
+        for req_id in list(self.streams) + list(self.kv):
+            self._fail(req_id, Unavailable(self.dead))
+        if not self._ready.done():
+            self._ready.set_exception(ModelLoadError(self.dead))
+        if self.on_dead is not None and self.dead != "the worker is stopping":
+            self.on_dead(self.dead)

@@ -32,55 +32,38 @@ log = logging.getLogger("meshserve.worker")
 
 
 def _event(out) -> pb.TokenEvent:
-    req = out.request
-    return pb.TokenEvent(token_ids=out.new_token_ids, logprobs=out.new_logprobs or [],
-                         finish_reason=out.finish_reason or "", prompt_tokens=req.num_prompt,
-                         cached_prompt_tokens=req.num_cached_prompt)
+    return _events_of([out])
 
 
-class KVSender:
-    """Engine-thread hook of one prefill request: queues its KV blocks for the kvstore as they fill."""
+def _events_of(outs: list) -> pb.TokenEvent:
+    """One message for a request's outputs of one or more steps (in order; only the last may be finished)."""
+    last = outs[-1]
+    ev = pb.TokenEvent(finish_reason=last.finish_reason or "", prompt_tokens=last.num_prompt,
+                       cached_prompt_tokens=last.num_cached_prompt)
+    for out in outs:
+        ev.token_ids.extend(out.new_token_ids)
+        if out.new_logprobs:
+            ev.logprobs.extend(out.new_logprobs)
+    return ev
 
-    def __init__(self, runner: EngineRunner, transfer_id: str):
-        self.runner, self.transfer_id = runner, transfer_id
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.sent = 0  # blocks queued so far
-        self.chunks_sent = 0  # messages queued so far
 
-    def __call__(self, engine, req_id: str) -> None:
-        progress = engine.running_progress(req_id)
-        if progress is None:
-            return  # still queued (or preempted): nothing computed to send yet
-        sampled, full = progress
-        if sampled >= 1:
-            kv = engine.export_kv(req_id, first_block=self.sent)
-            self._push(kv.blocks)
-            meta = pb.KVMeta(token_ids=kv.token_ids, num_prompt=kv.num_prompt, num_computed=kv.num_computed,
-                             block_size=kv.block_size, dtype=kv.dtype, num_blocks=self.sent,
-                             sample_seed=kv.sample_seed)
-            self._put(pb.KVChunk(transfer_id=self.transfer_id, index=-1, meta=meta, last=True))
-            self.runner.forget(req_id)
-            engine.abort(req_id)
+def _checked(out):
+    if isinstance(out, MeshError):
+        raise out
+    if isinstance(out, Exception):
+        raise MeshError(str(out))
+    return out
+
+
+async def kv_chunks(kv: asyncio.Queue, transfer_id: str):
+    """A prefill request's KV pieces from the engine core (one per step: every block it finished, then the
+    metadata) as the kvstore's Put stream."""
+    while True:
+        piece = _checked(await kv.get())
+        if piece.last:
+            yield pb.KVChunk(transfer_id=transfer_id, index=-1, meta=pb.KVMeta(**piece.meta), last=True)
             return
-        if full > self.sent:
-            self._push(engine.kv_blocks(req_id, self.sent, full))
-
-    def _push(self, blocks: list) -> None:
-        """One message per step carries every block that step finished (fewer, larger messages)."""
-        if blocks:
-            self._put(pb.KVChunk(transfer_id=self.transfer_id, index=self.chunks_sent, data=b"".join(blocks)))
-            self.chunks_sent += 1
-            self.sent += len(blocks)
-
-    def _put(self, chunk) -> None:
-        self.runner.loop.call_soon_threadsafe(self.queue.put_nowait, chunk)
-
-    async def chunks(self):
-        while True:
-            chunk = await self.queue.get()
-            yield chunk
-            if chunk.last:
-                return
+        yield pb.KVChunk(transfer_id=transfer_id, index=piece.index, data=piece.data)
 
 
 class WorkerServicer(pb_grpc.WorkerServicer):
@@ -106,8 +89,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     async def Generate(self, request, context):
         rpc.require_peer(context, "gateway")
         self._check_role("unified")
-        q = await self._registered(request.request_id,
-                                   self.runner.add(spec_from_work(request, self.runner.engine.clock)))
+        q = await self._registered(request.request_id, self.runner.add(spec_from_work(request, self.runner.clock)))
         async with contextlib.aclosing(self._stream(request.request_id, q)) as events:  # a cancel aborts at once
             async for ev in events:
                 yield ev
@@ -116,10 +98,10 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     async def Prefill(self, request, context):
         rpc.require_peer(context, "gateway")
         self._check_role("prefill", "unified")
-        sender = KVSender(self.runner, request.transfer_id)
+        kv: asyncio.Queue = asyncio.Queue()
         q = await self._registered(request.request_id,
-                                   self.runner.add(spec_from_work(request, self.runner.engine.clock), hook=sender))
-        put = pb_grpc.KVStoreStub(self.channels.get(request.kvstore)).Put(sender.chunks())
+                                   self.runner.add(spec_from_work(request, self.runner.clock), kv=kv))
+        put = pb_grpc.KVStoreStub(self.channels.get(request.kvstore)).Put(kv_chunks(kv, request.transfer_id))
         try:
             first = await self._next(q)
             yield _event(first)  # the first token goes out at once; the KV tail may still be in flight
@@ -147,11 +129,11 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
     async def _begin_import(self, request) -> None:
         """Reserve blocks for the prompt's KV, waiting while the pool or the batch is full."""
-        spec = spec_from_work(request, self.runner.engine.clock)
+        spec = spec_from_work(request, self.runner.clock)
         delay = 0.01
         while True:
             try:
-                await self._registered(spec.request_id, self.runner.call(lambda engine: engine.begin_import(spec)))
+                await self._registered(spec.request_id, self.runner.call("begin_import", spec))
                 return
             except CapacityExhausted:
                 await asyncio.sleep(delay)  # the call's deadline bounds the wait
@@ -169,22 +151,21 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                     req_id, token_ids=list(m.token_ids), num_prompt=m.num_prompt, num_computed=m.num_computed,
                     num_blocks=m.num_blocks, sample_seed=m.sample_seed)
             first = written
-            written += await self.runner.call(lambda engine: engine.import_blocks(req_id, first, chunk.data))
+            written += await self.runner.call("import_blocks", req_id, first, chunk.data)
         raise InvalidRequest(f"transfer {request.transfer_id} ended without its metadata")
 
     async def _next(self, q: asyncio.Queue):
-        out = await q.get()
-        if isinstance(out, Exception):
-            raise MeshError(str(out))
-        return out
+        return _checked(await q.get())
 
     async def _stream(self, req_id: str, q: asyncio.Queue):
         finished = False
         try:
             while not finished:
-                out = await self._next(q)
-                finished = out.finished
-                yield _event(out)
+                outs = [await self._next(q)]
+                while not outs[-1].finished and not q.empty():  # steps queued while this stream was writing:
+                    outs.append(_checked(q.get_nowait()))  # one message for all of them
+                finished = outs[-1].finished
+                yield _events_of(outs)
         finally:
             if not finished:
                 self.runner.abort(req_id)
@@ -192,12 +173,13 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     @rpc.mapped
     async def Stats(self, request, context):
         rpc.require_peer(context, "gateway", "client")
-        load = await self.runner.call(lambda engine: engine.load())
+        stats = await self.runner.call("core_stats")
+        load = stats.load
         return pb.WorkerStats(worker_id=self.worker_id, role=self.role, blocks_used=load.blocks_used,
                               blocks_cached=load.blocks_cached,
                               blocks_free=load.blocks_total - load.blocks_used - load.blocks_cached,
                               blocks_total=load.blocks_total, running=load.running, waiting=load.waiting,
-                              outstanding_tokens=load.outstanding_tokens, aborted=self.runner.aborted)
+                              outstanding_tokens=load.outstanding_tokens, aborted=stats.aborted)
 
 
 async def heartbeat_loop(runner: EngineRunner, router: str, worker_id: str, address: str, role: str,
@@ -208,7 +190,7 @@ async def heartbeat_loop(runner: EngineRunner, router: str, worker_id: str, addr
     interval, first, rate = 1.0, True, DecodeRate()
     while True:
         try:
-            load = await runner.call(lambda engine: engine.load())
+            load = await runner.call("load")
             reply = await stub.Heartbeat(pb.WorkerLoad(
                 worker_id=worker_id, address=address, role=role, outstanding_tokens=load.outstanding_tokens,
                 kv_capacity_tokens=load.blocks_total * load.block_size,
@@ -231,13 +213,13 @@ async def heartbeat_loop(runner: EngineRunner, router: str, worker_id: str, addr
 async def index_loop(runner: EngineRunner, publisher, period_s: float = 0.05, keepalive_s: float = 2.0) -> None:
     """Publish the block pool's stored/evicted events to the prefix index, batched every period_s."""
     async def snapshot():
-        return await runner.call(lambda engine: engine.cached_hashes())
+        return await runner.call("cached_hashes")
 
-    await runner.call(lambda engine: engine.track_block_events())
+    await runner.call("track_block_events")
     loop = asyncio.get_running_loop()
     next_keepalive = 0.0
     while True:
-        events, overflowed = await runner.call(lambda engine: engine.block_events())
+        events, overflowed = await runner.call("block_events")
         publisher.add(events, overflowed)
         await publisher.flush(snapshot)
         if loop.time() >= next_keepalive:
