@@ -35,6 +35,10 @@ def _name(pid: int) -> str:
         return found.group(1).split(".")[1]
     if "EngineCore" in line or "VLLM" in line:
         return "vllm-engine-core"
+    if "spawn_main" in line:
+        return "engine-core"  # a worker's engine core (services/worker/core.py), summed over workers
+    if "resource_tracker" in line:
+        return "mp-resource-tracker"
     return os.path.basename(argv[0]).split()[0] if argv[0].strip() else str(pid)
 
 

@@ -15,20 +15,20 @@ METRICS = [("output_throughput", "output tok/s"), ("request_throughput", "req/s"
 def main(folder: str) -> None:
     out = {}
     for run in ("inf", "rate4", "inf-t0", "rate4-t0"):
-        for system in ("meshserve", "vllm"):
+        for system in ("meshserve", "meshserve-disagg", "vllm"):
             path = Path(folder) / f"{system}-{run}.json"
             if path.exists():
                 out[(run, system)] = json.loads(path.read_text())
-    print(f"{'run':10}{'system':11}" + "".join(f"{label:>14}" for _, label in METRICS))
+    print(f"{'run':10}{'system':18}" + "".join(f"{label:>14}" for _, label in METRICS))
     for (run, system), r in sorted(out.items()):
-        print(f"{run:10}{system:11}" + "".join(f"{r.get(k, float('nan')):>14.1f}" for k, _ in METRICS))
+        print(f"{run:10}{system:18}" + "".join(f"{r.get(k, float('nan')):>14.1f}" for k, _ in METRICS))
     summary = {f"{system}:{run}": {k: out[(run, system)].get(k) for k, _ in METRICS} for run, system in out}
     print("\nCPU seconds per 1,000 output tokens, by server process")
     for (run, system), r in sorted(out.items()):
         cpu = cpu_per_kilotoken(Path(folder), f"{system}-{run}", r.get("total_output_tokens") or 0)
         if cpu:
             summary[f"{system}:{run}"]["cpu_s_per_1k_output_tokens"] = cpu
-            print(f"{run:10}{system:11}" + "  ".join(f"{name} {s:.3f}" for name, s in sorted(cpu.items())))
+            print(f"{run:10}{system:18}" + "  ".join(f"{name} {s:.3f}" for name, s in sorted(cpu.items())))
     (Path(folder) / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
 
 

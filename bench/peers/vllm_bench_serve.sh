@@ -15,8 +15,9 @@ NAME=$(basename "$MODEL")
 mkdir -p "$OUT"
 free_port() { "$HERE/.venv/bin/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
-bench() {  # $1 = system label, $2 = base url, $3 = the server's root pid (CPU seconds of its process tree)
-  for temp in default 0; do
+bench() {  # $1 = system label, $2 = base url, $3 = the server's root pid (CPU seconds of its process tree),
+          # $4 = temperatures to run (default: "default 0")
+  for temp in ${4:-default 0}; do
     for rate in inf 4; do
       extra=(); suffix=""
       if [ "$temp" != default ]; then extra=(--temperature "$temp"); suffix="-t$temp"; fi
@@ -52,6 +53,22 @@ for _ in $(seq 600); do grep -qw ready "$OUT/meshserve-up.log" && break; sleep 0
 grep -qw ready "$OUT/meshserve-up.log"
 echo "== meshserve (http://127.0.0.1:$PORT)"
 bench meshserve "http://127.0.0.1:$PORT" "$UP"
+kill -TERM -- -$UP; wait $UP || true
+
+# meshserve disaggregated: 1 prefill + 1 decode worker, one thread each, 1 GiB KV each (the client's default sampling)
+PORT=$(free_port)
+cat > "$OUT/mesh-disagg.yaml" <<YAML
+mesh: {mode: disaggregated, prefill: 1, decode: 1}
+engine: {kv_cache_gb: 1, threads: 1, max_num_seqs: 256, max_num_batched_tokens: 2048}
+YAML
+setsid "$HERE/.venv/bin/meshserve" up --model "$MODEL" --config "$OUT/mesh-disagg.yaml" --http-port "$PORT" \
+  --port 0 --router-port 0 --kvstore-port 0 > "$OUT/meshserve-disagg-up.log" 2>&1 &
+UP=$!
+trap 'kill -TERM -- -$UP 2>/dev/null || true' EXIT
+for _ in $(seq 600); do grep -qw ready "$OUT/meshserve-disagg-up.log" && break; sleep 0.5; done
+grep -qw ready "$OUT/meshserve-disagg-up.log"
+echo "== meshserve disaggregated (http://127.0.0.1:$PORT)"
+bench meshserve-disagg "http://127.0.0.1:$PORT" "$UP" default
 kill -TERM -- -$UP; wait $UP || true
 
 # vLLM: its CPU build, float32, both cores, 2 GiB KV cache

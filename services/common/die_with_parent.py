@@ -14,14 +14,19 @@ import sys
 PR_SET_PDEATHSIG = 1
 
 
-def main() -> None:
-    parent, command = int(sys.argv[1]), sys.argv[2:]
+def arm(parent: int) -> bool:
+    """SIGKILL this process when `parent` dies; False if it is already gone (then nobody would stop us)."""
     if sys.platform.startswith("linux"):
         import ctypes
 
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:
-        sys.exit(1)  # the parent died before the signal was armed: nobody would ever stop this service
+    return os.getppid() == parent
+
+
+def main() -> None:
+    parent, command = int(sys.argv[1]), sys.argv[2:]
+    if not arm(parent):
+        sys.exit(1)
     os.execvp(command[0], command)
 
 

@@ -39,6 +39,7 @@ from starlette.routing import Route
 
 from services.common.chat import ChatTemplate
 from services.common.errors import CapacityExhausted, InvalidRequest, MeshError, NotFound, http_status
+from services.common.pb import meshserve_pb2 as pb
 from services.common.request import ClientRequest
 from services.common.telemetry import PROMETHEUS_CONTENT_TYPE, prometheus_text
 from services.gateway.openai_models import OpenAIBodyError, parse_body
@@ -315,16 +316,21 @@ class _Call:
         self.completion_tokens[index] += len(r.token_ids)
 
     async def responses(self):
-        """(choice index, GenerateResponse or OpenAIError) until every prompt's stream has ended."""
+        """(choice index, GenerateResponse or OpenAIError) until every prompt's stream has ended. Responses of one
+        choice that queued while the client was being written to come merged as one (one SSE event, not one per
+        step: a stream that falls behind catches up in fewer, larger writes)."""
         for item in self.pending:
             yield item
         self.pending = []
         while self.done < len(self.reqs):
-            index, r = await self.queue.get()
-            if r is None:
-                self.done += 1
-                continue
-            yield index, r
+            ready = [await self.queue.get()]
+            while not self.queue.empty():
+                ready.append(self.queue.get_nowait())
+            for index, r in _merged(ready):
+                if r is None:
+                    self.done += 1
+                    continue
+                yield index, r
 
     def usage(self) -> dict:
         p, c = sum(self.prompt_tokens), sum(self.completion_tokens)
@@ -334,6 +340,24 @@ class _Call:
     def cancel(self) -> None:
         if self.task is not None and not self.task.done():
             self.task.cancel()
+
+
+def _merged(items: list) -> list:
+    """Consecutive (index, GenerateResponse) items of one choice as one response (tokens, logprobs and text joined,
+    the last one's finish reason); errors and ends (None) pass as they are."""
+    out = []
+    for index, r in items:
+        last = out[-1] if out else None
+        if (last is not None and last[0] == index and isinstance(r, pb.GenerateResponse)
+                and isinstance(last[1], pb.GenerateResponse) and not last[1].finish_reason):
+            m = last[1]
+            m.token_ids.extend(r.token_ids)
+            m.logprobs.extend(r.logprobs)
+            m.text += r.text
+            m.finish_reason = r.finish_reason
+        else:
+            out.append((index, r))
+    return out
 
 
 def _event(obj: dict) -> str:

@@ -136,7 +136,7 @@ def _left(deadline_s: float | None, where: str) -> float | None:
 
 
 class GatewayServicer(pb_grpc.GenerationServicer):
-    def __init__(self, model: ModelInfo, tokenizer: Tokenizer, routers, kvstore: str,
+    def __init__(self, model: ModelInfo, tokenizer: Tokenizer, routers: list[str], kvstore: str,
                  auth: Authenticator | None = None, admission: Admission | None = None, bounds: SizeBounds | None = None,
                  cache_secret: bytes = b""):
         self.model, self.tokenizer, self.kvstore = model, tokenizer, kvstore
@@ -145,7 +145,7 @@ class GatewayServicer(pb_grpc.GenerationServicer):
         self.auth = auth or Authenticator([])
         self.admission = admission or Admission()
         self.channels = rpc.ChannelPool()
-        self.routers = routers.split(",") if isinstance(routers, str) else list(routers)
+        self.routers = list(routers)
         self._route_turn = itertools.count()
         self.resumes = metrics.get_meter("meshserve.gateway").create_counter(
             "meshserve.gateway.resumes", description="requests resumed on another worker after a failure")

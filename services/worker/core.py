@@ -24,10 +24,8 @@ exits non-zero so that its supervisor starts the worker again (services/worker/_
 from __future__ import annotations
 
 import logging
-import os
 import pickle
 import signal
-import sys
 import time
 from dataclasses import dataclass
 
@@ -229,11 +227,9 @@ def _picklable(e: Exception) -> Exception:
 
 def core_main(conn, engine_config, parent_pid: int, threads: int | None) -> None:
     """Entry point of the core process (multiprocessing spawn)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
+    from services.common.die_with_parent import arm
 
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent_pid:
+    if not arm(parent_pid):
         return
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the servicer decides when to stop (it closes the pipe)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

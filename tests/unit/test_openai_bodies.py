@@ -66,3 +66,19 @@ def test_min_tokens_beyond_the_resolved_output_length_names_min_tokens():
     with pytest.raises(OpenAIBodyError) as e:
         b.sampling(16, False)  # no max_tokens given: the default 16
     assert e.value.param == "min_tokens"
+
+
+def test_queued_responses_of_one_choice_merge_into_one_event():
+    """A stream that fell behind catches up in one SSE event per choice; order, errors and ends are kept."""
+    from services.common.pb import meshserve_pb2 as pb
+    from services.gateway.http import _merged
+
+    def r(ids, text, reason=""):
+        return pb.GenerateResponse(token_ids=ids, logprobs=[-0.5] * len(ids), text=text, finish_reason=reason)
+
+    items = [(0, r([1], "a")), (0, r([2, 3], "bc")), (1, r([7], "x")), (0, r([4], "d", "length")), (0, r([9], "z")),
+             (0, None)]
+    out = _merged(items)
+    assert [(i, list(m.token_ids), m.text, m.finish_reason) if m is not None else (i, None) for i, m in out] == [
+        (0, [1, 2, 3], "abc", ""), (1, [7], "x", ""), (0, [4], "d", "length"), (0, [9], "z", ""), (0, None)]
+    assert list(out[0][1].logprobs) == [-0.5] * 3
