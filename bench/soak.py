@@ -75,6 +75,7 @@ class Soak:
         self.mismatches: list = []
         self.kills: list = []
         self.rss: list = []  # (seconds since start, {service: MB})
+        self.rss_end: dict = {}  # {service: MB} as the load stops
 
     async def client(self, stub, until: float) -> None:
         while time.monotonic() < until:
@@ -158,7 +159,7 @@ def run(args) -> int:
         log(f"soak: {duration:g} s, {args.concurrency} client loops, a kill every {args.kill_every_s:g} s")
         try:
             asyncio.run(soak.drive(args.concurrency, duration))
-            soak.sampler_end = {p.name: _rss_mb(p.popen.pid) for p in mesh.procs}
+            soak.rss_end = {p.name: _rss_mb(p.popen.pid) for p in mesh.procs}
             stop.set()
             for t in threads:
                 t.join()
@@ -188,7 +189,7 @@ def run(args) -> int:
 def _result(args, soak: Soak, duration: float, held: dict | None) -> dict:
     killed = {k["service"] for k in soak.kills}
     warm = next((rss for at, rss in soak.rss if at >= 60), soak.rss[-1][1])
-    end = soak.sampler_end
+    end = soak.rss_end
     rss = {name: {"warm_mb": round(warm[name], 1), "end_mb": round(end[name], 1),
                   "change": round(end[name] / warm[name] - 1, 4)}
            for name in warm if name not in killed and warm.get(name) and end.get(name)}

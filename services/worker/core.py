@@ -141,7 +141,7 @@ class EngineCore:
             elif kind == "call":
                 _, _, method, args = msg
                 result = self.stats() if method == "core_stats" else getattr(self.engine, method)(*args)
-                if method in ("begin_import",):
+                if method == "begin_import":
                     result = None  # the engine's Request stays here
             else:
                 raise ValueError(f"unknown core command {kind!r}")
