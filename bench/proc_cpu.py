@@ -1,4 +1,4 @@
-"""CPU seconds of a process tree, by process: `python -m bench.proc_cpu PID [--out FILE]` writes
+"""CPU seconds of a process tree, by process (and the tree itself, `descendants`): `python -m bench.proc_cpu PID [--out FILE]` writes
 {name: user+system seconds} for PID and every descendant (named by its --worker-id, its `services.X` module (routers summed),
 or its executable), for per-process CPU per output token (before/after snapshots of one load run)."""
 
@@ -42,18 +42,30 @@ def _name(pid: int) -> str:
     return os.path.basename(argv[0]).split()[0] if argv[0].strip() else str(pid)
 
 
-def tree_cpu(root: int) -> dict[str, float]:
-    parents, cpu = {}, {}
+def _processes() -> dict[int, tuple[int, float]]:
+    out = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit() and (s := _stat(int(entry))) is not None:
-            parents[int(entry)], cpu[int(entry)] = s
+            out[int(entry)] = s
+    return out
+
+
+def descendants(root: int, procs: dict | None = None) -> set[int]:
+    """root and every process below it."""
+    parents = {pid: s[0] for pid, s in (procs or _processes()).items()}
     members, grew = {root}, True
     while grew:
         new = {p for p, parent in parents.items() if parent in members} - members
         members |= new
         grew = bool(new)
+    return members
+
+
+def tree_cpu(root: int) -> dict[str, float]:
+    procs = _processes()
+    cpu = {pid: s[1] for pid, s in procs.items()}
     out: dict[str, float] = defaultdict(float)
-    for pid in members:
+    for pid in descendants(root, procs):
         if pid in cpu:
             out[_name(pid)] += cpu[pid]
     return dict(out)

@@ -9,7 +9,7 @@ kvstore, a router, Redis) is killed with SIGKILL; the supervisor starts it again
 What it checks and reports:
 - every completed request equals the first completion of the same request (0 duplicated or missing tokens across
   resumes); errors other than the intended cancels, by status;
-- the resident memory (VmRSS) of every service, sampled every 10 s: after the first minute (warm) and at the end, for
+- the resident memory (VmRSS) of every service with its child processes (a worker's engine core), sampled every 10 s: after the first minute (warm) and at the end, for
   the gateway and for the services never killed (a restarted one starts afresh); the target is within 10%;
 - afterwards: blocks, sequences and transfers still held (target 0).
 """
@@ -57,13 +57,18 @@ def _requests(seed: int) -> list[pb.GenerateRequest]:
 
 
 def _rss_mb(pid: int) -> float | None:
-    try:
-        for line in open(f"/proc/{pid}/status"):
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
+    """Resident MB of a service: its process and every descendant (a worker's engine core is its child)."""
+    from bench.proc_cpu import descendants
+
+    total, found = 0.0, False
+    for p in descendants(pid):
+        try:
+            for line in open(f"/proc/{p}/status"):
+                if line.startswith("VmRSS:"):
+                    total, found = total + int(line.split()[1]) / 1024, True
+        except OSError:
+            continue
+    return total if found else None
 
 
 class Soak:
