@@ -95,6 +95,9 @@ class MeshSpec:
     tls: bool = False  # mutual TLS between the services (certificates minted per mesh) and a Redis password
     public_tls: bool = False  # the gateway's public gRPC and HTTP ports over TLS too (the mesh CA's gateway cert)
     gateway_args: list = field(default_factory=list)  # extra gateway flags (e.g. --admission-policy)
+    kv_transport: str = "auto"  # workers' KV transport: auto (shared memory on this host) | grpc | shm
+    kv_pool: bool = False  # workers take prompts' blocks from the kvstore's pool (and unified ones push them)
+    kvstore_budget_gb: float = 1.0  # the kvstore's pool, reserved in /dev/shm once the first worker attaches
 
 
 class Mesh:
@@ -111,6 +114,7 @@ class Mesh:
         self.cache_secret = os.environ.get(CACHE_SECRET_ENV) or secrets.token_hex(32)
         self.tls_dir = ""  # the mesh's certificates (services.common.certs) when spec.tls
         self.redis_password = secrets.token_urlsafe(24) if spec.tls else ""
+        self.kv_instance = "mesh" + secrets.token_hex(6)  # names the kvstore's segments (a restart reclaims them)
 
     def _free_port(self) -> int:
         """A free port not already handed to another process of this mesh: the OS may give a port just
@@ -204,7 +208,8 @@ class Mesh:
             auth = f":{self.redis_password}@" if self.redis_password else ""
             self.redis_url = f"redis://{auth}127.0.0.1:{port}/0"
         config = ["--config", s.config_file] if s.config_file else []
-        self.kvstore = self._service("kvstore", "kvstore", port=s.kvstore_port).address
+        self.kvstore = self._service("kvstore", "kvstore", "--instance", self.kv_instance, "--redis-url", self.redis_url,
+                                     "--byte-budget-gb", s.kvstore_budget_gb, port=s.kvstore_port).address
         routing = [f"--{k}={json.dumps(v)}" for k, v in s.routing.items()]
         self.routers = [self._service(f"router-{i}" if i else "router", "router", *config, "--policy", s.policy,
                                       *routing, "--mode", s.mode, "--redis-url", self.redis_url,
@@ -216,6 +221,7 @@ class Mesh:
                 name = f"{role}-{i}"
                 self._service(name, "worker", "--role", role, "--model", s.model_dir, "--router", routers,
                               "--redis-url", self.redis_url, "--worker-id", name, "--threads", s.threads, *config,
+                              "--kv-transport", s.kv_transport, "--kv-pool" if s.kv_pool else "--no-kv-pool",
                               *s.engine_args, *s.worker_args.get(name, []))
         http = []
         if s.http_port is not None:
@@ -270,6 +276,9 @@ class Mesh:
                 pass
             signal_group(p.popen, signal.SIGKILL)
             p.popen.wait()
+        from services.kvstore.arena import reclaim
+
+        reclaim(self.kv_instance)  # a kvstore killed (not stopped) leaves its segment behind
 
     def __enter__(self) -> "Mesh":
         return self.start()

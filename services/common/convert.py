@@ -42,7 +42,8 @@ LOAD_FIELDS = {"worker_id": "worker_id", "address": "address", "role": "role",
                "outstanding_tokens": "outstanding_tokens", "kv_capacity_tokens": "capacity_tokens",
                "running": "running", "waiting": "waiting", "adapters": "adapters", "block_size": "block_size",
                "index_member": "index_member", "decode_tokens_per_s": "decode_tps", "max_num_seqs": "max_num_seqs",
-               "prefill_s_per_token": "prefill_s_per_token", "decode_s_per_step": "decode_s_per_step"}
+               "prefill_s_per_token": "prefill_s_per_token", "decode_s_per_step": "decode_s_per_step",
+               "host": "host", "kv_pool": "kv_pool"}
 
 
 def load_from_pb(msg: pb.WorkerLoad) -> dict:

@@ -35,6 +35,7 @@ BLOCK_PREFIX = b"ms:b:"
 LIVE_PREFIX = "ms:live:"
 LIVE_TTL_S = 10
 BLOCK_TTL_S = 3600
+POOL_MEMBER = "pool@"  # a kvstore pool's member: pool@<host>#<epoch> (its blocks serve that host's workers)
 
 # ARGV[1]: the live-key prefix; ARGV[2]: the block-key prefix; ARGV[3]: the prompt's 16-byte block
 # hashes, concatenated in order (one argument rather than a key per block: packing hundreds of

@@ -45,6 +45,14 @@ class KVCache:
         s = slice(block * self.block_size, (block + 1) * self.block_size)
         return torch.stack([torch.stack((k[s], v[s])) for k, v in zip(self.k, self.v)])
 
+    def read_block_into(self, block: int, out: torch.Tensor) -> None:
+        """read_block() straight into `out` (flat bytes, e.g. a view of shared memory): one copy, no staging."""
+        dest = out.view(self.k[0].dtype).view(len(self.k), 2, self.block_size, *self.k[0].shape[1:])
+        s = slice(block * self.block_size, (block + 1) * self.block_size)
+        for layer, (k, v) in enumerate(zip(self.k, self.v)):
+            dest[layer, 0].copy_(k[s])
+            dest[layer, 1].copy_(v[s])
+
     def write_block(self, block: int, data: torch.Tensor) -> None:
         """Inverse of read_block; data may be flat."""
         data = data.view(len(self.k), 2, self.block_size, *self.k[0].shape[1:])

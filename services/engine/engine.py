@@ -316,16 +316,71 @@ class LLMEngine:
         self.requests[req.req_id] = req
         return req
 
-    def import_blocks(self, req_id: str, first: int, data: bytes) -> int:
-        """Write consecutive raw blocks from index `first`; returns how many were written."""
-        req = self._receiving(req_id)
-        size = KVCache.bytes_per_block(self.model_config.num_layers, self.kv.block_size, self.model_config.num_kv_heads,
-                                       self.model_config.head_dim, self.model.dtype)
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one KV block (every layer's K and V) in this engine's dtype."""
+        mc = self.model_config
+        return KVCache.bytes_per_block(mc.num_layers, self.kv.block_size, mc.num_kv_heads, mc.head_dim, self.model.dtype)
+
+    def kv_geometry(self) -> tuple[int, int]:
+        """(tokens per block, bytes per block)."""
+        return self.kv.block_size, self.block_bytes
+
+    def split_blocks(self, data) -> list:
+        """Consecutive raw blocks as one per block (InvalidRequest unless whole blocks)."""
+        size = self.block_bytes
         if len(data) % size:
             raise InvalidRequest(f"imported KV data of {len(data)} bytes is not a whole number of {size}-byte blocks")
-        blocks = [data[i:i + size] for i in range(0, len(data), size)]
+        return [data[i:i + size] for i in range(0, len(data), size)]
+
+    def import_blocks(self, req_id: str, first: int, data) -> int:
+        """Write consecutive raw blocks (one buffer, or a list of one per block) from index `first`; returns how
+        many were written."""
+        req = self._receiving(req_id)
+        blocks = data if isinstance(data, list) else self.split_blocks(data)
         self._write_blocks(req, first, blocks)
         return len(blocks)
+
+    def read_blocks_into(self, req_id: str, start: int, outs: list) -> None:
+        """Blocks [start, start + len(outs)) of a running request's table, each copied into a flat uint8 tensor."""
+        table = self.kv.block_table(self._running(req_id))
+        for block, out in zip(table[start:start + len(outs)], outs):
+            self.kv_cache.read_block_into(block, out)
+
+    def cached_blocks(self, hashes: list) -> int:
+        """How many of the leading hashes the prefix cache holds here."""
+        pool = self.kv.pool
+        n = 0
+        while n < len(hashes) and self.kv.prefix_caching and pool.lookup(hashes[n]) is not None:
+            n += 1
+        return n
+
+    def import_cached(self, hashes: list, start: int, blocks: list) -> int:
+        """Put raw blocks for hashes[start:start + len(blocks)] into the prefix cache (from the mesh's KV pool),
+        behind hashes[:start], which this cache must hold (else nothing happens: a chain with a gap serves no
+        prefix). Blocks it holds already are skipped. The imported blocks are cached, not used: the request added
+        next finds them as its prefix. Returns how many were imported (0 when short of free blocks)."""
+        if not self.kv.prefix_caching:
+            return 0
+        have = self.cached_blocks(hashes[:start + len(blocks)])
+        if have < start or have >= start + len(blocks):
+            return 0
+        pool = self.kv.pool
+        held = [pool.lookup(h) for h in hashes[:have]]
+        todo = list(zip(hashes[have:start + len(blocks)], blocks[have - start:]))
+        revived = sum(1 for b in held if pool.ref_count[b] == 0)
+        if len(todo) + revived > pool.num_available:
+            return 0
+        for b in held:
+            pool.acquire(b)  # so that allocating the new blocks cannot evict the chain they extend
+        new = pool.allocate(len(todo))
+        try:
+            for block, (h, data) in zip(new, todo):
+                self.kv_cache.write_block(block, decode_block(data, self.model.dtype))
+                pool.register(block, h)
+        finally:
+            pool.release(held + new)  # the tail is the first to evict, as for a finished request
+        return len(todo)
 
     def end_import(self, req_id: str, token_ids: list, num_prompt: int, num_computed: int, num_blocks: int,
                    sample_seed: int) -> Request:

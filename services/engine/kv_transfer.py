@@ -26,6 +26,9 @@ def encode_block(t: torch.Tensor) -> bytes:
     return t.contiguous().view(torch.uint8).numpy().tobytes()
 
 
-def decode_block(data: bytes, dtype: torch.dtype) -> torch.Tensor:
-    """Raw bytes back to a flat tensor; write_block() reshapes by broadcasting into the pool."""
+def decode_block(data, dtype: torch.dtype) -> torch.Tensor:
+    """Raw bytes back to a flat tensor; write_block() reshapes by broadcasting into the pool. A writable buffer
+    (a view of shared memory) is used in place; immutable bytes are copied first (torch wants writable memory)."""
+    if isinstance(data, memoryview) and not data.readonly:
+        return torch.frombuffer(data, dtype=torch.uint8).view(dtype)
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype)

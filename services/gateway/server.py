@@ -324,10 +324,16 @@ class GatewayServicer(pb_grpc.GenerationServicer):
             yield first
             if first.finish_reason:
                 return
-            async for ev in _unless_failed(self._stream(decode, decision.decode_worker), drain):
+            # A handoff that fails after the first token (the kvstore died, or refused the rest) is the decode
+            # side's to see: its pull fails and it computes the prompt itself (services/worker/server.py Decode).
+            async for ev in self._stream(decode, decision.decode_worker):
                 ev.prompt_tokens, ev.cached_prompt_tokens = prompt.prompt_tokens, prompt.cached_prompt_tokens
                 yield ev
-            await drain
+            try:
+                await drain
+            except MeshError as e:
+                log.info("request %s: the prefill side's KV handoff failed (%s); the decode side recomputed",
+                         work.request_id, e)
         finally:
             for call in (prefill, decode):
                 call.cancel()
@@ -369,24 +375,6 @@ class GatewayServicer(pb_grpc.GenerationServicer):
 async def _drain(events) -> None:
     async for _ in events:
         pass
-
-
-async def _unless_failed(events, watched: asyncio.Future):
-    """The items of events until `watched` fails: then its error at once. The prefill call ends only once its KV
-    has reached the kvstore; if that handoff fails (kvstore full or down), the decode side would otherwise wait for
-    blocks that never come (60 s, then INTERNAL) instead of the client hearing the cause."""
-    it = aiter(events)
-    while True:
-        step = asyncio.ensure_future(anext(it))
-        if not watched.done():
-            await asyncio.wait({step, watched}, return_when=asyncio.FIRST_COMPLETED)
-        if watched.done() and not watched.cancelled() and watched.exception() is not None:
-            step.cancel()
-            raise watched.exception()
-        try:
-            yield await step
-        except StopAsyncIteration:
-            return
 
 
 class _TextStream:

@@ -7,7 +7,9 @@ imbalance rule) lets load win outright when the spread of loads is large:
 then only the load scorer counts. Loads are as views.loads() defines them.
 
 - LoadScorer: 1 - load / max_load over the candidates (all idle: 1 for all).
-- PrefixScorer: the fraction of the prompt's full blocks the worker already caches.
+- PrefixScorer: the fraction of the prompt's full blocks the worker already caches; blocks beyond those that
+  its host's KV pool holds (and it takes from there) count POOL_CREDIT each: cheaper than computing them, dearer
+  than a local hit (they are copied in).
 - AdapterScorer: 1 where the request's LoRA adapter is already loaded (the affinity slot).
 """
 
@@ -27,13 +29,23 @@ class LoadScorer:
         return [1.0 if top <= 0 else 1.0 - x / top for x in ls]
 
 
+POOL_CREDIT = 0.5
+
+
+def effective_blocks(worker: WorkerView, ctx: RouteContext) -> float:
+    """Blocks of the prompt the worker need not compute: its own, plus POOL_CREDIT per block more in its pool."""
+    local = ctx.cached_blocks.get(worker.worker_id, 0)
+    pooled = ctx.pooled_blocks.get(worker.worker_id, 0)
+    return min(local + POOL_CREDIT * max(pooled - local, 0), ctx.prompt_blocks)
+
+
 class PrefixScorer:
     name = "prefix"
 
     def score(self, workers: list[WorkerView], ctx: RouteContext) -> list[float]:
         if ctx.prompt_blocks <= 0:
             return [0.0] * len(workers)
-        return [min(ctx.cached_blocks.get(w.worker_id, 0), ctx.prompt_blocks) / ctx.prompt_blocks for w in workers]
+        return [effective_blocks(w, ctx) / ctx.prompt_blocks for w in workers]
 
 
 class AdapterScorer:

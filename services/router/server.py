@@ -19,11 +19,13 @@ from services.common import rpc
 from services.common.block_hash import extra_keys, hash_packed, pack_tokens
 from services.common.convert import load_from_pb, load_to_pb
 from services.common.errors import InvalidRequest
+from services.common.prefix_index import POOL_MEMBER, worker_of
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.router.filters import Need
 from services.router.recent import RecentRoutes
 from services.router.registry import Registry
+from services.router.scoring import effective_blocks
 from services.router.views import RouteContext
 
 log = logging.getLogger("meshserve.router")
@@ -105,7 +107,8 @@ class RouterServicer(pb_grpc.RouterServicer):
             hashes, ctx = await self._prefix_context(workers, request)
         worker, why = policy.select(workers, cost, ctx)
         cached = ctx.cached_blocks.get(worker.worker_id, 0) * worker.block_size if ctx else 0
-        policy.on_routed(worker, max(cost - cached, 1))  # a cached prefix is work the worker will not do
+        spared = int(effective_blocks(worker, ctx) * worker.block_size) if ctx else 0
+        policy.on_routed(worker, max(cost - spared, 1))  # a cached prefix is work the worker will not do
         if hashes:
             self.recent.record(hashes, worker.worker_id)
         return worker, why, cached
@@ -119,14 +122,21 @@ class RouterServicer(pb_grpc.RouterServicer):
         hashes = hash_packed(packed[:-4], bs, extra_keys(request.adapter, request.cache_salt))
         found = self.index.longest_prefix(hashes) if self.index is not None else {}
         recent = self.recent.longest(hashes)
-        cached = {}
+        pools: dict[str, int] = {}  # host -> the prefix its kvstore pool holds
+        for member, n in found.items():
+            if member.startswith(POOL_MEMBER):
+                host = worker_of(member)[len(POOL_MEMBER):]
+                pools[host] = max(pools.get(host, 0), n)
+        cached, pooled = {}, {}
         for w in workers:
             if w.block_size != bs:
                 continue  # hashed with another block size: not comparable
             n = max(found.get(w.index_member, 0) if w.index_member else 0, recent.get(w.worker_id, 0))
             if n:
                 cached[w.worker_id] = n
-        return hashes, RouteContext(len(hashes), cached, request.adapter)
+            if w.kv_pool and pools.get(w.host, 0) > n:
+                pooled[w.worker_id] = pools[w.host]
+        return hashes, RouteContext(len(hashes), cached, request.adapter, pooled)
 
     @rpc.mapped
     async def ListWorkers(self, request, context):

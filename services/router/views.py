@@ -33,6 +33,8 @@ class WorkerView:
     max_num_seqs: int = 0  # sequences it batches at once (0 = not reported)
     prefill_s_per_token: float = 0.0  # its fitted step costs (0 = not yet known)
     decode_s_per_step: float = 0.0
+    host: str = ""  # its host identity (the kvstore pool of that host serves it)
+    kv_pool: bool = False  # it takes prompts' blocks from the pool
 
     @property
     def tokens(self) -> int:
@@ -63,3 +65,4 @@ class RouteContext:
     prompt_blocks: int = 0  # full blocks of the prompt that a cache could serve
     cached_blocks: dict = field(default_factory=dict)  # worker_id -> longest cached prefix, in blocks
     adapter: str = ""  # the request's LoRA adapter ("" = base model)
+    pooled_blocks: dict = field(default_factory=dict)  # worker_id -> longest prefix its host's KV pool holds

@@ -39,7 +39,9 @@ async def serve(args) -> int:
     except ModelLoadError as e:
         runner.stop()
         raise SystemExit(f"{args.role} worker: {e}") from None
-    pb_grpc.add_WorkerServicer_to_server(WorkerServicer(runner, args.role, worker_id), server.server)
+    servicer = await WorkerServicer(runner, args.role, worker_id, kv_transport=args.kv_transport,
+                                    kv_pool=args.kv_pool, metrics=runner.metrics).start()
+    pb_grpc.add_WorkerServicer_to_server(servicer, server.server)
     publisher = publishing = None
     if args.redis_url and args.role in ("prefill", "unified") and config.cache.enable_prefix_caching:
         from services.common.prefix_index import IndexPublisher, connect
@@ -47,7 +49,8 @@ async def serve(args) -> int:
         publishing = asyncio.create_task(index_loop(runner, publisher))
     routers = args.router.split(",")  # every router hears every heartbeat: none holds state the others lack
     beats = [asyncio.create_task(heartbeat_loop(runner, router, worker_id, server.address, args.role,
-                                                on_first=lambda: server.set_serving(True), publisher=publisher))
+                                                on_first=lambda: server.set_serving(True), publisher=publisher,
+                                                kv_pool=args.kv_pool))
              for router in routers]
 
     async def deregister(router: str) -> None:
@@ -85,6 +88,13 @@ def parser(role: str | None = None) -> argparse.ArgumentParser:
     ap.add_argument("--worker-id")
     ap.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
                     help="publish KV block events to the prefix index here (prefill and unified roles; env REDIS_URL)")
+    ap.add_argument("--kv-transport", choices=("auto", "grpc", "shm"), default=os.environ.get("KV_TRANSPORT", "auto"),
+                    help="KV blocks to and from the kvstore: auto = shared memory on its host, else gRPC; grpc or shm "
+                         "forces one (shm fails where the kvstore is on another host)")
+    ap.add_argument("--kv-pool", action=argparse.BooleanOptionalAction,
+                    default=os.environ.get("KV_POOL", "") in ("1", "true"),
+                    help="take a prompt's blocks from the kvstore's pool when it holds more of them than this engine "
+                         "caches, and (unified role) push computed prompt blocks there")
     add_config_flag(ap)
     add_section_flags(ap, "engine")
     add_metrics_flag(ap)

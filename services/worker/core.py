@@ -4,10 +4,13 @@ The servicer's process runs asyncio, gRPC and metrics; the core's runs only the 
 two never share a GIL (vLLM's EngineCore split, for the same reason). They talk over a
 multiprocessing pipe in pickled tuples:
 
-  servicer -> core   ("add", seq, spec, export_kv)   a request; export_kv: stream its KV out (prefill role)
+  servicer -> core   ("add", seq, spec, export, pooled)  a request; export (ExportPlan): stream its KV out
+                                                     (prefill: hand it off; unified: push it to the pool); pooled
+                                                     (PooledPrefix): blocks of its prompt leased from the pool
                      ("end_import", seq, req_id, kwargs)
                      ("call", seq, method, args)     any other LLMEngine method (load, begin_import, ...), or
-                                                     core_stats: the core's counters and load now
+                                                     one of the core's own (CORE_METHODS: its counters, the
+                                                     kvstore's arena, imports that verify checksums)
                      ("abort", req_id)
   core -> servicer   ("ready", None)                 the engine is built
                      ("reply", seq, result, error)   a command's result or exception
@@ -51,13 +54,56 @@ class StepOutput:
 
 @dataclass(frozen=True, slots=True)
 class KVPiece:
-    """Part of a prefill request's KV for the kvstore: blocks (index >= 0) or the final metadata (last)."""
+    """Part of a request's KV for the kvstore: consecutive blocks (written in place in shared memory, or as data),
+    or the end (last; with the metadata when the request is handed off)."""
 
     req_id: str
-    index: int  # message index of a block chunk; -1 for the metadata
-    data: bytes
-    meta: dict | None  # KVMeta fields, with last
+    first: int  # the first block's index in the transfer
+    checksums: list  # CRC-32 per block (its count is the piece's)
+    data: bytes  # gRPC path: the blocks' bytes; b"" when written in place
+    meta: dict | None  # KVMeta fields, with last (handoff)
     last: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ExportPlan:
+    """Where a request's KV goes, from the kvstore's reservation of its transfer."""
+
+    handoff: bool  # prefill: after the first token the rest and the metadata follow and the request leaves;
+    #                False: push the prompt's full blocks to the pool and keep running (unified)
+    num_blocks: int  # blocks reserved
+    present: tuple  # per block: the pool holds it already (not written)
+    slots: tuple = ()  # shm: the arena slot per block ("" generation: the gRPC path, bytes in the pieces)
+    generation: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class PooledPrefix:
+    """A prompt's blocks leased from the pool: hashes[start:start + len(checksums)], in the arena's slots (shm) or
+    in data (gRPC), to import into the prefix cache before the request is added."""
+
+    hashes: tuple  # the prompt's full-block hashes from block 0
+    start: int
+    checksums: tuple
+    slots: tuple = ()
+    generation: str = ""
+    data: bytes = b""
+
+
+class KVTransferFailed(MeshError):
+    """Transferred KV failed its checksum (or its arena is gone): the receiver recomputes instead."""
+
+    code = "DATA_LOSS"
+
+
+def verified(blocks: list, checksums, first: int) -> list:
+    """The blocks, after checking each one's CRC-32."""
+    from services.kvstore.arena import checksum
+
+    for i, (buf, crc) in enumerate(zip(blocks, checksums)):
+        if checksum(buf) != crc:
+            raise KVTransferFailed(f"KV block {first + i} failed its checksum (corrupt or truncated)")
+    return blocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,38 +117,69 @@ class CoreStats:
 
 
 class KVExport:
-    """Per-step KV export of one prefill request (the old engine-thread hook): every newly full block goes out in
-    one piece per step; once its first token is sampled, the rest and the metadata follow and the request leaves
-    this engine."""
+    """Per-step KV export of one request (ExportPlan): every newly full block goes out in one piece per step,
+    written into its arena slot (shm) or as bytes, skipping those the pool already holds. A handoff ends once its
+    first token is sampled: the rest (a partial last block too) and the metadata follow, and the request leaves
+    this engine; a push ends once the prompt's full blocks are out."""
 
-    def __init__(self, req_id: str):
-        self.req_id, self.sent, self.chunks_sent = req_id, 0, 0
+    def __init__(self, req_id: str, plan: ExportPlan, arena=None):
+        self.req_id, self.plan, self.arena, self.sent = req_id, plan, arena, 0
 
     def __call__(self, engine) -> tuple[list, bool]:
         """(pieces, done)."""
         progress = engine.running_progress(self.req_id)
+        plan = self.plan
         if progress is None:
+            if not plan.handoff and self.req_id not in engine.requests:  # finished (or aborted) before the push
+                return [KVPiece(self.req_id, -1, [], b"", None, True)], True
             return [], False  # still queued (or preempted): nothing computed to send yet
         sampled, full = progress
+        if not plan.handoff:
+            upto = min(full, plan.num_blocks)
+            pieces = self._blocks(engine, upto)
+            if upto >= plan.num_blocks:
+                return pieces + [KVPiece(self.req_id, -1, [], b"", None, True)], True
+            return pieces, False
         if sampled >= 1:
-            kv = engine.export_kv(self.req_id, first_block=self.sent)
-            pieces = self._blocks(kv.blocks)
+            kv = engine.export_kv(self.req_id, first_block=plan.num_blocks)  # the metadata (no more blocks)
+            total = -(-kv.num_computed // kv.block_size)
+            if total != plan.num_blocks:
+                raise KVTransferFailed(f"the request has {total} KV blocks, {plan.num_blocks} were reserved")
+            pieces = self._blocks(engine, plan.num_blocks)
             meta = {"token_ids": kv.token_ids, "num_prompt": kv.num_prompt, "num_computed": kv.num_computed,
-                    "block_size": kv.block_size, "dtype": kv.dtype, "num_blocks": self.sent,
+                    "block_size": kv.block_size, "dtype": kv.dtype, "num_blocks": plan.num_blocks,
                     "sample_seed": kv.sample_seed}
             engine.abort(self.req_id)
-            return pieces + [KVPiece(self.req_id, -1, b"", meta, True)], True
-        if full > self.sent:
-            return self._blocks(engine.kv_blocks(self.req_id, self.sent, full)), False
-        return [], False
+            return pieces + [KVPiece(self.req_id, -1, [], b"", meta, True)], True
+        return self._blocks(engine, min(full, plan.num_blocks)), False
 
-    def _blocks(self, blocks: list) -> list:
-        if not blocks:
-            return []
-        piece = KVPiece(self.req_id, self.chunks_sent, b"".join(blocks), None, False)
-        self.chunks_sent += 1
-        self.sent += len(blocks)
-        return [piece]
+    def _blocks(self, engine, upto: int) -> list:
+        """Pieces for blocks [sent, upto): runs of those the pool lacks."""
+        import torch
+
+        from services.kvstore.arena import checksum
+
+        pieces, i, plan = [], self.sent, self.plan
+        while i < upto:
+            if plan.present[i]:
+                i += 1
+                continue
+            j = i
+            while j < upto and not plan.present[j]:
+                j += 1
+            if self.arena is not None:
+                views = [self.arena.slot(plan.slots[k]) for k in range(i, j)]
+                engine.read_blocks_into(self.req_id, i, [torch.frombuffer(v, dtype=torch.uint8) for v in views])
+                pieces.append(KVPiece(self.req_id, i, [checksum(v) for v in views], b"", None, False))
+            else:
+                blocks = engine.kv_blocks(self.req_id, i, j)
+                pieces.append(KVPiece(self.req_id, i, [checksum(b) for b in blocks], b"".join(blocks), None, False))
+            i = j
+        self.sent = max(self.sent, upto)
+        return pieces
+
+
+CORE_METHODS = frozenset({"core_stats", "map_arena", "import_slots", "import_data"})
 
 
 class EngineCore:
@@ -114,6 +191,8 @@ class EngineCore:
         self.engine, self.send = engine, send
         self.live: set = set()  # requests whose outputs the servicer wants
         self.exports: dict[str, KVExport] = {}
+        self.arenas: dict = {}  # generation -> MappedArena of the kvstore
+        self.pooled_blocks = 0  # blocks imported from the pool, since start
         self.busy_s, self.tokens_out, self.aborted = 0.0, 0, 0
         self.cost = StepCostFit()
         self.running = True
@@ -127,12 +206,12 @@ class EngineCore:
         seq = msg[1]
         try:
             if kind == "add":
-                _, _, spec, export_kv = msg
+                _, _, spec, plan, pooled = msg
+                result = self._import_pooled(pooled) if pooled is not None else 0
                 self.engine.add(spec)
                 self.live.add(spec.request_id)
-                if export_kv:
-                    self.exports[spec.request_id] = KVExport(spec.request_id)
-                result = None
+                if plan is not None:
+                    self.exports[spec.request_id] = KVExport(spec.request_id, plan, self._arena(plan.generation))
             elif kind == "end_import":
                 _, _, req_id, kwargs = msg
                 self.engine.end_import(req_id, **kwargs)
@@ -140,7 +219,8 @@ class EngineCore:
                 result = None
             elif kind == "call":
                 _, _, method, args = msg
-                result = self.stats() if method == "core_stats" else getattr(self.engine, method)(*args)
+                own = method in CORE_METHODS
+                result = getattr(self if own else self.engine, method)(*args)
                 if method == "begin_import":
                     result = None  # the engine's Request stays here
             else:
@@ -149,6 +229,60 @@ class EngineCore:
             self.send(("reply", seq, None, _picklable(e)))
             return
         self.send(("reply", seq, result, None))
+
+    # ---- the kvstore's arena and imports (CORE_METHODS) -------------------------------------------
+
+    def map_arena(self, path: str, generation: str, slot_bytes: int, slots: int) -> None:
+        """Map the kvstore's segment (as its Attach told the servicer); the previous one stays mapped until the
+        next change, for exports still writing to it."""
+        from services.kvstore.arena import MappedArena
+
+        if generation in self.arenas:
+            return
+        self.arenas[generation] = MappedArena(path, generation, slot_bytes, slots)
+        while len(self.arenas) > 2:
+            self.arenas.pop(next(iter(self.arenas))).close()
+
+    def _arena(self, generation: str):
+        if not generation:
+            return None
+        arena = self.arenas.get(generation)
+        if arena is None:
+            raise KVTransferFailed(f"the kvstore's arena {generation} is not mapped here")
+        return arena
+
+    def import_slots(self, req_id: str, first: int, generation: str, slots: list, checksums: list) -> int:
+        """Import blocks from arena slots (checked against their CRC-32) into a request's reserved blocks."""
+        arena = self._arena(generation)
+        views = verified([arena.slot(s) for s in slots], checksums, first)
+        return self.engine.import_blocks(req_id, first, views)
+
+    def import_data(self, req_id: str, first: int, data: bytes, checksums: list) -> int:
+        """import_slots for blocks that came as bytes (the gRPC path)."""
+        blocks = verified(self.engine.split_blocks(data), checksums, first)
+        return self.engine.import_blocks(req_id, first, blocks)
+
+    def _import_pooled(self, p: PooledPrefix) -> int:
+        """Blocks leased from the pool into the prefix cache; a block failing its checksum ends the run there (the
+        engine computes the rest). Returns how many were imported."""
+        from services.kvstore.arena import checksum
+
+        if p.generation:
+            arena = self.arenas.get(p.generation)
+            blocks = [arena.slot(s) for s in p.slots] if arena is not None else []
+        else:
+            blocks = self.engine.split_blocks(p.data)
+        good = 0
+        while good < len(blocks) and checksum(blocks[good]) == p.checksums[good]:
+            good += 1
+        if good < len(blocks):
+            log.warning("pooled KV block %d failed its checksum: recomputing from there", p.start + good)
+        imported = self.engine.import_cached(list(p.hashes), p.start, blocks[:good])
+        self.pooled_blocks += imported
+        return imported
+
+    def core_stats(self) -> "CoreStats":
+        return self.stats()
 
     def _forget(self, req_id: str) -> None:
         self.live.discard(req_id)
@@ -179,13 +313,23 @@ class EngineCore:
             outs.append(StepOutput(out.req_id, list(out.new_token_ids), out.new_logprobs, out.finished,
                                    out.finish_reason, req.num_prompt, req.num_cached_prompt, req.num_output,
                                    req.arrival_s))
+        pieces = self._export()
+        for out in outs:
             if out.finished:
                 self._forget(out.req_id)
-        pieces = []
+        self.send(("step", outs, pieces, self.stats()))
+
+    def _export(self) -> list:
+        engine, pieces = self.engine, []
         for req_id, export in list(self.exports.items()):
             try:
                 got, done = export(engine)
             except Exception as e:
+                if not export.plan.handoff:  # a push is best effort: the request runs on, the pool lacks its blocks
+                    log.warning("pushing request %s's KV to the pool failed: %s", req_id, e)
+                    self.exports.pop(req_id, None)
+                    pieces.append(KVPiece(req_id, -1, [], b"", None, True))
+                    continue
                 log.exception("KV export of request %s failed; aborting it", req_id)
                 engine.abort(req_id)
                 self._forget(req_id)
@@ -193,8 +337,8 @@ class EngineCore:
                 continue
             pieces += got
             if done:
-                self._forget(req_id)
-        self.send(("step", outs, pieces, self.stats()))
+                self.exports.pop(req_id, None)
+        return pieces
 
     def stats(self) -> CoreStats:
         return CoreStats(self.busy_s, self.tokens_out, self.aborted, self.cost.prefill_s_per_token,

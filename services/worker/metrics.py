@@ -35,6 +35,9 @@ class WorkerMetrics:
                 ("meshserve.worker.outstanding_tokens", lambda l: l.outstanding_tokens,
                  "prompt tokens left + output tokens expected")):
             meter.create_observable_gauge(name, [self._observe(read)], description=desc)
+        self.kv_recomputes = meter.create_counter(
+            "meshserve.worker.kv_recomputes", description="decode requests that computed their prompt after the KV "
+                                                          "transfer failed")
         self.ttft = meter.create_histogram("vllm.time_to_first_token_seconds", unit="s", description="time to first token",
                                            explicit_bucket_boundaries_advisory=TTFT_BUCKETS)
         self.itl = meter.create_histogram("vllm.inter_token_latency_seconds", unit="s",

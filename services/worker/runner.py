@@ -80,15 +80,16 @@ class EngineRunner:
         """Run engine.method(*args) in the core, between steps; the future gets its result or exception."""
         return self._command("call", method, args)
 
-    async def add(self, spec: RequestSpec, kv: asyncio.Queue | None = None) -> asyncio.Queue:
-        """Add a request; returns the queue its outputs (StepOutput) arrive on. With kv, its KV pieces arrive
-        there as they are computed (the prefill role)."""
+    async def add(self, spec: RequestSpec, kv: asyncio.Queue | None = None, plan=None, pooled=None) -> asyncio.Queue:
+        """Add a request; returns the queue its outputs (StepOutput) arrive on. With kv and plan (core.ExportPlan),
+        its KV pieces arrive on kv as they are computed; pooled (core.PooledPrefix) is imported into the prefix
+        cache first."""
         q: asyncio.Queue = asyncio.Queue()
         self.streams[spec.request_id] = q
         if kv is not None:
             self.kv[spec.request_id] = kv
         try:
-            await self._command("add", spec, kv is not None)
+            await self._command("add", spec, plan if kv is not None else None, pooled)
         except BaseException:
             self.forget(spec.request_id)
             raise
@@ -182,18 +183,18 @@ class EngineRunner:
         self.load = stats.load
         if self.metrics is not None:  # first: forget() below drops a finished request's last token time
             self.metrics.on_step(outputs, stats.load, self.clock())
+        for piece in pieces:  # first: a finished request's last piece may come in the step that finishes it
+            kv = self.kv.get(piece.req_id)
+            if kv is not None:
+                kv.put_nowait(piece)
+            if piece.last:
+                self.kv.pop(piece.req_id, None)
         for out in outputs:
             q = self.streams.get(out.req_id)
             if q is not None:
                 q.put_nowait(out)
             if out.finished:
                 self.forget(out.req_id)
-        for piece in pieces:
-            kv = self.kv.get(piece.req_id)
-            if kv is not None:
-                kv.put_nowait(piece)
-            if piece.last:
-                self.kv.pop(piece.req_id, None)
 
     def _fail(self, req_id: str, error: Exception) -> None:
         for table in (self.streams, self.kv):

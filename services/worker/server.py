@@ -22,10 +22,13 @@ import grpc
 
 from services.common import rpc
 from services.common.convert import spec_from_work
+from services.common.host import host_id
 from services.common.errors import CapacityExhausted, InvalidRequest, MeshError
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.worker.measure import DecodeRate
+from services.worker.core import KVTransferFailed
+from services.worker.kvlink import KVLink, KVLinks, StaleArena
 from services.worker.runner import EngineRunner
 
 log = logging.getLogger("meshserve.worker")
@@ -55,21 +58,42 @@ def _checked(out):
     return out
 
 
+END = object()  # put on a push's KV queue when its request ends: the push ends there too
+
+
 async def kv_chunks(kv: asyncio.Queue, transfer_id: str):
-    """A prefill request's KV pieces from the engine core (one per step: every block it finished, then the
-    metadata) as the kvstore's Put stream."""
+    """A request's KV pieces from the engine core (per step: the blocks it finished, written in place or as
+    bytes; then the end, with the metadata of a handoff) as the kvstore's Put stream."""
+    index = 0
     while True:
-        piece = _checked(await kv.get())
-        if piece.last:
-            yield pb.KVChunk(transfer_id=transfer_id, index=-1, meta=pb.KVMeta(**piece.meta), last=True)
+        piece = await kv.get()
+        if piece is END:
             return
-        yield pb.KVChunk(transfer_id=transfer_id, index=piece.index, data=piece.data)
+        piece = _checked(piece)
+        if piece.last:
+            meta = pb.KVMeta(**piece.meta) if piece.meta else None
+            yield pb.KVChunk(transfer_id=transfer_id, index=-1, meta=meta, last=True)
+            return
+        yield pb.KVChunk(transfer_id=transfer_id, index=index, first_block=piece.first, checksums=piece.checksums,
+                         data=piece.data)
+        index += 1
 
 
 class WorkerServicer(pb_grpc.WorkerServicer):
-    def __init__(self, runner: EngineRunner, role: str, worker_id: str):
+    def __init__(self, runner: EngineRunner, role: str, worker_id: str, kv_transport: str = "auto",
+                 kv_pool: bool = False, metrics=None):
+        """kv_pool: take a prompt's blocks from the kvstore's pool when it holds more than this engine caches, and
+        (unified) push computed prompt blocks there."""
         self.runner, self.role, self.worker_id = runner, role, worker_id
         self.channels = rpc.ChannelPool()
+        self.kv_transport, self.kv_pool, self.metrics = kv_transport, kv_pool, metrics
+        self.links: KVLinks | None = None  # once the engine's block geometry is known (start())
+        self.recomputed = 0  # decode requests that recomputed their prompt after a failed transfer
+
+    async def start(self) -> "WorkerServicer":
+        block_size, block_bytes = await self.runner.call("kv_geometry")
+        self.links = KVLinks(self.runner, self.channels, block_size, block_bytes, self.kv_transport)
+        return self
 
     def _check_role(self, *roles: str) -> None:
         if self.role not in roles:
@@ -89,19 +113,85 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     async def Generate(self, request, context):
         rpc.require_peer(context, "gateway")
         self._check_role("unified")
-        q = await self._registered(request.request_id, self.runner.add(spec_from_work(request, self.runner.clock)))
-        async with contextlib.aclosing(self._stream(request.request_id, q)) as events:  # a cancel aborts at once
-            async for ev in events:
-                yield ev
+        spec = spec_from_work(request, self.runner.clock)
+        plan = kv = None
+        if not (self.kv_pool and request.kvstore):
+            q = await self._registered(request.request_id, self.runner.add(spec))
+        else:
+            link = self.links.get(request.kvstore)
+            push_id = "push-" + request.request_id
+            (lease_id, pooled), plan = await asyncio.gather(self._lease(link, request), self._reserve(
+                link, request, push_id, handoff=False))
+            if plan is not None and all(plan.present):  # the pool has every block already
+                link.release_soon(push_id)
+                plan = None
+            kv: asyncio.Queue = asyncio.Queue()
+            try:
+                q = await self._registered(request.request_id, self.runner.add(spec, kv=kv if plan else None,
+                                                                               plan=plan, pooled=pooled))
+            except BaseException:
+                if plan is not None:
+                    link.release_soon(push_id)
+                raise
+            finally:
+                if lease_id:
+                    link.release_soon(lease_id)
+            if plan is not None:
+                asyncio.ensure_future(self._push(link, kv, push_id))
+        try:
+            async with contextlib.aclosing(self._stream(request.request_id, q)) as events:  # a cancel aborts at once
+                async for ev in events:
+                    yield ev
+        finally:
+            if plan is not None:
+                kv.put_nowait(END)
+
+    async def _push(self, link: KVLink, kv: asyncio.Queue, push_id: str) -> None:
+        """A unified request's prompt blocks into the pool (best effort), then the push's pins released."""
+        try:
+            await link.put(kv_chunks(kv, push_id))
+        except (grpc.aio.AioRpcError, MeshError) as e:
+            log.warning("pushing KV %s to the pool failed: %s", push_id, e)
+        finally:
+            link.release_soon(push_id)
+
+    async def _lease(self, link: KVLink, request) -> tuple[str, object]:
+        """The pool's blocks of the prompt (see KVLink.lease); on any kvstore failure, none (the engine computes)."""
+        try:
+            return await link.lease(request.prompt_token_ids, request.adapter, request.cache_salt)
+        except (grpc.aio.AioRpcError, MeshError) as e:
+            log.warning("pool lease for %s failed: %s; computing the prompt", request.request_id, e)
+            return "", None
+
+    async def _reserve(self, link: KVLink, request, transfer_id: str, handoff: bool):
+        """The transfer's export plan; a push (not handoff) that cannot be reserved is skipped (None)."""
+        try:
+            return await link.reserve(transfer_id, request.prompt_token_ids, request.adapter, request.cache_salt,
+                                      handoff)
+        except grpc.aio.AioRpcError as e:
+            if handoff:
+                raise rpc.forward_rpc_error(e, link.address) from None
+            return None
 
     @rpc.mapped
     async def Prefill(self, request, context):
         rpc.require_peer(context, "gateway")
         self._check_role("prefill", "unified")
+        link = self.links.get(request.kvstore)
+        leasing = asyncio.ensure_future(self._lease(link, request) if self.kv_pool else _nothing())
+        try:
+            plan = await self._reserve(link, request, request.transfer_id, handoff=True)
+        finally:
+            lease_id, pooled = await leasing
         kv: asyncio.Queue = asyncio.Queue()
-        q = await self._registered(request.request_id,
-                                   self.runner.add(spec_from_work(request, self.runner.clock), kv=kv))
-        put = pb_grpc.KVStoreStub(self.channels.get(request.kvstore)).Put(kv_chunks(kv, request.transfer_id))
+        try:
+            q = await self._registered(request.request_id,
+                                       self.runner.add(spec_from_work(request, self.runner.clock), kv=kv, plan=plan,
+                                                       pooled=pooled))
+        finally:
+            if lease_id:
+                link.release_soon(lease_id)
+        put = link.stub.Put(kv_chunks(kv, request.transfer_id))
         try:
             first = await self._next(q)
             yield _event(first)  # the first token goes out at once; the KV tail may still be in flight
@@ -114,16 +204,30 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
     @rpc.mapped
     async def Decode(self, request, context):
+        """Import the prefilled KV and decode; when the transfer fails (the kvstore died, the prefill side gave up,
+        a block failed its checksum), compute the prompt here instead: the first token, already streamed by the
+        prefill side, is computed again (greedy and seeded sampling repeat it) and not sent twice."""
         rpc.require_peer(context, "gateway")
         self._check_role("decode", "unified")
         req_id = request.request_id
+        link = self.links.get(request.kvstore)
         await self._begin_import(request)
+        skip = 0
         try:
-            q = await self._pull(request)
+            q = await self._pull(request, link)
+        except (grpc.aio.AioRpcError, KVTransferFailed, StaleArena) as e:
+            self.runner.abort(req_id)
+            why = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.aio.AioRpcError) else str(e)
+            log.warning("request %s: KV transfer failed (%s); computing its prompt here", req_id, why)
+            self.recomputed += 1
+            if self.metrics is not None:
+                self.metrics.kv_recomputes.add(1)
+            q = await self._registered(req_id, self.runner.add(spec_from_work(request, self.runner.clock)))
+            skip = 1
         except BaseException:
             self.runner.abort(req_id)
             raise
-        async with contextlib.aclosing(self._stream(req_id, q)) as events:
+        async with contextlib.aclosing(self._stream(req_id, q, skip)) as events:
             async for ev in events:
                 yield ev
 
@@ -139,25 +243,19 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 await asyncio.sleep(delay)  # the call's deadline bounds the wait
                 delay = min(delay * 2, 0.2)
 
-    async def _pull(self, request) -> asyncio.Queue:
+    async def _pull(self, request, link: KVLink) -> asyncio.Queue:
         """Import blocks into the paged cache as they land in the kvstore; then join the batch."""
-        req_id, stub = request.request_id, pb_grpc.KVStoreStub(self.channels.get(request.kvstore))
-        written = 0
-        async for chunk in stub.Get(pb.GetRequest(transfer_id=request.transfer_id, wait_ms=60000)):
-            if chunk.last:
-                m = chunk.meta
-                await stub.Release(pb.ReleaseRequest(transfer_id=request.transfer_id))
-                return await self.runner.end_import(
-                    req_id, token_ids=list(m.token_ids), num_prompt=m.num_prompt, num_computed=m.num_computed,
-                    num_blocks=m.num_blocks, sample_seed=m.sample_seed)
-            first = written
-            written += await self.runner.call("import_blocks", req_id, first, chunk.data)
-        raise InvalidRequest(f"transfer {request.transfer_id} ended without its metadata")
+        m = await link.pull(request, self.runner)
+        link.release_soon(request.transfer_id)
+        return await self.runner.end_import(
+            request.request_id, token_ids=list(m.token_ids), num_prompt=m.num_prompt, num_computed=m.num_computed,
+            num_blocks=m.num_blocks, sample_seed=m.sample_seed)
 
     async def _next(self, q: asyncio.Queue):
         return _checked(await q.get())
 
-    async def _stream(self, req_id: str, q: asyncio.Queue):
+    async def _stream(self, req_id: str, q: asyncio.Queue, skip: int = 0):
+        """The request's events; the first `skip` tokens are not sent (they were, by another worker)."""
         finished = False
         try:
             while not finished:
@@ -165,7 +263,15 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 while not outs[-1].finished and not q.empty():  # steps queued while this stream was writing:
                     outs.append(_checked(q.get_nowait()))  # one message for all of them
                 finished = outs[-1].finished
-                yield _events_of(outs)
+                ev = _events_of(outs)
+                if skip:
+                    dropped = min(skip, len(ev.token_ids))
+                    del ev.token_ids[:dropped]
+                    del ev.logprobs[:dropped]
+                    skip -= dropped
+                    if not ev.token_ids and not finished:
+                        continue
+                yield ev
         finally:
             if not finished:
                 self.runner.abort(req_id)
@@ -182,8 +288,12 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                               outstanding_tokens=load.outstanding_tokens, aborted=stats.aborted)
 
 
+async def _nothing() -> tuple[str, None]:
+    return "", None
+
+
 async def heartbeat_loop(runner: EngineRunner, router: str, worker_id: str, address: str, role: str,
-                         on_first=None, publisher=None) -> None:
+                         on_first=None, publisher=None, kv_pool: bool = False) -> None:
     """Beat every interval the router asks for (1 s by default); retry quietly while it is away."""
     chan = rpc.channel(router)  # held for the loop's lifetime
     stub = pb_grpc.RouterStub(chan)
@@ -197,6 +307,7 @@ async def heartbeat_loop(runner: EngineRunner, router: str, worker_id: str, addr
                 kv_used_tokens=load.blocks_used * load.block_size, running=load.running, waiting=load.waiting,
                 block_size=load.block_size,
                 index_member=publisher.member if publisher is not None and publisher.connected else "",
+                host=host_id(), kv_pool=kv_pool,
                 decode_tokens_per_s=rate.update(runner.busy_s, runner.tokens_out),
                 max_num_seqs=load.max_num_seqs,
                 prefill_s_per_token=runner.cost.prefill_s_per_token,

@@ -15,8 +15,8 @@ from tests.integration.conftest import ENGINE
 from tests.integration.test_mesh import generate_request
 
 
-def start(tiny_model, tmp_path_factory, name: str, **env) -> Mesh:
-    spec = MeshSpec(str(tiny_model), mode="disaggregated", decode=1, engine_args=ENGINE, env=env)
+def start(tiny_model, tmp_path_factory, name: str, **fields) -> Mesh:
+    spec = MeshSpec(str(tiny_model), mode="disaggregated", decode=1, engine_args=ENGINE, **fields)
     return Mesh(spec, log_dir=str(tmp_path_factory.mktemp(name))).start()
 
 
@@ -33,7 +33,7 @@ def first_token_then_error(gateway: str) -> tuple[int, grpc.StatusCode, float]:
 
 
 def test_a_full_kvstore_is_resource_exhausted_at_once(tiny_model, tmp_path_factory):
-    mesh = start(tiny_model, tmp_path_factory, "kv-full", KVSTORE_BUDGET_GB="1e-7")  # 100 bytes: no block fits
+    mesh = start(tiny_model, tmp_path_factory, "kv-full", kvstore_budget_gb=1e-7)  # 100 bytes: no block fits
     try:
         got, code, took = first_token_then_error(mesh.gateway)
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and got <= 1, (code, got)

@@ -191,7 +191,7 @@ class WorkerId(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("worker_id", "address", "role", "outstanding_tokens", "kv_capacity_tokens", "kv_used_tokens", "running", "waiting", "adapters", "block_size", "index_member", "decode_tokens_per_s", "max_num_seqs", "prefill_s_per_token", "decode_s_per_step")
+    __slots__ = ("worker_id", "address", "role", "outstanding_tokens", "kv_capacity_tokens", "kv_used_tokens", "running", "waiting", "adapters", "block_size", "index_member", "decode_tokens_per_s", "max_num_seqs", "prefill_s_per_token", "decode_s_per_step", "host", "kv_pool")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -207,6 +207,8 @@ class WorkerLoad(_message.Message):
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_S_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     DECODE_S_PER_STEP_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    KV_POOL_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     role: str
@@ -222,7 +224,9 @@ class WorkerLoad(_message.Message):
     max_num_seqs: int
     prefill_s_per_token: float
     decode_s_per_step: float
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[str] = ..., outstanding_tokens: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., adapters: _Optional[_Iterable[str]] = ..., block_size: _Optional[int] = ..., index_member: _Optional[str] = ..., decode_tokens_per_s: _Optional[float] = ..., max_num_seqs: _Optional[int] = ..., prefill_s_per_token: _Optional[float] = ..., decode_s_per_step: _Optional[float] = ...) -> None: ...
+    host: str
+    kv_pool: bool
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[str] = ..., outstanding_tokens: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., adapters: _Optional[_Iterable[str]] = ..., block_size: _Optional[int] = ..., index_member: _Optional[str] = ..., decode_tokens_per_s: _Optional[float] = ..., max_num_seqs: _Optional[int] = ..., prefill_s_per_token: _Optional[float] = ..., decode_s_per_step: _Optional[float] = ..., host: _Optional[str] = ..., kv_pool: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("interval_ms",)
@@ -280,6 +284,72 @@ class ListWorkersResponse(_message.Message):
     prefix_index_degraded: bool
     def __init__(self, workers: _Optional[_Iterable[_Union[WorkerLoad, _Mapping]]] = ..., prefix_index_degraded: _Optional[bool] = ...) -> None: ...
 
+class AttachRequest(_message.Message):
+    __slots__ = ("host", "block_bytes", "transport")
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    host: str
+    block_bytes: int
+    transport: str
+    def __init__(self, host: _Optional[str] = ..., block_bytes: _Optional[int] = ..., transport: _Optional[str] = ...) -> None: ...
+
+class AttachReply(_message.Message):
+    __slots__ = ("transport", "segment", "generation", "slot_bytes", "slots", "reason")
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    transport: str
+    segment: str
+    generation: str
+    slot_bytes: int
+    slots: int
+    reason: str
+    def __init__(self, transport: _Optional[str] = ..., segment: _Optional[str] = ..., generation: _Optional[str] = ..., slot_bytes: _Optional[int] = ..., slots: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ReserveRequest(_message.Message):
+    __slots__ = ("transfer_id", "hashes", "num_blocks", "block_bytes")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    num_blocks: int
+    block_bytes: int
+    def __init__(self, transfer_id: _Optional[str] = ..., hashes: _Optional[_Iterable[bytes]] = ..., num_blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ...) -> None: ...
+
+class ReserveReply(_message.Message):
+    __slots__ = ("slots", "present", "generation")
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    PRESENT_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    slots: _containers.RepeatedScalarFieldContainer[int]
+    present: _containers.RepeatedScalarFieldContainer[bool]
+    generation: str
+    def __init__(self, slots: _Optional[_Iterable[int]] = ..., present: _Optional[_Iterable[bool]] = ..., generation: _Optional[str] = ...) -> None: ...
+
+class AcquireRequest(_message.Message):
+    __slots__ = ("transfer_id", "hashes", "start", "block_bytes")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    start: int
+    block_bytes: int
+    def __init__(self, transfer_id: _Optional[str] = ..., hashes: _Optional[_Iterable[bytes]] = ..., start: _Optional[int] = ..., block_bytes: _Optional[int] = ...) -> None: ...
+
+class AcquireReply(_message.Message):
+    __slots__ = ("blocks",)
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    blocks: int
+    def __init__(self, blocks: _Optional[int] = ...) -> None: ...
+
 class KVMeta(_message.Message):
     __slots__ = ("token_ids", "num_prompt", "num_computed", "block_size", "dtype", "num_blocks", "sample_seed")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -299,18 +369,24 @@ class KVMeta(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., num_prompt: _Optional[int] = ..., num_computed: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., num_blocks: _Optional[int] = ..., sample_seed: _Optional[int] = ...) -> None: ...
 
 class KVChunk(_message.Message):
-    __slots__ = ("transfer_id", "index", "data", "meta", "last")
+    __slots__ = ("transfer_id", "index", "data", "meta", "last", "first_block", "checksums", "slots")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     META_FIELD_NUMBER: _ClassVar[int]
     LAST_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     index: int
     data: bytes
     meta: KVMeta
     last: bool
-    def __init__(self, transfer_id: _Optional[str] = ..., index: _Optional[int] = ..., data: _Optional[bytes] = ..., meta: _Optional[_Union[KVMeta, _Mapping]] = ..., last: _Optional[bool] = ...) -> None: ...
+    first_block: int
+    checksums: _containers.RepeatedScalarFieldContainer[int]
+    slots: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, transfer_id: _Optional[str] = ..., index: _Optional[int] = ..., data: _Optional[bytes] = ..., meta: _Optional[_Union[KVMeta, _Mapping]] = ..., last: _Optional[bool] = ..., first_block: _Optional[int] = ..., checksums: _Optional[_Iterable[int]] = ..., slots: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PutReply(_message.Message):
     __slots__ = ("blocks", "bytes")
@@ -321,12 +397,16 @@ class PutReply(_message.Message):
     def __init__(self, blocks: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class GetRequest(_message.Message):
-    __slots__ = ("transfer_id", "wait_ms")
+    __slots__ = ("transfer_id", "wait_ms", "shm", "generation")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     wait_ms: int
-    def __init__(self, transfer_id: _Optional[str] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+    shm: bool
+    generation: str
+    def __init__(self, transfer_id: _Optional[str] = ..., wait_ms: _Optional[int] = ..., shm: _Optional[bool] = ..., generation: _Optional[str] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("transfer_id",)
@@ -341,15 +421,23 @@ class ReleaseReply(_message.Message):
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
 class KVStoreStats(_message.Message):
-    __slots__ = ("transfers", "bytes", "byte_budget", "evicted", "expired")
+    __slots__ = ("transfers", "bytes", "byte_budget", "evicted", "expired", "pool_blocks", "pinned_blocks", "hits", "segment")
     TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     BYTE_BUDGET_FIELD_NUMBER: _ClassVar[int]
     EVICTED_FIELD_NUMBER: _ClassVar[int]
     EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    POOL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
     transfers: int
     bytes: int
     byte_budget: int
     evicted: int
     expired: int
-    def __init__(self, transfers: _Optional[int] = ..., bytes: _Optional[int] = ..., byte_budget: _Optional[int] = ..., evicted: _Optional[int] = ..., expired: _Optional[int] = ...) -> None: ...
+    pool_blocks: int
+    pinned_blocks: int
+    hits: int
+    segment: str
+    def __init__(self, transfers: _Optional[int] = ..., bytes: _Optional[int] = ..., byte_budget: _Optional[int] = ..., evicted: _Optional[int] = ..., expired: _Optional[int] = ..., pool_blocks: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., hits: _Optional[int] = ..., segment: _Optional[str] = ...) -> None: ...

@@ -610,6 +610,9 @@ class Router:
 class KVStoreStub:
     """---------------------------------------------------------------- kvstore
 
+    A content-addressed pool of KV blocks in fixed-size slots (services/kvstore/store.py). A transfer: Reserve
+    (slots, and which blocks the pool already holds), Put (the blocks' bytes, or their checksums once written in
+    place through shared memory), Get (as they land), Release. Acquire leases the pool's blocks of a prompt.
     """
 
     def __init__(self, channel):
@@ -618,6 +621,16 @@ class KVStoreStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.Attach = channel.unary_unary(
+                '/meshserve.v1.KVStore/Attach',
+                request_serializer=meshserve__pb2.AttachRequest.SerializeToString,
+                response_deserializer=meshserve__pb2.AttachReply.FromString,
+                _registered_method=True)
+        self.Reserve = channel.unary_unary(
+                '/meshserve.v1.KVStore/Reserve',
+                request_serializer=meshserve__pb2.ReserveRequest.SerializeToString,
+                response_deserializer=meshserve__pb2.ReserveReply.FromString,
+                _registered_method=True)
         self.Put = channel.stream_unary(
                 '/meshserve.v1.KVStore/Put',
                 request_serializer=meshserve__pb2.KVChunk.SerializeToString,
@@ -627,6 +640,11 @@ class KVStoreStub:
                 '/meshserve.v1.KVStore/Get',
                 request_serializer=meshserve__pb2.GetRequest.SerializeToString,
                 response_deserializer=meshserve__pb2.KVChunk.FromString,
+                _registered_method=True)
+        self.Acquire = channel.unary_unary(
+                '/meshserve.v1.KVStore/Acquire',
+                request_serializer=meshserve__pb2.AcquireRequest.SerializeToString,
+                response_deserializer=meshserve__pb2.AcquireReply.FromString,
                 _registered_method=True)
         self.Release = channel.unary_unary(
                 '/meshserve.v1.KVStore/Release',
@@ -643,7 +661,23 @@ class KVStoreStub:
 class KVStoreServicer:
     """---------------------------------------------------------------- kvstore
 
+    A content-addressed pool of KV blocks in fixed-size slots (services/kvstore/store.py). A transfer: Reserve
+    (slots, and which blocks the pool already holds), Put (the blocks' bytes, or their checksums once written in
+    place through shared memory), Get (as they land), Release. Acquire leases the pool's blocks of a prompt.
     """
+
+    def Attach(self, request, context):
+        """Which transport this worker uses: shared memory when it runs on the kvstore's host, else gRPC.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Reserve(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
 
     def Put(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
@@ -654,6 +688,12 @@ class KVStoreServicer:
     def Get(self, request, context):
         """Streams a transfer's blocks as they land; ends after the last one.
         """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Acquire(self, request, context):
+        """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -673,6 +713,16 @@ class KVStoreServicer:
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'Attach': grpc.unary_unary_rpc_method_handler(
+                    servicer.Attach,
+                    request_deserializer=meshserve__pb2.AttachRequest.FromString,
+                    response_serializer=meshserve__pb2.AttachReply.SerializeToString,
+            ),
+            'Reserve': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reserve,
+                    request_deserializer=meshserve__pb2.ReserveRequest.FromString,
+                    response_serializer=meshserve__pb2.ReserveReply.SerializeToString,
+            ),
             'Put': grpc.stream_unary_rpc_method_handler(
                     servicer.Put,
                     request_deserializer=meshserve__pb2.KVChunk.FromString,
@@ -682,6 +732,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Get,
                     request_deserializer=meshserve__pb2.GetRequest.FromString,
                     response_serializer=meshserve__pb2.KVChunk.SerializeToString,
+            ),
+            'Acquire': grpc.unary_unary_rpc_method_handler(
+                    servicer.Acquire,
+                    request_deserializer=meshserve__pb2.AcquireRequest.FromString,
+                    response_serializer=meshserve__pb2.AcquireReply.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -704,7 +759,64 @@ def add_KVStoreServicer_to_server(servicer, server):
 class KVStore:
     """---------------------------------------------------------------- kvstore
 
+    A content-addressed pool of KV blocks in fixed-size slots (services/kvstore/store.py). A transfer: Reserve
+    (slots, and which blocks the pool already holds), Put (the blocks' bytes, or their checksums once written in
+    place through shared memory), Get (as they land), Release. Acquire leases the pool's blocks of a prompt.
     """
+
+    @staticmethod
+    def Attach(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshserve.v1.KVStore/Attach',
+            meshserve__pb2.AttachRequest.SerializeToString,
+            meshserve__pb2.AttachReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reserve(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshserve.v1.KVStore/Reserve',
+            meshserve__pb2.ReserveRequest.SerializeToString,
+            meshserve__pb2.ReserveReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def Put(request_iterator,
@@ -750,6 +862,33 @@ class KVStore:
             '/meshserve.v1.KVStore/Get',
             meshserve__pb2.GetRequest.SerializeToString,
             meshserve__pb2.KVChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Acquire(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshserve.v1.KVStore/Acquire',
+            meshserve__pb2.AcquireRequest.SerializeToString,
+            meshserve__pb2.AcquireReply.FromString,
             options,
             channel_credentials,
             insecure,

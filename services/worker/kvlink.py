@@ -1,0 +1,171 @@
+"""A worker's link to a kvstore: the transport it negotiated, and the calls of a transfer and of the pool.
+
+Attach (once per kvstore, again whenever the kvstore answers from another arena generation, i.e. it
+restarted) says shm (same host: the engine core maps the arena the kvstore named, and block bytes move in
+place) or grpc (bytes in messages). The servicer uses:
+  reserve()  slots for a transfer of a prompt's KV, and which blocks the pool holds already (the plan);
+  lease()    the pool's blocks of a prompt beyond those cached here (PooledPrefix), for the engine to import;
+  pull()     a transfer's blocks into the engine as they land (the decode side);
+and release() ends a transfer or lease. Block hashes are computed here, as the engine and router do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+
+import grpc
+
+from services.common.block_hash import extra_keys, hash_blocks
+from services.common.errors import InvalidRequest, MeshError
+from services.common.host import host_id
+from services.common.pb import meshserve_pb2 as pb
+from services.common.pb import meshserve_pb2_grpc as pb_grpc
+from services.worker.core import ExportPlan, PooledPrefix
+
+log = logging.getLogger("meshserve.kvlink")
+
+
+def prompt_hashes(tokens, block_size: int, adapter: str, salt: str) -> list[bytes]:
+    """Chained hashes of the prompt's full blocks (the engine's, byte for byte)."""
+    return hash_blocks(tokens, block_size, extra_keys(adapter, salt))
+
+
+class StaleArena(MeshError):
+    """The kvstore restarted (another arena generation): attach again."""
+
+    code = "FAILED_PRECONDITION"
+
+
+class KVLink:
+    def __init__(self, runner, channel, address: str, block_size: int, block_bytes: int, transport: str = "auto"):
+        self.runner, self.address, self.transport_wanted = runner, address, transport
+        self.stub = pb_grpc.KVStoreStub(channel)
+        self.block_size, self.block_bytes = block_size, block_bytes
+        self.transport = self.generation = ""
+        self._lock = asyncio.Lock()
+
+    @property
+    def shm(self) -> bool:
+        return self.transport == "shm"
+
+    async def attach(self, stale: str = "") -> None:
+        """Negotiate (again, when the arena we know is `stale` or none is known)."""
+        async with self._lock:
+            if self.generation and self.generation != stale:
+                return  # attached meanwhile
+            reply = await self.stub.Attach(pb.AttachRequest(host=host_id(), block_bytes=self.block_bytes,
+                                                            transport=self.transport_wanted), timeout=10)
+            if reply.transport == "shm":
+                await self.runner.call("map_arena", reply.segment, reply.generation, reply.slot_bytes, reply.slots)
+            if (reply.transport, reply.generation) != (self.transport, self.generation):
+                log.info("kvstore %s: transport %s (%s), arena %s", self.address, reply.transport, reply.reason,
+                         reply.generation)
+            self.transport, self.generation = reply.transport, reply.generation
+
+    async def ready(self) -> "KVLink":
+        if not self.generation:
+            await self.attach()
+        return self
+
+    async def reserve(self, transfer_id: str, tokens, adapter: str, salt: str, handoff: bool) -> ExportPlan:
+        """The plan of a transfer: a handoff carries every block of the prompt (a partial last one too); a push
+        to the pool only its full blocks."""
+        await self.ready()
+        hashes = prompt_hashes(tokens, self.block_size, adapter, salt)
+        num_blocks = -(-len(tokens) // self.block_size) if handoff else len(hashes)
+        reply = await self.stub.Reserve(pb.ReserveRequest(transfer_id=transfer_id, hashes=hashes,
+                                                          num_blocks=num_blocks, block_bytes=self.block_bytes))
+        if self.shm and reply.generation != self.generation:
+            await self.attach(stale=self.generation)
+        shm = self.shm and reply.generation == self.generation
+        return ExportPlan(handoff, num_blocks, tuple(reply.present), tuple(reply.slots) if shm else (),
+                          reply.generation if shm else "")
+
+    async def lease(self, tokens, adapter: str, salt: str, start: int = 0) -> tuple[str, PooledPrefix | None]:
+        """(lease id, the pool's blocks of the prompt from block `start`), or ("", None) when it holds none. The
+        last prompt token is always computed, as in the engine, so a block-aligned prompt's last block is not
+        asked for."""
+        await self.ready()
+        hashes = prompt_hashes(tokens[:-1], self.block_size, adapter, salt)
+        if start >= len(hashes):
+            return "", None
+        lease_id = "lease-" + uuid.uuid4().hex
+        got = await self.stub.Acquire(pb.AcquireRequest(transfer_id=lease_id, hashes=hashes, start=start,
+                                                        block_bytes=self.block_bytes))
+        if not got.blocks:
+            return "", None
+        try:
+            slots, checksums, data = [], [], []
+            generation = self.generation if self.shm else ""
+            async for chunk in self.stub.Get(pb.GetRequest(transfer_id=lease_id, wait_ms=5000, shm=self.shm,
+                                                           generation=generation)):
+                if chunk.last:
+                    break
+                checksums.extend(chunk.checksums)
+                slots.extend(chunk.slots)
+                data.append(chunk.data)
+            n = start + len(checksums)
+            return lease_id, PooledPrefix(tuple(hashes[:n]), start, tuple(checksums), tuple(slots), generation,
+                                          b"".join(data))
+        except BaseException:
+            self.release_soon(lease_id)
+            raise
+
+    async def pull(self, request, runner) -> pb.KVMeta:
+        """Import a transfer's blocks into the engine (its reservation begun) as they land; returns the metadata."""
+        await self.ready()
+        req_id, written, stale = request.request_id, 0, False
+        generation = self.generation if self.shm else ""
+        try:
+            async for chunk in self.stub.Get(pb.GetRequest(transfer_id=request.transfer_id, wait_ms=60000,
+                                                           shm=self.shm, generation=generation)):
+                if chunk.last:
+                    return chunk.meta
+                if chunk.first_block != written:
+                    raise InvalidRequest(f"transfer {request.transfer_id} skipped from block {written} to "
+                                         f"{chunk.first_block}")
+                if chunk.slots:
+                    written += await runner.call("import_slots", req_id, written, generation, list(chunk.slots),
+                                                 list(chunk.checksums))
+                else:
+                    written += await runner.call("import_data", req_id, written, chunk.data, list(chunk.checksums))
+        except grpc.aio.AioRpcError as e:
+            stale = e.code() == grpc.StatusCode.FAILED_PRECONDITION and "arena" in (e.details() or "")
+            if not stale:
+                raise
+        if stale:
+            await self.attach(stale=generation)
+            raise StaleArena("the kvstore restarted during the transfer")
+        raise InvalidRequest(f"transfer {request.transfer_id} ended without its metadata")
+
+    async def put(self, chunks) -> None:
+        await self.stub.Put(chunks)
+
+    def release_soon(self, transfer_id: str) -> None:
+        """Release in the background (the caller does not wait on it; the kvstore's TTL is the backstop)."""
+        async def release():
+            try:
+                await self.stub.Release(pb.ReleaseRequest(transfer_id=transfer_id), timeout=5)
+            except grpc.aio.AioRpcError:
+                pass
+        asyncio.ensure_future(release())
+
+
+class KVLinks:
+    """One KVLink per kvstore address."""
+
+    def __init__(self, runner, channels, block_size: int, block_bytes: int, transport: str = "auto"):
+        self.runner, self.channels, self.transport = runner, channels, transport
+        self.block_size, self.block_bytes = block_size, block_bytes
+        self.links: dict[str, KVLink] = {}
+
+    def get(self, address: str) -> KVLink:
+        if not address:
+            raise InvalidRequest("the request names no kvstore")
+        link = self.links.get(address)
+        if link is None:
+            link = self.links[address] = KVLink(self.runner, self.channels.get(address), address, self.block_size,
+                                                self.block_bytes, self.transport)
+        return link
