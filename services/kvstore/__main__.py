@@ -66,6 +66,9 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         self.store: BlockStore | None = None  # formatted by the first attach
         self.arena: Arena | None = None
         self.block_bytes = 0
+        # A testing aid (env KVSTORE_HOLD_META_S): every Get holds its transfer's metadata back this long, so a test
+        # can kill the kvstore while a transfer is surely in flight.
+        self.hold_meta_s = float(os.environ.get("KVSTORE_HOLD_META_S", "0"))
         self.metrics = KVStoreMetrics(self)
 
     def format(self, block_bytes: int) -> BlockStore:
@@ -194,6 +197,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         trace.get_current_span().set_attribute("meshserve.kv.transport", transport)
         nbytes, t0, size = 0, time.monotonic(), self.block_bytes
         async for first, blocks in store.get(request.transfer_id, timeout):
+            if first < 0 and self.hold_meta_s:
+                await asyncio.sleep(self.hold_meta_s)
             if first < 0:
                 self.metrics.record("get", transport, nbytes, time.monotonic() - t0)
                 yield pb.KVChunk(transfer_id=request.transfer_id, index=-1, meta=blocks, last=True)
