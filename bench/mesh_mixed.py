@@ -17,6 +17,7 @@ import multiprocessing
 import socket
 import threading
 import time
+import uuid
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -126,37 +127,69 @@ def in_process(model_dir: Path, reqs: list, arrivals: list | None) -> dict:
     return summarize(list(timings.values()), time.perf_counter() - t0)
 
 
-def kv_rates(kvstore: str, total: int = 256 * 1024 * 1024, block: int = 1024 * 1024) -> dict:
-    """GB/s of one put and one get of `total` bytes in `block`-sized messages (16 bench-model KV blocks of
-    64 KiB each, as a prefill worker sends a 256-token chunk), and of a raw loopback copy."""
-    data = bytes(block)
-    count = total // block
+def kv_rates(kvstore: str, total: int = 256 * 1024 * 1024, per_message: int = 16) -> dict:
+    """GB/s of one put and one get of `total` bytes of the mesh's KV blocks, `per_message` blocks per message (as
+    a prefill step sends a 256-token chunk of the bench model), as workers do it over each transport: gRPC (bytes
+    in messages) and shared memory (bytes written into and read out of the kvstore's arena, with their checksum (XXH3-64);
+    only metadata in messages). Beside a raw loopback socket copy of the same bytes."""
+    from services.common.host import host_id
+    from services.kvstore.arena import MappedArena, checksum
 
-    async def hops():
+    async def hops(shm: bool) -> tuple[float, float]:
         async with grpc.aio.insecure_channel(kvstore, options=[("grpc.max_receive_message_length", 1 << 26)]) as ch:
             stub = pb_grpc.KVStoreStub(ch)
+            size = (await stub.Stats(pb.StatsRequest())).block_bytes
+            count = total // size
+            a = await stub.Attach(pb.AttachRequest(host=host_id(), block_bytes=size, transport="shm" if shm else "grpc"))
+            arena = MappedArena(a.segment, a.generation, a.slot_bytes, a.slots) if shm else None
+            blocks = [bytes([i % 251]) * size for i in range(per_message)]
+            crcs = [checksum(b) for b in blocks]
+            sink = [bytearray(size) for _ in range(per_message)]  # the decode side's paged cache, as it were
+            tid = f"bench-{uuid.uuid4().hex}"
+            t = time.perf_counter()
+            r = await stub.Reserve(pb.ReserveRequest(transfer_id=tid, num_blocks=count, block_bytes=size))
 
             async def chunks():
-                for i in range(count):
-                    yield pb.KVChunk(transfer_id="bench", index=i, data=data)
-                yield pb.KVChunk(transfer_id="bench", index=-1, meta=pb.KVMeta(), last=True)
+                for first in range(0, count, per_message):
+                    n = min(per_message, count - first)
+                    if shm:
+                        sums = []
+                        for j in range(n):
+                            view = arena.slot(r.slots[first + j])
+                            view[:] = blocks[j]
+                            sums.append(checksum(view))
+                        yield pb.KVChunk(transfer_id=tid, first_block=first, checksums=sums)
+                    else:
+                        yield pb.KVChunk(transfer_id=tid, first_block=first, checksums=crcs[:n],
+                                         data=b"".join(blocks[:n]))
+                yield pb.KVChunk(transfer_id=tid, index=-1, meta=pb.KVMeta(), last=True)
 
-            t = time.perf_counter()
             await stub.Put(chunks())
             put_s = time.perf_counter() - t
             t = time.perf_counter()
             got = 0
-            async for c in stub.Get(pb.GetRequest(transfer_id="bench")):
-                got += len(c.data)
+            async for c in stub.Get(pb.GetRequest(transfer_id=tid, shm=shm, generation=a.generation if shm else "")):
+                if c.last:
+                    break
+                for j, crc in enumerate(c.checksums):
+                    view = arena.slot(c.slots[j]) if shm else memoryview(c.data)[j * size:(j + 1) * size]
+                    if checksum(view) != crc:
+                        raise AssertionError("a block failed its checksum")
+                    sink[j % per_message][:] = view
+                    got += size
             get_s = time.perf_counter() - t
-            await stub.Release(pb.ReleaseRequest(transfer_id="bench"))
-            assert got == count * block
-            return put_s, get_s
+            await stub.Release(pb.ReleaseRequest(transfer_id=tid))
+            if arena is not None:
+                arena.close()
+            assert got == count * size
+            return put_s, get_s, count * size, size
 
-    put_s, get_s = asyncio.run(hops())
-    raw_s = _loopback_copy(total, block)
-    gb = count * block / 1e9
+    put_s, get_s, nbytes, size = asyncio.run(hops(shm=False))
+    shm_put_s, shm_get_s, _, _ = asyncio.run(hops(shm=True))
+    raw_s = _loopback_copy(nbytes, per_message * size)
+    gb = nbytes / 1e9
     return {"kv_put_gbytes_per_s": round(gb / put_s, 3), "kv_get_gbytes_per_s": round(gb / get_s, 3),
+            "kv_put_shm_gbytes_per_s": round(gb / shm_put_s, 3), "kv_get_shm_gbytes_per_s": round(gb / shm_get_s, 3),
             "loopback_copy_gbytes_per_s": round(gb / raw_s, 3)}
 
 

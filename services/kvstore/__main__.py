@@ -27,6 +27,8 @@ from services.kvstore.store import BlockStore
 
 log = logging.getLogger("meshserve.kvstore")
 TRANSPORTS = ("auto", "grpc", "shm")
+MAX_DATA_PER_MESSAGE = 4 << 20  # Get over gRPC: block bytes per message at most
+MAX_SLOTS_PER_MESSAGE = 4096  # Get over shared memory: slots per message at most
 
 
 class StaleArena(MeshError):
@@ -204,13 +206,16 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 yield pb.KVChunk(transfer_id=request.transfer_id, index=-1, meta=blocks, last=True)
                 return
             nbytes += len(blocks) * size
-            chunk = pb.KVChunk(transfer_id=request.transfer_id, first_block=first,
-                               checksums=[b.checksum for b in blocks])
-            if request.shm:
-                chunk.slots.extend(b.slot for b in blocks)
-            else:
-                chunk.data = b"".join(self.arena.slot(b.slot) for b in blocks)
-            yield chunk
+            step = MAX_SLOTS_PER_MESSAGE if request.shm else max(1, MAX_DATA_PER_MESSAGE // max(size, 1))
+            for i in range(0, len(blocks), step):
+                part = blocks[i:i + step]
+                chunk = pb.KVChunk(transfer_id=request.transfer_id, first_block=first + i,
+                                   checksums=[b.checksum for b in part])
+                if request.shm:
+                    chunk.slots.extend(b.slot for b in part)
+                else:
+                    chunk.data = b"".join(self.arena.slot(b.slot) for b in part)
+                yield chunk
 
     @rpc.mapped
     async def Release(self, request, context):
@@ -227,7 +232,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             return pb.KVStoreStats(byte_budget=budget)
         return pb.KVStoreStats(transfers=len(s.transfers), bytes=s.used_slots * self.block_bytes,
                                byte_budget=budget, evicted=s.evicted, expired=s.expired, pool_blocks=len(s.by_hash),
-                               pinned_blocks=s.pinned_slots, hits=s.hits,
+                               pinned_blocks=s.pinned_slots, hits=s.hits, block_bytes=self.block_bytes,
                                segment=str(self.arena.path) if self.arena is not None and self.arena.shared else "")
 
 

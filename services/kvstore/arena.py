@@ -22,8 +22,9 @@ import os
 import re
 import struct
 import uuid
-import zlib
 from pathlib import Path
+
+import xxhash
 
 SHM_DIR = Path("/dev/shm")
 PREFIX = "meshserve-kv-"
@@ -34,8 +35,9 @@ _INSTANCE = re.compile(r"^[A-Za-z0-9_.]{1,64}$")
 
 
 def checksum(buf) -> int:
-    """CRC-32 of a block's bytes (zlib's, hardware-assisted: ~7 GB/s here, against ~18 GB/s for the copy)."""
-    return zlib.crc32(buf)
+    """XXH3-64 of a block's bytes: ~40 GB/s here, against ~18 GB/s for the copy itself (zlib's CRC-32, at ~7 GB/s,
+    took half the time of a shared-memory put)."""
+    return xxhash.xxh3_64_intdigest(buf)
 
 
 def check_instance(instance: str) -> str:
@@ -128,7 +130,9 @@ class MappedArena:
         try:
             if os.fstat(fd).st_size != size:
                 raise ValueError(f"segment {path} is {os.fstat(fd).st_size} bytes, not {size}")
-            self.mm = mmap.mmap(fd, size)
+            # Populated at once: a page first touched mid-transfer costs a fault (~1 us per 4 KiB: a third of
+            # the time of a 64 KiB block's copy); a long-lived worker pays them all here, once.
+            self.mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         finally:
             os.close(fd)
         magic, gen, sb, n = _FIELDS.unpack(self.mm[:_FIELDS.size])

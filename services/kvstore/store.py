@@ -5,7 +5,7 @@ into any engine, a lease): an ordered list of blocks. reserve() gives each of it
 block whose chained hash (adapter and isolation salt included, as in the engines' prefix caches) the
 pool already holds is *present*: the transfer pins the held block and the writer skips it. The writer
 then lands blocks (bytes written in place through shared memory, or handed over by the gRPC path)
-with their CRC-32; a landed hashed block enters the pool's index, where later transfers and leases
+with their checksum (XXH3-64); a landed hashed block enters the pool's index, where later transfers and leases
 find it. get() yields a transfer's blocks in order as they land, then its metadata.
 
 Reference counts: a block is pinned while any transfer holds it; release() unpins, and an unpinned

@@ -59,7 +59,7 @@ class KVPiece:
 
     req_id: str
     first: int  # the first block's index in the transfer
-    checksums: list  # CRC-32 per block (its count is the piece's)
+    checksums: list  # checksum (XXH3-64) per block (its count is the piece's)
     data: bytes  # gRPC path: the blocks' bytes; b"" when written in place
     meta: dict | None  # KVMeta fields, with last (handoff)
     last: bool
@@ -97,7 +97,7 @@ class KVTransferFailed(MeshError):
 
 
 def verified(blocks: list, checksums, first: int) -> list:
-    """The blocks, after checking each one's CRC-32."""
+    """The blocks, after checking each one's checksum (XXH3-64)."""
     from services.kvstore.arena import checksum
 
     for i, (buf, crc) in enumerate(zip(blocks, checksums)):
@@ -252,7 +252,7 @@ class EngineCore:
         return arena
 
     def import_slots(self, req_id: str, first: int, generation: str, slots: list, checksums: list) -> int:
-        """Import blocks from arena slots (checked against their CRC-32) into a request's reserved blocks."""
+        """Import blocks from arena slots (checked against their checksum (XXH3-64)) into a request's reserved blocks."""
         arena = self._arena(generation)
         views = verified([arena.slot(s) for s in slots], checksums, first)
         return self.engine.import_blocks(req_id, first, views)

@@ -3,7 +3,6 @@
 import asyncio
 import os
 import random
-import zlib
 from pathlib import Path
 
 import pytest
@@ -11,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.common.errors import CapacityExhausted, NotFound, Unavailable
-from services.kvstore.arena import Arena, MappedArena, reclaim, segments_of
+from services.kvstore.arena import Arena, MappedArena, checksum, reclaim, segments_of
 from services.kvstore.store import BlockStore
 from tests.support.fakes import Clock
 
@@ -32,7 +31,7 @@ def block(i: int) -> bytes:
 
 
 async def land_all(s: BlockStore, tid: str, first: int, blocks: list) -> None:
-    await s.land(tid, first, [zlib.crc32(b) for b in blocks], b"".join(blocks))
+    await s.land(tid, first, [checksum(b) for b in blocks], b"".join(blocks))
 
 
 def test_get_streams_blocks_as_they_land_and_waits_for_the_reservation():
@@ -103,7 +102,7 @@ def test_eviction_takes_unpinned_blocks_tail_first_and_never_a_pinned_one():
                           st.integers(0, 6)), max_size=40))
 def test_no_sequence_of_operations_loses_a_slot_or_overwrites_a_pinned_block(ops):
     """Whatever happens, every slot is free, pooled or pinned exactly once, and a pinned landed block keeps its
-    bytes (checked by CRC) however hard later reservations press on the pool."""
+    bytes (checked by its checksum) however hard later reservations press on the pool."""
     async def scenario():
         s = store(slots=6)
         live: dict[str, int] = {}
@@ -130,7 +129,7 @@ def test_no_sequence_of_operations_loses_a_slot_or_overwrites_a_pinned_block(ops
             for t in s.transfers.values():
                 for i, b in enumerate(t.blocks or ()):
                     if b.landed:
-                        assert zlib.crc32(s.arena.slot(b.slot)) == b.checksum, f"op {n}: a pinned block changed"
+                        assert checksum(s.arena.slot(b.slot)) == b.checksum, f"op {n}: a pinned block changed"
 
     asyncio.run(scenario())
 
@@ -318,9 +317,9 @@ def test_every_byte_survives_both_transports():
                     if arena is not None:
                         for j, data in enumerate(part):
                             arena.slot(r.slots[i + j])[:] = data
-                        yield pb.KVChunk(transfer_id=tid, first_block=i, checksums=[zlib.crc32(b) for b in part])
+                        yield pb.KVChunk(transfer_id=tid, first_block=i, checksums=[checksum(b) for b in part])
                     else:
-                        yield pb.KVChunk(transfer_id=tid, first_block=i, checksums=[zlib.crc32(b) for b in part],
+                        yield pb.KVChunk(transfer_id=tid, first_block=i, checksums=[checksum(b) for b in part],
                                          data=b"".join(part))
                 yield pb.KVChunk(transfer_id=tid, index=-1, meta=pb.KVMeta(num_blocks=n), last=True)
 

@@ -421,7 +421,7 @@ class ReleaseReply(_message.Message):
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
 class KVStoreStats(_message.Message):
-    __slots__ = ("transfers", "bytes", "byte_budget", "evicted", "expired", "pool_blocks", "pinned_blocks", "hits", "segment")
+    __slots__ = ("transfers", "bytes", "byte_budget", "evicted", "expired", "pool_blocks", "pinned_blocks", "hits", "segment", "block_bytes")
     TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     BYTE_BUDGET_FIELD_NUMBER: _ClassVar[int]
@@ -431,6 +431,7 @@ class KVStoreStats(_message.Message):
     PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     HITS_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     transfers: int
     bytes: int
     byte_budget: int
@@ -440,4 +441,5 @@ class KVStoreStats(_message.Message):
     pinned_blocks: int
     hits: int
     segment: str
-    def __init__(self, transfers: _Optional[int] = ..., bytes: _Optional[int] = ..., byte_budget: _Optional[int] = ..., evicted: _Optional[int] = ..., expired: _Optional[int] = ..., pool_blocks: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., hits: _Optional[int] = ..., segment: _Optional[str] = ...) -> None: ...
+    block_bytes: int
+    def __init__(self, transfers: _Optional[int] = ..., bytes: _Optional[int] = ..., byte_budget: _Optional[int] = ..., evicted: _Optional[int] = ..., expired: _Optional[int] = ..., pool_blocks: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., hits: _Optional[int] = ..., segment: _Optional[str] = ..., block_bytes: _Optional[int] = ...) -> None: ...
