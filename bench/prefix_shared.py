@@ -6,7 +6,9 @@ workers, bench preset, one torch thread each; each worker's KV pool holds about 
 system prompts (2 x their mean length, plus one request's own tail), so no worker can keep them
 all. Saturation is measured first with least-outstanding (a burst of the first 100 requests at
 once); then each policy, on a fresh mesh (cold caches), gets the same Poisson arrivals at 70% of
-it. Per policy: prefill tokens actually computed, prefix hit rate (cached ÷ prompt tokens), TTFT,
+it. "+pool": the workers also take a prompt's blocks from the kvstore's content-addressed pool when it holds
+more of them than they cache, and push the blocks they compute there (the prefix-aware router counts a
+pool-resident prefix as a cheaper-than-compute hit). Per policy: prefill tokens actually computed, prefix hit rate (cached ÷ prompt tokens), TTFT,
 output tokens/s, and load imbalance (max/mean of the workers' outstanding tokens, sampled every
 100 ms while the mean is > 0).
 """
@@ -22,13 +24,15 @@ from bench.latency import summarize
 from bench.online import compare_policies
 from services.launcher import Mesh, MeshSpec
 
-POLICIES = ("round-robin", "least-outstanding", "prefix-aware")
+POLICIES = ("round-robin", "least-outstanding", "prefix-aware", "round-robin+pool", "prefix-aware+pool")
+POOL = "+pool"  # the workers take prompts' blocks from the kvstore's pool and push theirs there
 BLOCK = 16
 
 
 def add_flags(p) -> None:
     g = p.add_argument_group("prefix-shared")
     g.add_argument("--prefix-load", type=float, default=0.7, help="arrival rate as a fraction of saturation")
+    g.add_argument("--policies", default="", help=f"comma-separated subset of {', '.join(POLICIES)} (default: all)")
 
 
 def workload(n: int, seed: int, vocab: int = 32000) -> tuple[list, list]:
@@ -55,9 +59,11 @@ def run(args) -> int:
         f"per worker")
 
     def mesh(policy):
-        return Mesh(MeshSpec(str(model_dir), mode="unified", unified=4, engine_args=engine, policy=policy))
+        return Mesh(MeshSpec(str(model_dir), mode="unified", unified=4, engine_args=engine,
+                             policy=policy.removesuffix(POOL), kv_pool=policy.endswith(POOL)))
 
-    runs, rates = compare_policies(mesh, reqs, n_sat, args.prefix_load, POLICIES, args.seed)
+    policies = [p for p in POLICIES if not args.policies or p in args.policies.split(",")]
+    runs, rates = compare_policies(mesh, reqs, n_sat, args.prefix_load, policies, args.seed)
     systems_out = {}
     for policy, (timings, wall, sampler) in runs.items():
         prompt = sum(t.prompt_tokens for t in timings)
@@ -67,10 +73,13 @@ def run(args) -> int:
                                "imbalance_max_over_mean": sampler.imbalance(),
                                "imbalance_busy_max_over_mean": sampler.imbalance(busy=True)}
         log(f"{policy}: {systems_out[policy]}")
-    rr, pa = systems_out["round-robin"], systems_out["prefix-aware"]
-    ratios = {"prefix-aware/round-robin:prefill_tokens_computed":
-              round(pa["prefill_tokens_computed"] / rr["prefill_tokens_computed"], 3),
-              "prefix-aware/round-robin:ttft_ms_p50": round(pa["ttft_ms_p50"] / rr["ttft_ms_p50"], 3)}
+    ratios = {}
+    rr = systems_out.get("round-robin")
+    for name, system in systems_out.items():
+        if rr is not None and name != "round-robin" and name != "least-outstanding":
+            ratios[f"{name}/round-robin:prefill_tokens_computed"] = round(
+                system["prefill_tokens_computed"] / rr["prefill_tokens_computed"], 3)
+            ratios[f"{name}/round-robin:ttft_ms_p50"] = round(system["ttft_ms_p50"] / rr["ttft_ms_p50"], 3)
     result = {"workload": "prefix-shared", "command": args.command_line, "machine": machine(),
               "config": {"requests": n, "saturation_requests": n_sat, "load": args.prefix_load, **rates,
                          "workers": 4, "threads_per_worker": 1, "engine_args": engine,

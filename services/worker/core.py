@@ -14,8 +14,10 @@ multiprocessing pipe in pickled tuples:
                      ("abort", req_id)
   core -> servicer   ("ready", None)                 the engine is built
                      ("reply", seq, result, error)   a command's result or exception
-                     ("step", outputs, kv, stats)    ONE message per step: every request's new tokens
-                                                     (StepOutput), KV chunks to send, counters, load
+                     ("step", outputs, stats)        ONE message per step: every request's new tokens
+                                                     (StepOutput), counters, load
+                     ("kv", pieces)                  then the step's KV pieces (KVPiece), if any: copying KV
+                                                     out never delays a step's tokens
                      ("fatal", message)              the engine could not be built
 
 Commands run between steps, in order. The core never waits on the servicer: it polls the pipe
@@ -313,11 +315,13 @@ class EngineCore:
             outs.append(StepOutput(out.req_id, list(out.new_token_ids), out.new_logprobs, out.finished,
                                    out.finish_reason, req.num_prompt, req.num_cached_prompt, req.num_output,
                                    req.arrival_s))
+        self.send(("step", outs, self.stats()))  # first: a first token must not wait for its KV to be copied out
         pieces = self._export()
         for out in outs:
             if out.finished:
                 self._forget(out.req_id)
-        self.send(("step", outs, pieces, self.stats()))
+        if pieces:
+            self.send(("kv", pieces))
 
     def _export(self) -> list:
         engine, pieces = self.engine, []

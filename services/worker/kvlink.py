@@ -57,12 +57,17 @@ class KVLink:
                 return  # attached meanwhile
             reply = await self.stub.Attach(pb.AttachRequest(host=host_id(), block_bytes=self.block_bytes,
                                                             transport=self.transport_wanted), timeout=10)
-            if reply.transport == "shm":
-                await self.runner.call("map_arena", reply.segment, reply.generation, reply.slot_bytes, reply.slots)
-            if (reply.transport, reply.generation) != (self.transport, self.generation):
-                log.info("kvstore %s: transport %s (%s), arena %s", self.address, reply.transport, reply.reason,
-                         reply.generation)
-            self.transport, self.generation = reply.transport, reply.generation
+            transport, reason = reply.transport, reply.reason
+            if transport == "shm":
+                try:
+                    await self.runner.call("map_arena", reply.segment, reply.generation, reply.slot_bytes, reply.slots)
+                except Exception as e:  # e.g. another /dev/shm than the kvstore's (a container without it shared)
+                    if self.transport_wanted == "shm":
+                        raise
+                    transport, reason = "grpc", f"cannot map {reply.segment}: {e}"
+            if (transport, reply.generation) != (self.transport, self.generation):
+                log.info("kvstore %s: transport %s (%s), arena %s", self.address, transport, reason, reply.generation)
+            self.transport, self.generation = transport, reply.generation
 
     async def ready(self) -> "KVLink":
         if not self.generation:

@@ -157,6 +157,8 @@ class EngineRunner:
         kind = msg[0]
         if kind == "step":
             self._on_step(*msg[1:])
+        elif kind == "kv":
+            self._on_kv(msg[1])
         elif kind == "reply":
             _, seq, result, error = msg
             fut = self.pending.pop(seq, None)
@@ -177,24 +179,28 @@ class EngineRunner:
             if not self._ready.done():
                 self._ready.set_exception(ModelLoadError(msg[1]))
 
-    def _on_step(self, outputs: list, pieces: list, stats: CoreStats) -> None:
-        self.busy_s, self.tokens_out, self.aborted = stats.busy_s, stats.tokens_out, stats.aborted
-        self.cost.prefill_s_per_token, self.cost.decode_s_per_step = stats.prefill_s_per_token, stats.decode_s_per_step
-        self.load = stats.load
-        if self.metrics is not None:  # first: forget() below drops a finished request's last token time
-            self.metrics.on_step(outputs, stats.load, self.clock())
-        for piece in pieces:  # first: a finished request's last piece may come in the step that finishes it
+    def _on_kv(self, pieces: list) -> None:
+        for piece in pieces:
             kv = self.kv.get(piece.req_id)
             if kv is not None:
                 kv.put_nowait(piece)
             if piece.last:
                 self.kv.pop(piece.req_id, None)
+
+    def _on_step(self, outputs: list, stats: CoreStats) -> None:
+        self.busy_s, self.tokens_out, self.aborted = stats.busy_s, stats.tokens_out, stats.aborted
+        self.cost.prefill_s_per_token, self.cost.decode_s_per_step = stats.prefill_s_per_token, stats.decode_s_per_step
+        self.load = stats.load
+        if self.metrics is not None:  # first: forget() below drops a finished request's last token time
+            self.metrics.on_step(outputs, stats.load, self.clock())
         for out in outputs:
             q = self.streams.get(out.req_id)
             if q is not None:
                 q.put_nowait(out)
             if out.finished:
-                self.forget(out.req_id)
+                self.streams.pop(out.req_id, None)  # its KV queue stays until its last piece (the kv message next)
+                if self.metrics is not None:
+                    self.metrics.forget(out.req_id)
 
     def _fail(self, req_id: str, error: Exception) -> None:
         for table in (self.streams, self.kv):

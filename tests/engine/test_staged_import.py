@@ -37,3 +37,62 @@ def test_abort_while_receiving_frees_the_reserved_blocks(tiny_model):
     assert target.abort("r")
     assert target.load().blocks_used == 0
     target.kv.check_integrity()
+
+
+def test_blocks_from_the_pool_become_a_prefix_cache_hit_with_identical_output(tiny_model):
+    """import_cached (the pool's blocks into the prefix cache, as a worker leasing them does): the request then
+    computes only its tail, and its tokens equal a cold engine's; a chain with a gap imports nothing."""
+    from services.common.block_hash import extra_keys, hash_blocks
+
+    prompt = random_prompts(1, seed=41, lo=90, hi=90, vocab=4000)[0]
+    expected = run_all(make_engine(tiny_model), [prompt], greedy(8))[0]
+    kv = prefill_elsewhere(tiny_model, prompt)
+    hashes = hash_blocks(prompt[:-1], 16, extra_keys("", ""))  # 5 full blocks, the last token left to compute
+    target = make_engine(tiny_model)
+    assert target.import_cached(hashes, 1, kv.blocks[1:5]) == 0  # block 0 is not cached here: a gap
+    assert target.import_cached(hashes, 0, kv.blocks[:5]) == 5
+    assert target.import_cached(hashes, 0, kv.blocks[:5]) == 0  # held already
+    assert target.load().blocks_used == 0 and target.load().blocks_cached == 5
+    req = target.add_request("t", prompt, greedy(8))
+    while target.has_unfinished():
+        target.step()
+        target.kv.check_integrity()
+    assert req.num_cached_prompt == 80 and req.output_token_ids == expected
+
+
+def test_the_core_exports_only_blocks_the_pool_lacks_and_verifies_what_it_imports(tiny_model, tmp_path):
+    """EngineCore in-process: a handoff plan with blocks 0-1 present writes only the others into their arena slots,
+    with checksums; an import whose checksum does not match is refused (KVTransferFailed) and nothing is used."""
+    import pytest
+
+    from services.kvstore.arena import Arena, checksum
+    from services.worker.core import EngineCore, ExportPlan, KVTransferFailed
+
+    prompt = random_prompts(1, seed=43, lo=70, hi=70, vocab=4000)[0]  # 5 blocks, the last partial
+    source = make_engine(tiny_model)
+    arena = Arena("coretest", source.block_bytes, 16, shm_dir=tmp_path)
+    sent = []
+    core = EngineCore(source, sent.append)
+    core.arenas[arena.generation] = arena  # the kvstore's own mapping stands in for the worker's
+    plan = ExportPlan(True, 5, (True, True, False, False, False), tuple(range(5)), arena.generation)
+    core.handle(("add", 1, RequestSpec("p", tuple(prompt), greedy(4)), plan, None))
+    while core.exports:
+        core.step()
+    pieces = [p for msg in sent if msg[0] == "kv" for p in msg[1]]
+    blocks = [p for p in pieces if not p.last]
+    assert [p.first for p in blocks][0] == 2 and sum(len(p.checksums) for p in blocks) == 3
+    assert pieces[-1].last and pieces[-1].meta["num_blocks"] == 5
+    reference = prefill_elsewhere(tiny_model, prompt).blocks
+    for p in blocks:
+        for i, crc in enumerate(p.checksums):
+            assert bytes(arena.slot(p.first + i)) == reference[p.first + i] and checksum(arena.slot(p.first + i)) == crc
+    target = make_engine(tiny_model)
+    core = EngineCore(target, lambda msg: None)
+    core.arenas[arena.generation] = arena
+    target.begin_import(RequestSpec("d", tuple(prompt), greedy(4)))
+    arena.slot(3)[:8] = b"\xff" * 8  # corrupted in the pool
+    with pytest.raises(KVTransferFailed, match="block 3"):
+        core.import_slots("d", 2, arena.generation, [2, 3], [checksum(reference[2]), checksum(reference[3])])
+    target.abort("d")
+    assert target.load().blocks_used == 0
+    arena.close()
