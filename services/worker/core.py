@@ -194,6 +194,7 @@ class EngineCore:
         self.live: set = set()  # requests whose outputs the servicer wants
         self.exports: dict[str, KVExport] = {}
         self.arenas: dict = {}  # generation -> MappedArena of the kvstore
+        self.failed_imports: set = set()  # requests one of whose KV imports failed (until aborted)
         self.pooled_blocks = 0  # blocks imported from the pool, since start
         self.busy_s, self.tokens_out, self.aborted = 0.0, 0, 0
         self.cost = StepCostFit()
@@ -202,6 +203,7 @@ class EngineCore:
     def handle(self, msg: tuple) -> None:
         kind = msg[0]
         if kind == "abort":
+            self.failed_imports.discard(msg[1])
             self._forget(msg[1])
             self.aborted += self.engine.abort(msg[1])
             return
@@ -216,6 +218,8 @@ class EngineCore:
                     self.exports[spec.request_id] = KVExport(spec.request_id, plan, self._arena(plan.generation))
             elif kind == "end_import":
                 _, _, req_id, kwargs = msg
+                if req_id in self.failed_imports:  # its blocks are not all there: never let it run
+                    raise KVTransferFailed(f"request {req_id}'s KV import failed")
                 self.engine.end_import(req_id, **kwargs)
                 self.live.add(req_id)
                 result = None
@@ -255,14 +259,22 @@ class EngineCore:
 
     def import_slots(self, req_id: str, first: int, generation: str, slots: list, checksums: list) -> int:
         """Import blocks from arena slots (checked against their checksum (XXH3-64)) into a request's reserved blocks."""
-        arena = self._arena(generation)
-        views = verified([arena.slot(s) for s in slots], checksums, first)
-        return self.engine.import_blocks(req_id, first, views)
+        try:
+            arena = self._arena(generation)
+            views = verified([arena.slot(s) for s in slots], checksums, first)
+            return self.engine.import_blocks(req_id, first, views)
+        except Exception:
+            self.failed_imports.add(req_id)
+            raise
 
     def import_data(self, req_id: str, first: int, data: bytes, checksums: list) -> int:
         """import_slots for blocks that came as bytes (the gRPC path)."""
-        blocks = verified(self.engine.split_blocks(data), checksums, first)
-        return self.engine.import_blocks(req_id, first, blocks)
+        try:
+            blocks = verified(self.engine.split_blocks(data), checksums, first)
+            return self.engine.import_blocks(req_id, first, blocks)
+        except Exception:
+            self.failed_imports.add(req_id)
+            raise
 
     def _import_pooled(self, p: PooledPrefix) -> int:
         """Blocks leased from the pool into the prefix cache; a block failing its checksum ends the run there (the

@@ -118,24 +118,28 @@ class KVLink:
             self.release_soon(lease_id)
             raise
 
-    async def pull(self, request, runner) -> pb.KVMeta:
-        """Import a transfer's blocks into the engine (its reservation begun) as they land; returns the metadata."""
+    async def pull(self, request, runner) -> tuple[pb.KVMeta, list]:
+        """Import a transfer's blocks into the engine (its reservation begun) as they land: (the metadata, the
+        import commands' futures). The imports are sent without waiting for each (the core runs queued commands
+        together between two steps), so the caller's end_import, sent next, lands in the same gap when the last
+        blocks and the metadata arrive together; the caller awaits the futures after sending it."""
         await self.ready()
-        req_id, written, stale = request.request_id, 0, False
+        req_id, written, stale, pending = request.request_id, 0, False, []
         generation = self.generation if self.shm else ""
         try:
             async for chunk in self.stub.Get(pb.GetRequest(transfer_id=request.transfer_id, wait_ms=60000,
                                                            shm=self.shm, generation=generation)):
                 if chunk.last:
-                    return chunk.meta
+                    return chunk.meta, pending
                 if chunk.first_block != written:
                     raise InvalidRequest(f"transfer {request.transfer_id} skipped from block {written} to "
                                          f"{chunk.first_block}")
                 if chunk.slots:
-                    written += await runner.call("import_slots", req_id, written, generation, list(chunk.slots),
-                                                 list(chunk.checksums))
+                    pending.append(runner.call("import_slots", req_id, written, generation, list(chunk.slots),
+                                               list(chunk.checksums)))
                 else:
-                    written += await runner.call("import_data", req_id, written, chunk.data, list(chunk.checksums))
+                    pending.append(runner.call("import_data", req_id, written, chunk.data, list(chunk.checksums)))
+                written += len(chunk.checksums)
         except grpc.aio.AioRpcError as e:
             stale = e.code() == grpc.StatusCode.FAILED_PRECONDITION and "arena" in (e.details() or "")
             if not stale:

@@ -245,11 +245,19 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
     async def _pull(self, request, link: KVLink) -> asyncio.Queue:
         """Import blocks into the paged cache as they land in the kvstore; then join the batch."""
-        m = await link.pull(request, self.runner)
+        m, imports = await link.pull(request, self.runner)
         link.release_soon(request.transfer_id)
-        return await self.runner.end_import(
+        ending = asyncio.ensure_future(self.runner.end_import(
             request.request_id, token_ids=list(m.token_ids), num_prompt=m.num_prompt, num_computed=m.num_computed,
-            num_blocks=m.num_blocks, sample_seed=m.sample_seed)
+            num_blocks=m.num_blocks, sample_seed=m.sample_seed))
+        try:
+            await asyncio.gather(*imports)  # a failed import's error, rather than what it makes end_import say
+        except BaseException:
+            ending.cancel()
+            with contextlib.suppress(BaseException):
+                await ending
+            raise
+        return await ending
 
     async def _next(self, q: asyncio.Queue):
         return _checked(await q.get())

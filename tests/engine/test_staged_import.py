@@ -87,12 +87,17 @@ def test_the_core_exports_only_blocks_the_pool_lacks_and_verifies_what_it_import
         for i, crc in enumerate(p.checksums):
             assert bytes(arena.slot(p.first + i)) == reference[p.first + i] and checksum(arena.slot(p.first + i)) == crc
     target = make_engine(tiny_model)
-    core = EngineCore(target, lambda msg: None)
+    replies = []
+    core = EngineCore(target, replies.append)
     core.arenas[arena.generation] = arena
     target.begin_import(RequestSpec("d", tuple(prompt), greedy(4)))
     arena.slot(3)[:8] = b"\xff" * 8  # corrupted in the pool
     with pytest.raises(KVTransferFailed, match="block 3"):
         core.import_slots("d", 2, arena.generation, [2, 3], [checksum(reference[2]), checksum(reference[3])])
-    target.abort("d")
+    meta = pieces[-1].meta  # the end_import already on its way (the worker pipelines it) is refused
+    core.handle(("end_import", 7, "d", {k: meta[k] for k in ("token_ids", "num_prompt", "num_computed",
+                                                                 "num_blocks", "sample_seed")}))
+    assert isinstance(replies[-1][3], KVTransferFailed) and not target.has_unfinished()
+    core.handle(("abort", "d"))
     assert target.load().blocks_used == 0
     arena.close()
