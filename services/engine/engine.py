@@ -102,6 +102,8 @@ class LLMEngine:
         self.kv = KVCacheManager(BlockPool(num_blocks), cc.block_size, cc.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, make_policy(sc.policy), sc.max_num_seqs, sc.max_num_batched_tokens,
                                    clock=clock)
+        self.scheduler.before_admit = self._admit_pooled
+        self.pooled_blocks = 0  # blocks imported from the mesh's KV pool, since start
         kernel = paged_attention() if self.model.dtype in (torch.float32, torch.bfloat16) else None
         self.attention = TorchAttention(mc.num_heads, mc.num_kv_heads, mc.head_dim, cc.block_size, kernel=kernel)
         self.sampler = Sampler(loaded.eos_token_ids, kernel=sampler())
@@ -112,12 +114,14 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------
 
-    def add(self, spec: RequestSpec, kv: KVExport | None = None) -> Request:
+    def add(self, spec: RequestSpec, kv: KVExport | None = None, pooled: tuple | None = None) -> Request:
         """Validate and queue a request (see module doc for kv). Raises a typed MeshError on bad input.
 
         The spec's tenant, weight, deadline_s (absolute, this engine's clock) and predicted_s feed
-        slot arbitration."""
+        slot arbitration. pooled: (hashes, start, blocks) of its prompt from the mesh's KV pool, imported into
+        the prefix cache when the request is admitted (import_cached): then there is room for them."""
         req = self._new_request(spec)
+        req.pooled = pooled if pooled and pooled[2] else None
         if kv is not None:
             self._import(req, kv)
         else:
@@ -355,11 +359,25 @@ class LLMEngine:
             n += 1
         return n
 
+    def _admit_pooled(self, req: Request) -> None:
+        """Import a waiting request's pooled blocks; done once they are in (or no longer useful). Short of room,
+        they wait for the next try (the request could not be admitted then either)."""
+        hashes, start, blocks = req.pooled
+        have = self.cached_blocks(hashes)
+        if have < start or have >= start + len(blocks):
+            req.pooled = None
+            return
+        imported = self.import_cached(hashes, start, blocks)
+        self.pooled_blocks += imported
+        if have + imported >= start + len(blocks):
+            req.pooled = None
+
     def import_cached(self, hashes: list, start: int, blocks: list) -> int:
         """Put raw blocks for hashes[start:start + len(blocks)] into the prefix cache (from the mesh's KV pool),
         behind hashes[:start], which this cache must hold (else nothing happens: a chain with a gap serves no
         prefix). Blocks it holds already are skipped. The imported blocks are cached, not used: the request added
-        next finds them as its prefix. Returns how many were imported (0 when short of free blocks)."""
+        next finds them as its prefix. Short of room, the leading blocks that fit are imported. Returns how many
+        were imported."""
         if not self.kv.prefix_caching:
             return 0
         have = self.cached_blocks(hashes[:start + len(blocks)])
@@ -369,7 +387,8 @@ class LLMEngine:
         held = [pool.lookup(h) for h in hashes[:have]]
         todo = list(zip(hashes[have:start + len(blocks)], blocks[have - start:]))
         revived = sum(1 for b in held if pool.ref_count[b] == 0)
-        if len(todo) + revived > pool.num_available:
+        todo = todo[:max(pool.num_available - revived, 0)]
+        if not todo:
             return 0
         for b in held:
             pool.acquire(b)  # so that allocating the new blocks cannot evict the chain they extend

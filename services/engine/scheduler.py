@@ -49,6 +49,7 @@ class Scheduler:
         self.max_num_seqs, self.budget = max_num_seqs, max_num_batched_tokens
         self.waiting: list[Request] = []
         self.running: list[Request] = []
+        self.before_admit = None  # called with a waiting request that carries pooled blocks, before admitting it
 
     def add(self, req: Request) -> None:
         backlogged = {r.tenant for r in self.waiting}
@@ -106,6 +107,8 @@ class Scheduler:
         for req in self.policy.order(self.waiting, now):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
+            if req.pooled is not None and self.before_admit is not None:
+                self.before_admit(req)  # blocks from the mesh's KV pool join the prefix cache now, when there is room
             prefix = self.kv.cached_prefix(req)
             num_cached = len(prefix) * self.kv.block_size
             num_new = min(req.num_tokens - num_cached, budget)

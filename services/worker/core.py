@@ -195,7 +195,6 @@ class EngineCore:
         self.exports: dict[str, KVExport] = {}
         self.arenas: dict = {}  # generation -> MappedArena of the kvstore
         self.failed_imports: set = set()  # requests one of whose KV imports failed (until aborted)
-        self.pooled_blocks = 0  # blocks imported from the pool, since start
         self.busy_s, self.tokens_out, self.aborted = 0.0, 0, 0
         self.cost = StepCostFit()
         self.running = True
@@ -211,8 +210,9 @@ class EngineCore:
         try:
             if kind == "add":
                 _, _, spec, plan, pooled = msg
-                result = self._import_pooled(pooled) if pooled is not None else 0
-                self.engine.add(spec)
+                blocks = self._pooled_blocks(pooled) if pooled is not None else []
+                self.engine.add(spec, pooled=(list(pooled.hashes), pooled.start, blocks) if blocks else None)
+                result = len(blocks)
                 self.live.add(spec.request_id)
                 if plan is not None:
                     self.exports[spec.request_id] = KVExport(spec.request_id, plan, self._arena(plan.generation))
@@ -276,24 +276,23 @@ class EngineCore:
             self.failed_imports.add(req_id)
             raise
 
-    def _import_pooled(self, p: PooledPrefix) -> int:
-        """Blocks leased from the pool into the prefix cache; a block failing its checksum ends the run there (the
-        engine computes the rest). Returns how many were imported."""
+    def _pooled_blocks(self, p: PooledPrefix) -> list:
+        """A lease's blocks, copied out of the arena (the lease ends when add() returns; the engine imports them
+        when the request is admitted) up to the first that fails its checksum (the engine computes from there)."""
         from services.kvstore.arena import checksum
 
         if p.generation:
             arena = self.arenas.get(p.generation)
-            blocks = [arena.slot(s) for s in p.slots] if arena is not None else []
+            views = [arena.slot(s) for s in p.slots] if arena is not None else []
         else:
-            blocks = self.engine.split_blocks(p.data)
-        good = 0
-        while good < len(blocks) and checksum(blocks[good]) == p.checksums[good]:
-            good += 1
-        if good < len(blocks):
-            log.warning("pooled KV block %d failed its checksum: recomputing from there", p.start + good)
-        imported = self.engine.import_cached(list(p.hashes), p.start, blocks[:good])
-        self.pooled_blocks += imported
-        return imported
+            views = self.engine.split_blocks(p.data)
+        out = []
+        for view, crc in zip(views, p.checksums):
+            if checksum(view) != crc:
+                log.warning("pooled KV block %d failed its checksum: computing from there", p.start + len(out))
+                break
+            out.append(bytes(view))
+        return out
 
     def core_stats(self) -> "CoreStats":
         return self.stats()

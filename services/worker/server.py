@@ -22,13 +22,13 @@ import grpc
 
 from services.common import rpc
 from services.common.convert import spec_from_work
-from services.common.host import host_id
 from services.common.errors import CapacityExhausted, InvalidRequest, MeshError
+from services.common.host import host_id
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
-from services.worker.measure import DecodeRate
 from services.worker.core import KVTransferFailed
 from services.worker.kvlink import KVLink, KVLinks, StaleArena
+from services.worker.measure import DecodeRate
 from services.worker.runner import EngineRunner
 
 log = logging.getLogger("meshserve.worker")
@@ -88,7 +88,6 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self.channels = rpc.ChannelPool()
         self.kv_transport, self.kv_pool, self.metrics = kv_transport, kv_pool, metrics
         self.links: KVLinks | None = None  # once the engine's block geometry is known (start())
-        self.recomputed = 0  # decode requests that recomputed their prompt after a failed transfer
 
     async def start(self) -> "WorkerServicer":
         block_size, block_bytes = await self.runner.call("kv_geometry")
@@ -181,8 +180,12 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         leasing = asyncio.ensure_future(self._lease(link, request) if self.kv_pool else _nothing())
         try:
             plan = await self._reserve(link, request, request.transfer_id, handoff=True)
-        finally:
-            lease_id, pooled = await leasing
+        except BaseException:
+            lease_id, _ = await leasing
+            if lease_id:
+                link.release_soon(lease_id)
+            raise
+        lease_id, pooled = await leasing
         kv: asyncio.Queue = asyncio.Queue()
         try:
             q = await self._registered(request.request_id,
@@ -219,7 +222,6 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             self.runner.abort(req_id)
             why = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.aio.AioRpcError) else str(e)
             log.warning("request %s: KV transfer failed (%s); computing its prompt here", req_id, why)
-            self.recomputed += 1
             if self.metrics is not None:
                 self.metrics.kv_recomputes.add(1)
             q = await self._registered(req_id, self.runner.add(spec_from_work(request, self.runner.clock)))

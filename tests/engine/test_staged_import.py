@@ -101,3 +101,27 @@ def test_the_core_exports_only_blocks_the_pool_lacks_and_verifies_what_it_import
     core.handle(("abort", "d"))
     assert target.load().blocks_used == 0
     arena.close()
+
+
+def test_pooled_blocks_wait_for_room_and_join_the_prefix_cache_when_the_request_is_admitted(tiny_model):
+    """engine.add(pooled=...): with the KV pool full of a running request, the pooled blocks are not imported at
+    arrival (there is no room; at most what fits), but when the request is admitted: it then computes only its
+    tail."""
+    from services.common.block_hash import extra_keys, hash_blocks
+
+    prompt = random_prompts(1, seed=45, lo=90, hi=90, vocab=4000)[0]
+    expected = run_all(make_engine(tiny_model), [prompt], greedy(6))[0]
+    kv = prefill_elsewhere(tiny_model, prompt)
+    hashes = hash_blocks(prompt[:-1], 16, extra_keys("", ""))
+    target = make_engine(tiny_model, num_blocks=10)
+    hog = target.add_request("hog", random_prompts(1, seed=46, lo=140, hi=140, vocab=4000)[0], greedy(10))
+    target.step()
+    target.step()  # the hog holds 9 of the 10 blocks, then all 10
+    req = target.add(RequestSpec("t", tuple(prompt), greedy(6)), pooled=(hashes, 0, kv.blocks[:5]))
+    target.step()
+    assert req.pooled is not None and target.pooled_blocks <= 1  # no room yet: waiting (at most a block fits)
+    while target.has_unfinished():
+        target.step()
+        target.kv.check_integrity()
+    assert hog.finish_reason == "length" and target.pooled_blocks >= 5 and req.num_preemptions == 0
+    assert req.num_cached_prompt == 80 and req.output_token_ids == expected

@@ -1,5 +1,5 @@
 """`meshserve up` from nothing: generates the tiny model, prints the address and the ready line,
-serves a client, and stops every process on SIGTERM."""
+serves a client, and stops every process on SIGTERM, leaving no shared-memory segment behind."""
 
 import json
 import os
@@ -13,7 +13,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 
+def kv_segments() -> set:
+    from services.kvstore.arena import PREFIX, SHM_DIR
+
+    return {p.name for p in SHM_DIR.glob(PREFIX + "*")}
+
+
 def test_up_serves_and_stops_cleanly(tmp_path):
+    before = kv_segments()
     proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--model", "tiny", "--port", "0", "--http-port", "0",
                              "--router-port", "0", "--kvstore-port", "0"], cwd=tmp_path, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -39,12 +46,14 @@ def test_up_serves_and_stops_cleanly(tmp_path):
         assert client.returncode == 0, client.stderr
         assert len(json.loads(out.read_text())["token_ids"]) == 5
         assert (tmp_path / "models" / "tiny" / "model.safetensors").exists()
+        assert len(kv_segments() - before) == 1  # the kvstore's arena, formatted by the first worker
     finally:
         os.kill(proc.pid, signal.SIGTERM)
         rest = proc.communicate(timeout=60)[0]
     assert proc.returncode == 0, rest
     assert "stopped" in rest
     assert not processes_in(tmp_path), "processes of the mesh outlived it"
+    assert kv_segments() <= before, "the kvstore's shared memory outlived the mesh"
 
 
 def processes_in(folder) -> list:
