@@ -1,6 +1,7 @@
 """The router's Route over a real Redis index: prefix routing, the load guard, degradation, metrics."""
 
 import asyncio
+import re
 import functools
 
 import pytest
@@ -40,10 +41,10 @@ def make_router(redis_url, policy="prefix-aware", recent_ttl=None):
     return servicer, reader, clock
 
 
-async def beat(router, worker_id, member, outstanding=0, capacity=10_000):
+async def beat(router, worker_id, member, outstanding=0, capacity=10_000, host="", kv_pool=False):
     await router.Heartbeat(pb.WorkerLoad(worker_id=worker_id, address=f"addr-{worker_id}", role="unified",
                                          outstanding_tokens=outstanding, kv_capacity_tokens=capacity,
-                                         block_size=BS, index_member=member), None)
+                                         block_size=BS, index_member=member, host=host, kv_pool=kv_pool), None)
 
 
 async def publish(client, worker_id, blocks):
@@ -127,4 +128,30 @@ def test_redis_down_routes_by_load_and_recovers(server):
         router.index.backoff.succeeded()  # the retry is due
         assert router.index.probe() and not router.index.degraded
         assert (await route(router)).decode_worker == "addr-w1"
+    asyncio.run(go())
+
+
+def test_a_pool_resident_prefix_counts_for_the_workers_of_its_host_that_take_from_the_pool(server):
+    """The kvstore publishes its pool as pool@<host>: a worker of that host with --kv-pool scores its blocks at
+    POOL_CREDIT of a local hit; a local hit still wins at equal load; another host's workers, and workers that do
+    not take from the pool, get no credit."""
+    from services.common.prefix_index import POOL_MEMBER
+    from services.router.scoring import POOL_CREDIT
+
+    async def go():
+        client = connect(server.url)
+        router, _, _ = make_router(server.url, recent_ttl=0.0)
+        await publish(client, POOL_MEMBER + "h1", 8)
+        local = await publish(client, "w0", 8)
+        await beat(router, "w0", local, outstanding=100, host="h1", kv_pool=True)  # holds it itself
+        await beat(router, "w1", "", outstanding=100, host="h1", kv_pool=True)  # its host's pool holds it
+        await beat(router, "w2", "", outstanding=0, host="h1", kv_pool=False)  # idle, but does not take from the pool
+        await beat(router, "w3", "", outstanding=100, host="h2", kv_pool=True)  # another host
+        d = await route(router)
+        assert d.decode_worker == "addr-w0"
+        scores = {w: float(x) for w, x in re.findall(r"(w\d)=[\d.]+\([^)]*prefix=([\d.]+)", d.reason)}
+        assert scores == {"w0": 1.0, "w1": POOL_CREDIT, "w2": 0.0, "w3": 0.0}, d.reason
+        await beat(router, "w0", local, outstanding=9_000, host="h1", kv_pool=True)  # busy: the pooled peer wins
+        assert (await route(router)).decode_worker == "addr-w1"
+        await client.aclose()
     asyncio.run(go())
