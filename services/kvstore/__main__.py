@@ -104,7 +104,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     @rpc.mapped
     async def Attach(self, request, context):
-        rpc.require_peer(context, "worker", "client")
+        rpc.require_peer(context, "worker")
         if request.transport not in ("", *TRANSPORTS):
             raise InvalidRequest(f"transport {request.transport!r}: one of {', '.join(TRANSPORTS)}")
         self.format(request.block_bytes)
@@ -134,7 +134,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     @rpc.mapped
     async def Reserve(self, request, context):
-        rpc.require_peer(context, "worker", "client")
+        rpc.require_peer(context, "worker")
         store = self.format(request.block_bytes)
         t = store.reserve(request.transfer_id, list(request.hashes), request.num_blocks)
         present = [b.landed for b in t.blocks]
@@ -142,7 +142,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     @rpc.mapped
     async def Acquire(self, request, context):
-        rpc.require_peer(context, "worker", "client")
+        rpc.require_peer(context, "worker")
         if self.store is None:
             return pb.AcquireReply(blocks=0)
         self.format(request.block_bytes)
@@ -151,7 +151,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     @rpc.mapped
     async def Put(self, request_iterator, context):
-        rpc.require_peer(context, "worker", "client")
+        rpc.require_peer(context, "worker")
         blocks = nbytes = 0
         t0 = time.monotonic()
         failure, tid, transport = None, "", "shm"
@@ -189,7 +189,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     @rpc.mapped
     async def Get(self, request, context):
-        rpc.require_peer(context, "worker", "client")
+        rpc.require_peer(context, "worker")
         store = self._store()
         if request.shm and request.generation != self.generation:
             raise StaleArena(f"arena {request.generation or '(none)'} is gone (this kvstore's is "
@@ -219,7 +219,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     @rpc.mapped
     async def Release(self, request, context):
-        rpc.require_peer(context, "gateway", "worker", "client")
+        rpc.require_peer(context, "gateway", "worker")
         if self.store is None:
             return pb.ReleaseReply(released=False)
         return pb.ReleaseReply(released=await self.store.release(request.transfer_id))
