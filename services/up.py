@@ -37,7 +37,8 @@ def mesh_spec(cfg: MeshConfig, model: Path, args):
                     routing=cfg.routing.model_dump(include={"weights", "guard"}), threads=cfg.engine.threads or 1,
                     gateway_port=args.port, http_port=args.http_port, router_port=args.router_port,
                     kvstore_port=args.kvstore_port, config_file=args.config, tls=m.tls, public_tls=m.public_tls,
-                    gateway_args=["--served-model-name", *names] if names else [])
+                    gateway_args=["--served-model-name", *names] if names else [], kv_transport=cfg.kv.transport,
+                    kv_pool=cfg.kv.pool, kvstore_budget_gb=cfg.kv.budget_gb)
 
 
 def default_kv_gb(model: Path) -> float:

@@ -1,6 +1,6 @@
 """The mesh config: one validated model per section of the mesh file, and one override mechanism.
 
-A mesh file (YAML or TOML) has the sections mesh, engine, routing, admission and tenants; each is
+A mesh file (YAML or TOML) has the sections mesh, engine, routing, admission, kv and tenants; each is
 a pydantic model that forbids unknown keys, so a typo is an error, never a silent default. Every
 service reads the one file (`--config FILE`, env MESHSERVE_CONFIG) and takes only its section:
 workers the engine section, the router the routing section, the gateway tenants and admission.
@@ -95,6 +95,18 @@ class AdmissionSection(Section):
                                              "per token of the model's context, at least 64 KiB")
 
 
+class KVSection(Section):
+    """The KV data plane (docs/MESH.md): the kvstore's pool and how workers reach it."""
+
+    transport: Literal["auto", "grpc", "shm"] = Field("auto", description="workers' KV transport: auto = shared "
+                                                      "memory with a kvstore on their host, else gRPC; grpc or shm "
+                                                      "forces one")
+    pool: bool = Field(False, description="workers take a prompt's blocks from the kvstore's pool when it holds "
+                                          "more than they cache, and unified workers push theirs there")
+    budget_gb: PositiveFloat = Field(1.0, description="the kvstore's pool, reserved in /dev/shm when the first "
+                                                      "worker attaches")
+
+
 RENAMED = {("mesh", "policy"): "routing.policy", ("engine", "policy"): "engine.slot_policy"}
 
 
@@ -105,6 +117,7 @@ class MeshConfig(Section):
     engine: EngineSection = Field(default_factory=EngineSection)
     routing: RoutingSection = Field(default_factory=RoutingSection)
     admission: AdmissionSection = Field(default_factory=AdmissionSection)
+    kv: KVSection = Field(default_factory=KVSection)
     tenants: list = Field(default_factory=list, description="tenants (services/common/tenants.py)")
 
     @model_validator(mode="before")

@@ -112,6 +112,11 @@ def test_up_gives_each_worker_a_small_pool_unless_the_config_sizes_it(tmp_path):
     assert mesh_spec(named, tmp_path, args).gateway_args == ["--served-model-name", "smol", "gpt-x"]
     flagged = Namespace(**{**vars(args), "served_model_name": ["mine"]})
     assert mesh_spec(named, tmp_path, flagged).gateway_args == ["--served-model-name", "mine"]
+    pooled = mesh_spec(load_mesh_config(None, {"kv": {"pool": True, "transport": "grpc", "budget_gb": 2}}, env={}),
+                       tmp_path, args)
+    assert (pooled.kv_pool, pooled.kv_transport, pooled.kvstore_budget_gb) == (True, "grpc", 2.0)
+    with pytest.raises(ConfigError, match="kv.transport"):
+        load_mesh_config(None, {"kv": {"transport": "rdma"}}, env={})
 
 
 def test_wire_salts_are_keyed_by_the_secret_not_the_tenant_name():
