@@ -285,7 +285,9 @@ class BlockStore:
         now = self.clock()
         old = [tid for tid, t in self.transfers.items() if now - t.created_s > self.ttl_s]
         for tid in old:
-            self._unpin(self.transfers.pop(tid))
+            t = self.transfers.pop(tid)
+            self._unpin(t)
+            self._notify_soon(t)  # a reader still waiting hears NotFound now, not at its timeout
         self.expired += len(old)
         while self.released and now - next(iter(self.released.values())) > self.ttl_s:
             self.released.popitem(last=False)
