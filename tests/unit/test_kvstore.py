@@ -1,6 +1,7 @@
 """The kvstore's pool: transfers streamed as they land, content addressing, pins, eviction, TTL; the arena."""
 
 import asyncio
+import contextlib
 import os
 import random
 from pathlib import Path
@@ -211,78 +212,17 @@ def test_an_arena_without_room_falls_back_to_private_memory(tmp_path):
     a.close()
 
 
-def test_a_refused_put_reaches_the_sender_with_its_status_every_time():
-    """Through a real gRPC server in its own thread (as in the mesh, where it is another process): a sender still
-    writing when its stream is refused hears the refusal's status, never INTERNAL. An asyncio client got 'Internal
-    error from Core' when the server ended the stream before the client had half-closed (grpc/grpc#36066): a third
-    of 100 attempts before the kvstore read its streams to the end."""
+@contextlib.contextmanager
+def kvstore_in_thread(servicer):
+    """The kvstore servicer behind a real gRPC server on its own thread and loop (as in the mesh, where it is
+    another process); yields its address."""
     import threading
 
     import grpc
 
-    from services.common.pb import meshserve_pb2 as pb
     from services.common.pb import meshserve_pb2_grpc as pb_grpc
-    from services.kvstore.__main__ import KVStoreServicer
 
-    started, stop = threading.Event(), None
-    port = 0
-
-    async def serve():
-        nonlocal port, stop
-        server = grpc.aio.server()
-        pb_grpc.add_KVStoreServicer_to_server(KVStoreServicer(100_000, 60, "unit", transport="grpc"), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        stop = asyncio.Event()
-        started.set()
-        await stop.wait()
-        await server.stop(None)
-
-    server_loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=server_loop.run_until_complete, args=(serve(),))
-    thread.start()
-    assert started.wait(30)
-
-    async def send_all():
-        codes = []
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = pb_grpc.KVStoreStub(channel)
-            await stub.Attach(pb.AttachRequest(block_bytes=65536))
-            for attempt in range(100):
-                async def chunks(tid=f"t{attempt}"):  # a transfer never reserved: every chunk is refused
-                    for i in range(32):
-                        yield pb.KVChunk(transfer_id=tid, index=i, first_block=i, checksums=[0], data=b"k" * 65536)
-                        await asyncio.sleep(0)
-                    yield pb.KVChunk(transfer_id=tid, index=-1, meta=pb.KVMeta(), last=True)
-                with pytest.raises(grpc.aio.AioRpcError) as exc:
-                    await stub.Put(chunks())
-                codes.append(exc.value.code())
-        return codes
-
-    try:
-        codes = asyncio.run(send_all())
-    finally:
-        server_loop.call_soon_threadsafe(stop.set)
-        thread.join(30)
-        server_loop.close()
-    assert codes == [grpc.StatusCode.NOT_FOUND] * 100
-
-
-def test_every_byte_survives_both_transports():
-    """A kvstore service in its own thread; blocks of random bytes put and got over gRPC messages and over the
-    shared-memory arena (as a same-host worker maps it): every block's bytes come back identical (hashed)."""
-    import hashlib
-    import threading
-
-    import grpc
-
-    from services.common.pb import meshserve_pb2 as pb
-    from services.common.pb import meshserve_pb2_grpc as pb_grpc
-    from services.kvstore.__main__ import KVStoreServicer
-
-    instance = f"unit{os.getpid()}"
     started, stop, port = threading.Event(), None, 0
-    servicer = KVStoreServicer(64 * 4096, 60, instance, host="this-host")
 
     async def serve():
         nonlocal port, stop
@@ -299,12 +239,65 @@ def test_every_byte_survives_both_transports():
     thread = threading.Thread(target=server_loop.run_until_complete, args=(serve(),))
     thread.start()
     assert started.wait(30)
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        server_loop.call_soon_threadsafe(stop.set)
+        thread.join(30)
+        server_loop.close()
+
+
+def test_a_refused_put_reaches_the_sender_with_its_status_every_time():
+    """Through a real gRPC server in its own thread (as in the mesh, where it is another process): a sender still
+    writing when its stream is refused hears the refusal's status, never INTERNAL. An asyncio client got 'Internal
+    error from Core' when the server ended the stream before the client had half-closed (grpc/grpc#36066): a third
+    of 100 attempts before the kvstore read its streams to the end."""
+    import grpc
+
+    from services.common.pb import meshserve_pb2 as pb
+    from services.common.pb import meshserve_pb2_grpc as pb_grpc
+    from services.kvstore.__main__ import KVStoreServicer
+
+    async def send_all(address):
+        codes = []
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = pb_grpc.KVStoreStub(channel)
+            await stub.Attach(pb.AttachRequest(block_bytes=65536))
+            for attempt in range(100):
+                async def chunks(tid=f"t{attempt}"):  # a transfer never reserved: every chunk is refused
+                    for i in range(32):
+                        yield pb.KVChunk(transfer_id=tid, index=i, first_block=i, checksums=[0], data=b"k" * 65536)
+                        await asyncio.sleep(0)
+                    yield pb.KVChunk(transfer_id=tid, index=-1, meta=pb.KVMeta(), last=True)
+                with pytest.raises(grpc.aio.AioRpcError) as exc:
+                    await stub.Put(chunks())
+                codes.append(exc.value.code())
+        return codes
+
+    with kvstore_in_thread(KVStoreServicer(100_000, 60, "unit", transport="grpc")) as address:
+        codes = asyncio.run(send_all(address))
+    assert codes == [grpc.StatusCode.NOT_FOUND] * 100
+
+
+def test_every_byte_survives_both_transports():
+    """A kvstore service in its own thread; blocks of random bytes put and got over gRPC messages and over the
+    shared-memory arena (as a same-host worker maps it): every block's bytes come back identical (hashed)."""
+    import hashlib
+
+    import grpc
+
+    from services.common.pb import meshserve_pb2 as pb
+    from services.common.pb import meshserve_pb2_grpc as pb_grpc
+    from services.kvstore.__main__ import KVStoreServicer
+
+    instance = f"unit{os.getpid()}"
+    servicer = KVStoreServicer(64 * 4096, 60, instance, host="this-host")
     rng = random.Random(5)
     size = 4096
 
-    async def roundtrip(transport: str, n: int = 40) -> tuple[list, list, str]:
+    async def roundtrip(address: str, transport: str, n: int = 40) -> tuple[list, list, str]:
         blocks = [rng.randbytes(size) for _ in range(n)]
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        async with grpc.aio.insecure_channel(address) as channel:
             stub = pb_grpc.KVStoreStub(channel)
             a = await stub.Attach(pb.AttachRequest(host="this-host", block_bytes=size, transport=transport))
             arena = MappedArena(a.segment, a.generation, a.slot_bytes, a.slots) if a.transport == "shm" else None
@@ -339,13 +332,11 @@ def test_every_byte_survives_both_transports():
             return blocks, got, a.transport
 
     try:
-        for transport in ("grpc", "auto"):
-            sent, got, used = asyncio.run(roundtrip(transport))
-            assert used == ("shm" if transport == "auto" else "grpc")
-            assert [hashlib.sha256(b).digest() for b in got] == [hashlib.sha256(b).digest() for b in sent], used
+        with kvstore_in_thread(servicer) as address:
+            for transport in ("grpc", "auto"):
+                sent, got, used = asyncio.run(roundtrip(address, transport))
+                assert used == ("shm" if transport == "auto" else "grpc")
+                assert [hashlib.sha256(b).digest() for b in got] == [hashlib.sha256(b).digest() for b in sent], used
     finally:
-        server_loop.call_soon_threadsafe(stop.set)
-        thread.join(30)
-        server_loop.close()
         servicer.close()
     assert segments_of(instance) == []
