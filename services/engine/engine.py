@@ -364,7 +364,7 @@ class LLMEngine:
         they wait for the next try (the request could not be admitted then either)."""
         hashes, start, blocks = req.pooled
         have = self.cached_blocks(hashes)
-        if have < start or have >= start + len(blocks):
+        if not self.kv.prefix_caching or have < start or have >= start + len(blocks):
             req.pooled = None
             return
         imported = self.import_cached(hashes, start, blocks)

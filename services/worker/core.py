@@ -82,7 +82,8 @@ class ExportPlan:
 @dataclass(frozen=True, slots=True)
 class PooledPrefix:
     """A prompt's blocks leased from the pool: hashes[start:start + len(checksums)], in the arena's slots (shm) or
-    in data (gRPC), to import into the prefix cache before the request is added."""
+    in data (gRPC). The core copies them out with the request (the lease then ends); the engine imports them into
+    its prefix cache when the request is admitted."""
 
     hashes: tuple  # the prompt's full-block hashes from block 0
     start: int
