@@ -161,3 +161,29 @@ def test_a_kvstore_killed_mid_transfer_makes_the_decode_side_recompute_token_ide
     finally:
         mesh.stop()
     assert segments_of(instance) == []
+
+
+def test_a_prefill_worker_takes_a_prompt_from_the_pool_that_another_prefill_worker_handed_off(tiny_model,
+                                                                                               tmp_path_factory):
+    """Disaggregated, two prefill workers called as the gateway calls them: the first one's handoff leaves the
+    prompt's blocks in the pool; the second leases them instead of computing them; and through the gateway the
+    stream is token-identical."""
+    mesh = start_mesh(tiny_model, tmp_path_factory, "disaggregated", prefill=2, decode=1, kv_pool=True)
+    try:
+        prompt = list(range(700, 700 + 80))
+
+        def prefill(worker: str, transfer: str):
+            work = pb.WorkRequest(request_id=transfer, prompt_token_ids=prompt, kvstore=mesh.kvstore,
+                                  transfer_id=transfer, sampling=pb.Sampling(max_tokens=4, temperature=0.0))
+            with grpc.insecure_channel(mesh.proc(worker).address) as ch:
+                events = list(pb_grpc.WorkerStub(ch).Prefill(work, timeout=60))
+            with grpc.insecure_channel(mesh.kvstore) as ch:  # as the gateway does once decoding is done
+                pb_grpc.KVStoreStub(ch).Release(pb.ReleaseRequest(transfer_id=transfer), timeout=10)
+            return events
+
+        assert cached(prefill("prefill-0", "x1")) == 0
+        pooled_blocks_at_least(mesh, 4)
+        assert cached(prefill("prefill-1", "x2")) == 64  # a cold cache: the pool's blocks
+        assert tokens(grpc_generate(mesh.gateway, prompt)) == run_all(make_engine(tiny_model), [prompt], greedy(4))[0]
+    finally:
+        mesh.stop()
