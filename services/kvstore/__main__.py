@@ -31,6 +31,20 @@ MAX_DATA_PER_MESSAGE = 4 << 20  # Get over gRPC: block bytes per message at most
 MAX_SLOTS_PER_MESSAGE = 4096  # Get over shared memory: slots per message at most
 
 
+def _hashes(hashes) -> list:
+    """Block hashes as the engines make them (services/common/block_hash.py): 16 bytes each."""
+    bad = next((len(h) for h in hashes if len(h) != 16), None)
+    if bad is not None:
+        raise InvalidRequest(f"block hashes are 16 bytes, got one of {bad}")
+    return list(hashes)
+
+
+def _transfer_id(tid: str) -> str:
+    if not tid or len(tid) > 256:
+        raise InvalidRequest("a transfer id must be 1 to 256 characters")
+    return tid
+
+
 class StaleArena(MeshError):
     code = "FAILED_PRECONDITION"
 
@@ -136,7 +150,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     async def Reserve(self, request, context):
         rpc.require_peer(context, "worker")
         store = self.format(request.block_bytes)
-        t = store.reserve(request.transfer_id, list(request.hashes), request.num_blocks)
+        t = store.reserve(_transfer_id(request.transfer_id), _hashes(request.hashes), request.num_blocks)
         present = [b.landed for b in t.blocks]
         return pb.ReserveReply(slots=[b.slot for b in t.blocks], present=present, generation=self.generation)
 
@@ -146,7 +160,9 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         if self.store is None:
             return pb.AcquireReply(blocks=0)
         self.format(request.block_bytes)
-        t = self.store.acquire(request.transfer_id, list(request.hashes), request.start)
+        if request.start < 0:
+            raise InvalidRequest(f"start must be >= 0 (got {request.start})")
+        t = self.store.acquire(_transfer_id(request.transfer_id), _hashes(request.hashes), request.start)
         return pb.AcquireReply(blocks=len(t.blocks) if t else 0)
 
     @rpc.mapped

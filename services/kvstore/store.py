@@ -112,6 +112,9 @@ class BlockStore:
         pool holds are pinned as they are (present). All or nothing."""
         if len(hashes) > num_blocks or num_blocks < 0:
             raise InvalidRequest(f"{len(hashes)} block hashes for a transfer of {num_blocks} blocks")
+        if num_blocks > self.slots:
+            raise CapacityExhausted(f"a transfer of {num_blocks} blocks exceeds the kvstore's {self.slots}",
+                                    retry_after_ms=60_000)
         t = self._new(transfer_id)
         held = [self.by_hash.get(h) for h in hashes] + [None] * (num_blocks - len(hashes))
         need = sum(b is None for b in held)

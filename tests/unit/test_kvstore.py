@@ -340,3 +340,55 @@ def test_every_byte_survives_both_transports():
     finally:
         servicer.close()
     assert segments_of(instance) == []
+
+
+def test_bad_calls_get_a_clear_status_and_change_nothing():
+    """Malformed reservations, leases, landings and attachments: INVALID_ARGUMENT or RESOURCE_EXHAUSTED with a
+    message, at once (a huge block count is refused before anything is allocated), and the pool is intact."""
+    import grpc
+
+    from services.common.pb import meshserve_pb2 as pb
+    from services.common.pb import meshserve_pb2_grpc as pb_grpc
+    from services.kvstore.__main__ import KVStoreServicer
+
+    servicer = KVStoreServicer(64 * 1024, 60, "unitbad", transport="grpc")
+    Code = grpc.StatusCode
+
+    async def calls(address):
+        out = []
+        async with grpc.aio.insecure_channel(address) as ch:
+            stub = pb_grpc.KVStoreStub(ch)
+            for call, req in (
+                    (stub.Attach, pb.AttachRequest(block_bytes=0)),
+                    (stub.Attach, pb.AttachRequest(block_bytes=1024, transport="rdma")),
+                    (stub.Attach, pb.AttachRequest(block_bytes=1024)),
+                    (stub.Attach, pb.AttachRequest(block_bytes=2048)),  # another model's block size
+                    (stub.Reserve, pb.ReserveRequest(transfer_id="t", hashes=[b"short"], num_blocks=1, block_bytes=1024)),
+                    (stub.Reserve, pb.ReserveRequest(transfer_id="", num_blocks=1, block_bytes=1024)),
+                    (stub.Reserve, pb.ReserveRequest(transfer_id="t", num_blocks=10**12, block_bytes=1024)),
+                    (stub.Reserve, pb.ReserveRequest(transfer_id="t", hashes=[h(1), h(2)], num_blocks=1,
+                                                     block_bytes=1024)),
+                    (stub.Acquire, pb.AcquireRequest(transfer_id="l", hashes=[h(1)], start=-1, block_bytes=1024))):
+                try:
+                    await call(req, timeout=10)
+                    out.append(Code.OK)
+                except grpc.aio.AioRpcError as e:
+                    assert e.details(), call
+                    out.append(e.code())
+            await stub.Reserve(pb.ReserveRequest(transfer_id="ok", num_blocks=2, block_bytes=1024))
+
+            async def outside():
+                yield pb.KVChunk(transfer_id="ok", first_block=1, checksums=[0, 0], data=bytes(2048))
+            try:
+                await stub.Put(outside())
+            except grpc.aio.AioRpcError as e:
+                out.append(e.code())
+        return out
+
+    with kvstore_in_thread(servicer) as address:
+        codes = asyncio.run(calls(address))
+    assert codes == [Code.INVALID_ARGUMENT, Code.INVALID_ARGUMENT, Code.OK, Code.INVALID_ARGUMENT,
+                     Code.INVALID_ARGUMENT, Code.INVALID_ARGUMENT, Code.RESOURCE_EXHAUSTED, Code.INVALID_ARGUMENT,
+                     Code.INVALID_ARGUMENT, Code.INVALID_ARGUMENT]
+    servicer.store.check_integrity()
+    servicer.close()
