@@ -154,6 +154,8 @@ def kv_rates(kvstore: str, total: int = 256 * 1024 * 1024, per_message: int = 16
             count = total // size
             a = await stub.Attach(pb.AttachRequest(host=host_id(), block_bytes=size, transport="shm" if shm else "grpc"))
             arena = MappedArena(a.segment, a.generation, a.slot_bytes, a.slots) if shm else None
+            if arena is not None:
+                arena.populated.join()  # as in a worker, whose mapping is populated ~0.3 s after it attaches
             blocks = [bytes([i % 251]) * size for i in range(per_message)]
             crcs = [checksum(b) for b in blocks]
             sink = [bytearray(size) for _ in range(per_message)]  # the decode side's paged cache, as it were
