@@ -4,7 +4,7 @@ Attach (once per kvstore, again whenever the kvstore answers from another arena 
 restarted) says shm (same host: the engine core maps the arena the kvstore named, and block bytes move in
 place) or grpc (bytes in messages). The servicer uses:
   reserve()  slots for a transfer of a prompt's KV, and which blocks the pool holds already (the plan);
-  lease()    the pool's blocks of a prompt beyond those cached here (PooledPrefix), for the engine to import;
+  lease()    the pool's blocks of a prompt (PooledPrefix), for the engine to import those it lacks;
   pull()     a transfer's blocks into the engine as they land (the decode side);
 and release() ends a transfer or lease. Block hashes are computed here, as the engine and router do.
 """
@@ -25,11 +25,6 @@ from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.worker.core import ExportPlan, PooledPrefix
 
 log = logging.getLogger("meshserve.kvlink")
-
-
-def prompt_hashes(tokens, block_size: int, adapter: str, salt: str) -> list[bytes]:
-    """Chained hashes of the prompt's full blocks (the engine's, byte for byte)."""
-    return hash_blocks(tokens, block_size, extra_keys(adapter, salt))
 
 
 class StaleArena(MeshError):
@@ -74,12 +69,16 @@ class KVLink:
             await self.attach()
         return self
 
-    async def reserve(self, transfer_id: str, tokens, adapter: str, salt: str, handoff: bool) -> ExportPlan:
-        """The plan of a transfer: a handoff carries every block of the prompt (a partial last one too); a push
-        to the pool only its full blocks."""
+    def hashes(self, request) -> list[bytes]:
+        """Chained hashes of the prompt's full blocks (the engine's, byte for byte): computed once per request,
+        for its reservation and its lease alike."""
+        return hash_blocks(request.prompt_token_ids, self.block_size, extra_keys(request.adapter, request.cache_salt))
+
+    async def reserve(self, transfer_id: str, num_tokens: int, hashes: list, handoff: bool) -> ExportPlan:
+        """The plan of a transfer of a prompt of num_tokens (hashes: its full blocks'): a handoff carries every
+        block of the prompt (a partial last one too); a push to the pool only its full blocks."""
         await self.ready()
-        hashes = prompt_hashes(tokens, self.block_size, adapter, salt)
-        num_blocks = -(-len(tokens) // self.block_size) if handoff else len(hashes)
+        num_blocks = -(-num_tokens // self.block_size) if handoff else len(hashes)
         reply = await self.stub.Reserve(pb.ReserveRequest(transfer_id=transfer_id, hashes=hashes,
                                                           num_blocks=num_blocks, block_bytes=self.block_bytes))
         if self.shm and reply.generation != self.generation:
@@ -88,16 +87,16 @@ class KVLink:
         return ExportPlan(handoff, num_blocks, tuple(reply.present), tuple(reply.slots) if shm else (),
                           reply.generation if shm else "")
 
-    async def lease(self, tokens, adapter: str, salt: str, start: int = 0) -> tuple[str, PooledPrefix | None]:
-        """(lease id, the pool's blocks of the prompt from block `start`), or ("", None) when it holds none. The
-        last prompt token is always computed, as in the engine, so a block-aligned prompt's last block is not
-        asked for."""
+    async def lease(self, num_tokens: int, hashes: list) -> tuple[str, PooledPrefix | None]:
+        """(lease id, the pool's blocks of a prompt of num_tokens whose full blocks hash to `hashes`), or ("",
+        None) when it holds none. The last prompt token is always computed, as in the engine, so a block-aligned
+        prompt's last block is not asked for."""
         await self.ready()
-        hashes = prompt_hashes(tokens[:-1], self.block_size, adapter, salt)
-        if start >= len(hashes):
+        hashes = hashes[:(num_tokens - 1) // self.block_size]
+        if not hashes:
             return "", None
         lease_id = "lease-" + uuid.uuid4().hex
-        got = await self.stub.Acquire(pb.AcquireRequest(transfer_id=lease_id, hashes=hashes, start=start,
+        got = await self.stub.Acquire(pb.AcquireRequest(transfer_id=lease_id, hashes=hashes,
                                                         block_bytes=self.block_bytes))
         if not got.blocks:
             return "", None
@@ -111,20 +110,19 @@ class KVLink:
                 checksums.extend(chunk.checksums)
                 slots.extend(chunk.slots)
                 data.append(chunk.data)
-            n = start + len(checksums)
-            return lease_id, PooledPrefix(tuple(hashes[:n]), start, tuple(checksums), tuple(slots), generation,
-                                          b"".join(data))
+            held = tuple(hashes[:len(checksums)])
+            return lease_id, PooledPrefix(held, 0, tuple(checksums), tuple(slots), generation, b"".join(data))
         except BaseException:
             self.release_soon(lease_id)
             raise
 
-    async def pull(self, request, runner) -> tuple[pb.KVMeta, list]:
+    async def pull(self, request) -> tuple[pb.KVMeta, list]:
         """Import a transfer's blocks into the engine (its reservation begun) as they land: (the metadata, the
         import commands' futures). The imports are sent without waiting for each (the core runs queued commands
         together between two steps), so the caller's end_import, sent next, lands in the same gap when the last
         blocks and the metadata arrive together; the caller awaits the futures after sending it."""
         await self.ready()
-        req_id, written, stale, pending = request.request_id, 0, False, []
+        runner, req_id, written, stale, pending = self.runner, request.request_id, 0, False, []
         generation = self.generation if self.shm else ""
         try:
             async for chunk in self.stub.Get(pb.GetRequest(transfer_id=request.transfer_id, wait_ms=60000,

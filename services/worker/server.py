@@ -119,8 +119,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         else:
             link = self.links.get(request.kvstore)
             push_id = "push-" + request.request_id
-            (lease_id, pooled), plan = await asyncio.gather(self._lease(link, request), self._reserve(
-                link, request, push_id, handoff=False))
+            hashes = link.hashes(request)
+            (lease_id, pooled), plan = await asyncio.gather(self._lease(link, request, hashes), self._reserve(
+                link, request, push_id, hashes, handoff=False))
             if plan is not None and all(plan.present):  # the pool has every block already
                 link.release_soon(push_id)
                 plan = None
@@ -154,19 +155,18 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         finally:
             link.release_soon(push_id)
 
-    async def _lease(self, link: KVLink, request) -> tuple[str, object]:
+    async def _lease(self, link: KVLink, request, hashes: list) -> tuple[str, object]:
         """The pool's blocks of the prompt (see KVLink.lease); on any kvstore failure, none (the engine computes)."""
         try:
-            return await link.lease(request.prompt_token_ids, request.adapter, request.cache_salt)
+            return await link.lease(len(request.prompt_token_ids), hashes)
         except (grpc.aio.AioRpcError, MeshError) as e:
             log.warning("pool lease for %s failed: %s; computing the prompt", request.request_id, e)
             return "", None
 
-    async def _reserve(self, link: KVLink, request, transfer_id: str, handoff: bool):
+    async def _reserve(self, link: KVLink, request, transfer_id: str, hashes: list, handoff: bool):
         """The transfer's export plan; a push (not handoff) that cannot be reserved is skipped (None)."""
         try:
-            return await link.reserve(transfer_id, request.prompt_token_ids, request.adapter, request.cache_salt,
-                                      handoff)
+            return await link.reserve(transfer_id, len(request.prompt_token_ids), hashes, handoff)
         except grpc.aio.AioRpcError as e:
             if handoff:
                 raise rpc.forward_rpc_error(e, link.address) from None
@@ -177,9 +177,10 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         rpc.require_peer(context, "gateway")
         self._check_role("prefill", "unified")
         link = self.links.get(request.kvstore)
-        leasing = asyncio.ensure_future(self._lease(link, request) if self.kv_pool else _nothing())
+        hashes = link.hashes(request)
+        leasing = asyncio.ensure_future(self._lease(link, request, hashes) if self.kv_pool else _nothing())
         try:
-            plan = await self._reserve(link, request, request.transfer_id, handoff=True)
+            plan = await self._reserve(link, request, request.transfer_id, hashes, handoff=True)
         except BaseException:
             lease_id, _ = await leasing
             if lease_id:
@@ -247,7 +248,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
     async def _pull(self, request, link: KVLink) -> asyncio.Queue:
         """Import blocks into the paged cache as they land in the kvstore; then join the batch."""
-        m, imports = await link.pull(request, self.runner)
+        m, imports = await link.pull(request)
         link.release_soon(request.transfer_id)
         ending = asyncio.ensure_future(self.runner.end_import(
             request.request_id, token_ids=list(m.token_ids), num_prompt=m.num_prompt, num_computed=m.num_computed,
