@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt
 
 
 def _arbitration_policy(name: str) -> str:
@@ -68,11 +68,21 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    max_loras: int = 8  # compute slots: distinct adapters one batch can hold
+    max_cpu_loras: int = 32  # adapters kept in host memory (slot ones included)
+    max_lora_rank: int = 64  # the largest rank accepted
+    lora_dir: str | None = None  # every subfolder with an adapter_config.json is an adapter, named by the folder
+    modules: tuple = ()  # (name, path) pairs registered at start
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model_dir: str  # Hugging Face model folder
     dtype: str = "float32"  # float32 or bfloat16
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     num_threads: int | None = None  # torch intra-op threads; None = torch's default
     seed: int = 0  # seeds the sampling seeds drawn for requests that bring none
 
@@ -97,6 +107,14 @@ class EngineSection(BaseModel):
                                "parallel regions; passive measured 8-12 percent more output online on 2 cores shared with "
                                "the servicer and gateway (docs/BENCHMARKS.md)")
     seed: int = Field(0, description="seeds the sampling seeds drawn for requests that bring none")
+    lora_dir: str | None = Field(None, description="LoRA adapters: every subfolder holding a PEFT adapter "
+                                                   "(adapter_config.json) is one, named by the folder")
+    lora_modules: dict[str, str] = Field(default_factory=dict, description="LoRA adapters by name: {name: PEFT "
+                                                                          "folder}, as vLLM's --lora-modules")
+    max_loras: NonNegativeInt = Field(8, description="LoRA compute slots: distinct adapters in one batch (0 = no "
+                                                     "adapters)")
+    max_cpu_loras: PositiveInt = Field(32, description="LoRA adapters kept in host memory, slot ones included")
+    max_lora_rank: PositiveInt = Field(64, description="the largest LoRA rank accepted")
 
     def to_engine_config(self, model_dir: str) -> EngineConfig:
         return EngineConfig(
@@ -104,4 +122,7 @@ class EngineSection(BaseModel):
             cache=CacheConfig(block_size=self.block_size, num_blocks=self.num_blocks,
                               kv_cache_bytes=int(self.kv_cache_gb * 1024**3), enable_prefix_caching=self.prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-                                      policy=self.slot_policy))
+                                      policy=self.slot_policy),
+            lora=LoRAConfig(max_loras=self.max_loras, max_cpu_loras=self.max_cpu_loras,
+                            max_lora_rank=self.max_lora_rank, lora_dir=self.lora_dir,
+                            modules=tuple(sorted(self.lora_modules.items()))))

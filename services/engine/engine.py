@@ -6,11 +6,14 @@ forward -> sample -> update) and returns per-request deltas; abort() ends a requ
 blocks at once. export_kv() and begin_import/import_blocks/end_import (or add(spec, kv=...)) move
 a sequence's KV blocks between engines, so a sequence prefilled in one engine continues decoding
 in another with identical output. load() is a snapshot of what the engine holds.
+LoRA adapters (services/engine/lora.py) register with load_adapter()/unload_adapter() or from the
+config; a request names one in spec.adapter, and a step's batch may mix any of them with the base model.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import random
 import time
 from dataclasses import dataclass
@@ -24,15 +27,18 @@ from services.common.request import RequestSpec
 from services.engine.attention import KVCache, SeqLayout, TorchAttention
 from services.engine.block_pool import BlockPool
 from services.engine.config import EngineConfig
-from services.engine.kernels import paged_attention, sampler
+from services.engine.kernels import lora as lora_kernel, paged_attention, sampler
 from services.engine.kv_manager import KVCacheManager
 from services.engine.kv_transfer import KVExport, decode_block, encode_block
 from services.engine.loader import load_model
+from services.engine.lora import AdapterResidency, LoRABatch, LoRASnapshot
 from services.engine.model import LlamaModel
 from services.engine.request import Request, SamplingParams, Status
 from services.engine.sampler import Sampler
 from services.engine.scheduler import Scheduler, SchedulerOutput
 from services.common.tokenizer import Tokenizer, cut_at_stop
+
+log = logging.getLogger("meshserve.engine")
 
 
 @dataclass
@@ -69,6 +75,7 @@ class EngineLoad:
     outstanding_tokens: int  # prompt tokens still to compute + output tokens still expected
     queued_prefill_tokens: int  # prompt tokens not yet computed, over running and waiting requests
     max_num_seqs: int  # sequence slots
+    lora: LoRASnapshot | None = None  # adapters and their residency (None: no LoRA slots)
 
     @property
     def kv_usage(self) -> float:
@@ -82,6 +89,17 @@ class RuntimeInfo:
     eos_token_ids: tuple  # ids that end generation unless ignore_eos
     vocab_size: int  # model vocabulary
     max_model_len: int  # longest prompt + output
+
+
+def _configured_adapters(lc) -> list[tuple[str, str]]:
+    """(name, folder) of the config's adapters: lora_dir's subfolders holding an adapter_config.json, then modules."""
+    found = []
+    if lc.lora_dir:
+        root = Path(lc.lora_dir)
+        if not root.is_dir():
+            raise InvalidRequest(f"lora_dir {root}: not a folder")
+        found = [(d.name, str(d)) for d in sorted(root.iterdir()) if (d / "adapter_config.json").is_file()]
+    return found + list(lc.modules)
 
 
 class LLMEngine:
@@ -100,8 +118,12 @@ class LLMEngine:
                                 min(mc.max_positions, num_blocks * cc.block_size))
         self.kv_cache = KVCache(mc.num_layers, num_blocks, cc.block_size, mc.num_kv_heads, mc.head_dim, self.model.dtype)
         self.kv = KVCacheManager(BlockPool(num_blocks), cc.block_size, cc.enable_prefix_caching)
+        lc = config.lora
+        self.lora = AdapterResidency(mc, self.model.dtype, lc.max_loras, lc.max_cpu_loras, lc.max_lora_rank,
+                                     in_use=self._adapter_in_use) if lc.max_loras else None
+        self._lora_kernel = None
         self.scheduler = Scheduler(self.kv, make_policy(sc.policy), sc.max_num_seqs, sc.max_num_batched_tokens,
-                                   clock=clock)
+                                   clock=clock, lora=self.lora)
         self.scheduler.before_admit = self._admit_pooled
         self.pooled_blocks = 0  # blocks imported from the mesh's KV pool, since start
         kernel = paged_attention() if self.model.dtype in (torch.float32, torch.bfloat16) else None
@@ -111,6 +133,8 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._seq = itertools.count()
         self.last_step: StepStats | None = None
+        for name, path in _configured_adapters(lc):
+            self.load_adapter(name, path)
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -168,8 +192,8 @@ class LLMEngine:
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
             raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab})")
         params.validate()
-        if adapter:
-            raise NotFound(f"adapter {adapter!r} is not loaded (this engine serves the base model only)")
+        if adapter and (self.lora is None or adapter not in self.lora.known):
+            raise NotFound(f"adapter {adapter!r} is not loaded here")
         total = len(ids) + params.max_tokens
         if total > self.info.max_model_len:
             raise OutOfRange(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
@@ -191,22 +215,29 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One iteration; returns a delta for every request that sampled or finished."""
         t0 = time.perf_counter()
+        failed = self._poll_adapters() if self.lora is not None else []
         out = self.scheduler.schedule()
         if out.empty:
-            return []
-        ids, positions, layouts, logits_index, sampling = self._build_batch(out)
+            if self.lora is not None and not failed:
+                self.lora.wait(0.01)  # nothing to run but an adapter being read: wait for it, do not spin
+            return failed
+        ids, positions, layouts, logits_index, sampling, lora = self._build_batch(out)
         meta = self.attention.build_metadata(layouts)
         t1 = time.perf_counter()
-        logits = self.model.forward(ids, positions, self.attention, meta, self.kv_cache, logits_index)
+        logits = self.model.forward(ids, positions, self.attention, meta, self.kv_cache, logits_index, lora)
         forward_s = time.perf_counter() - t1
         tokens, logprobs = self.sampler(logits, sampling) if sampling else ([], None)
         self.scheduler.update(out)
         results = self._postprocess(sampling, tokens, logprobs)
         self._record(out, forward_s, time.perf_counter() - t0)
-        return results
+        return failed + results
 
     def _build_batch(self, out: SchedulerOutput):
         ids, positions, layouts, logits_index, sampling = [], [], [], [], []
+        adapted = any(s.request.lora_slot is not None for s in out.seqs)
+        if adapted:  # each slot's rows contiguous (base rows first), for the segmented LoRA kernel
+            out.seqs.sort(key=lambda s: -1 if s.request.lora_slot is None else s.request.lora_slot)
+        segments = []
         for s in out.seqs:
             req = s.request
             end = s.num_computed + s.num_new
@@ -216,8 +247,20 @@ class LLMEngine:
             if s.sample:
                 logits_index.append(len(ids) - 1)
                 sampling.append(req)
+            if req.lora_slot is not None:
+                first = len(ids) - s.num_new
+                if segments and segments[-1][2] == req.lora_slot:
+                    segments[-1][1] = len(ids)
+                else:
+                    segments.append([first, len(ids), req.lora_slot])
+        lora = LoRABatch(self.lora.slots, segments, self._kernel()) if adapted else None
         return (torch.tensor(ids), torch.tensor(positions), layouts, torch.tensor(logits_index, dtype=torch.long),
-                sampling)
+                sampling, lora)
+
+    def _kernel(self):
+        if self._lora_kernel is None:
+            self._lora_kernel = lora_kernel() or False
+        return self._lora_kernel or None
 
     def _postprocess(self, reqs: list[Request], tokens: list[int], logprobs) -> list[RequestOutput]:
         results = []
@@ -310,6 +353,7 @@ class LLMEngine:
             self._write_blocks(req, 0, kv.blocks)
             self._end(req, kv.token_ids, kv.num_prompt, kv.num_computed, len(kv.blocks), kv.sample_seed)
         except InvalidRequest:
+            self.scheduler.unpin(req)
             self.kv.forget(req)
             raise
 
@@ -415,7 +459,13 @@ class LLMEngine:
         live = len(self.scheduler.running) + sum(r.status is Status.RECEIVING for r in self.requests.values())
         if live >= self.scheduler.max_num_seqs:
             raise CapacityExhausted("no free sequence slot for imported KV", retry_after_ms=50)
+        if req.adapter:
+            req.lora_slot = self.lora.claim(req.adapter)
+            if req.lora_slot is None:
+                raise CapacityExhausted(f"adapter {req.adapter!r} is not in a slot yet (being read, or every slot is "
+                                        f"in use)", retry_after_ms=50)
         if not self.kv.allocate(req, num_tokens):
+            self.scheduler.unpin(req)
             raise CapacityExhausted("not enough free KV blocks for imported KV", retry_after_ms=50)
         req.status = Status.RECEIVING
 
@@ -453,7 +503,58 @@ class LLMEngine:
         return EngineLoad(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting), receiving=receiving,
                           blocks_used=c["used"], blocks_cached=c["cached"], blocks_total=c["total"],
                           block_size=self.kv.block_size, outstanding_tokens=outstanding,
-                          queued_prefill_tokens=prefill, max_num_seqs=self.scheduler.max_num_seqs)
+                          queued_prefill_tokens=prefill, max_num_seqs=self.scheduler.max_num_seqs,
+                          lora=self.lora.snapshot() if self.lora is not None else None)
+
+    # ---- LoRA adapters ------------------------------------------------------------------------
+
+    def load_adapter(self, name: str, path: str, prefetch: bool = False) -> dict:
+        """Register a PEFT adapter folder under name (validated from its config and header; InvalidRequest naming
+        it otherwise, with nothing registered). prefetch: start reading its weights now. Returns its listing."""
+        if self.lora is None:
+            raise InvalidRequest(f"adapter {name!r}: this engine has no LoRA slots (max_loras 0)")
+        self.lora.register(name, path)
+        if prefetch:
+            self.lora.prefetch(name)
+        return self.adapter_listing(name)
+
+    def unload_adapter(self, name: str) -> None:
+        """Unregister: new requests for it are refused; requests already accepted finish with it."""
+        if self.lora is None:
+            raise NotFound(f"adapter {name!r} is not loaded")
+        self.lora.unregister(name)
+
+    def prefetch_adapter(self, name: str) -> bool:
+        """Read a registered adapter into host memory ahead of demand; False if it is not registered."""
+        return self.lora is not None and self.lora.prefetch(name)
+
+    def adapters(self) -> list[dict]:
+        """Every registered adapter with its residency (slot | host | loading | disk)."""
+        return [self.adapter_listing(n) for n in sorted(self.lora.known)] if self.lora is not None else []
+
+    def adapter_listing(self, name: str) -> dict:
+        lora, info = self.lora, self.lora.known[name]
+        where = ("slot" if lora.slot_of(name) is not None else "host" if name in lora.host
+                 else "loading" if name in lora.loading else "disk")
+        return {"name": name, "path": info.path, "rank": info.rank, "targets": list(info.targets),
+                "residency": where}
+
+    def _adapter_in_use(self, name: str) -> bool:
+        return any(r.adapter == name for r in self.requests.values())
+
+    def _poll_adapters(self) -> list[RequestOutput]:
+        """Join finished adapter reads; a request waiting on an adapter whose read failed ends (abort)."""
+        self.lora.poll()
+        failed = []
+        while self.lora.failed:
+            name, why = self.lora.failed.popitem()
+            self.lora.known.pop(name, None)
+            for req in [r for r in self.scheduler.waiting if r.adapter == name]:
+                log.error("request %s: %s", req.req_id, why)
+                self.scheduler.finish(req, "abort")
+                self.requests.pop(req.req_id, None)
+                failed.append(RequestOutput(req.req_id, [], None, True, "abort", req))
+        return failed
 
     def output_text(self, req: Request) -> str:
         """Decoded output, cut before the first stop string."""

@@ -120,3 +120,10 @@ def layer_ops(isa: str | None = None):
     return _build(f"meshserve_layer_ops_{isa}", "layer_ops.cpp",
                   ["-O3", "-ffast-math", "-ffp-contract=off", "-fopenmp", *ISA_CFLAGS[isa]],
                   f"layer ops ({isa})")
+
+
+@cache
+def lora(isa: str | None = None):
+    """The segmented LoRA kernel (csrc/lora.cpp) for isa (default: host_isa()), or None."""
+    isa = isa or host_isa()
+    return _build(f"meshserve_lora_{isa}", "lora.cpp", ["-O3", "-ffast-math", *ISA_CFLAGS[isa]], f"LoRA ({isa})")

@@ -4,8 +4,8 @@ forward() takes the batch's tokens and positions as flat [T] tensors; every line
 once over all T tokens (prefill chunks and decode tokens alike); attention is delegated to a
 backend (services.engine.attention). Logits are computed only for the rows that sample.
 q/k/v and gate/up projections are fused into one matmul each. Every projection goes through
-_proj(), the one place where per-token LoRA deltas will be added. The elementwise work between
-projections (rotary, residual + RMSNorm, SiLU-and-mul) runs in the compiled layer ops
+_proj(), the one place where per-token LoRA deltas are added (services.engine.lora.LoRABatch). The
+elementwise work between projections (rotary, residual + RMSNorm, SiLU-and-mul) runs in the compiled layer ops
 (services.engine.kernels.layer_ops: one pass each) when they build, else in PyTorch (TorchLayerOps),
 with the same rounding.
 """
@@ -104,8 +104,13 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_BATCH_HINT)
 
 
-def _proj(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return LINEAR(x, weight, bias)
+def _proj(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora=None, layer: int = 0,
+          group: str = "") -> torch.Tensor:
+    """x @ weight.T + bias, plus each row's LoRA delta when the batch has adapters (lora: LoRABatch)."""
+    out = LINEAR(x, weight, bias)
+    if lora is not None:
+        lora.apply(out, x, layer, group)
+    return out
 
 
 class LlamaModel:
@@ -140,8 +145,9 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention, meta, kv_cache,
-                logits_index: torch.Tensor) -> torch.Tensor:
-        """Logits [len(logits_index), vocab] for the selected rows of the flat batch."""
+                logits_index: torch.Tensor, lora=None) -> torch.Tensor:
+        """Logits [len(logits_index), vocab] for the selected rows of the flat batch; lora (LoRABatch): the rows'
+        adapters, None when no row has one."""
         c, ops = self.config, self.ops
         h = F.embedding(input_ids, self.embed)
         cos, sin = (t[:, 0].contiguous() for t in self.rotary.tables(positions, self.dtype))
@@ -149,13 +155,14 @@ class LlamaModel:
         pending = None  # the last MLP's output, added to h by the next norm (one pass for both)
         for i, w in enumerate(self.layers):
             x = ops.add_rms_norm_(h, pending, w.input_norm, c.rms_norm_eps)
-            qkv = _proj(x, w.qkv, w.qkv_bias)
+            qkv = _proj(x, w.qkv, w.qkv_bias, lora, i, "qkv")
             ops.rotary_(qkv, cos, sin, c.num_heads + c.num_kv_heads, c.head_dim)  # q and k heads, in place
             q, k, v = (t.view(-1, n, c.head_dim) for t, n in zip(
                 qkv.split((q_width, kv_width, kv_width), dim=-1), (c.num_heads, c.num_kv_heads, c.num_kv_heads)))
             a = attention.forward(q, k, v, kv_cache.k[i], kv_cache.v[i], meta)
-            x = ops.add_rms_norm_(h, _proj(a, w.o, w.o_bias), w.post_norm, c.rms_norm_eps)
-            pending = _proj(ops.silu_mul(_proj(x, w.gate_up, w.gate_up_bias)), w.down, w.down_bias)
+            x = ops.add_rms_norm_(h, _proj(a, w.o, w.o_bias, lora, i, "o"), w.post_norm, c.rms_norm_eps)
+            pending = _proj(ops.silu_mul(_proj(x, w.gate_up, w.gate_up_bias, lora, i, "gate_up")), w.down, w.down_bias,
+                            lora, i, "down")
         last = h[logits_index]
         h = ops.add_rms_norm_(last, pending[logits_index], self.norm, c.rms_norm_eps)
         return LINEAR(h, self.lm_head, None).float()

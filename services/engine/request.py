@@ -38,6 +38,7 @@ class Request:
     logprobs: list = field(default_factory=list)  # per output token, when asked
     num_preemptions: int = 0
     resumed_outputs: int = 0  # the prompt ends with this many outputs of an earlier attempt (a resume)
+    lora_slot: int | None = None  # the adapter slot it pins while in the batch (or receiving)
     pooled: tuple | None = None  # (hashes, start, blocks) from the mesh's KV pool, imported when it is admitted
 
     def __post_init__(self):

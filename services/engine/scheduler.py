@@ -11,6 +11,12 @@ waiting request ranks before the policy's victim among the running, the victim y
 the same way. A step that preempted admits nobody new. The policy learns of service through charge(): prompt tokens computed when a
 request is first admitted (the engine charges output tokens as they are sampled), and of a
 tenant becoming backlogged through activate().
+
+With LoRA (lora: services.engine.lora.AdapterResidency), a request is admitted only with a slot pinned
+for its adapter, held until it leaves the batch, so a batch never has more adapters than slots. Waiting
+requests whose adapter is in a slot (or none) go before those that would need one, unless these have
+waited ADAPTER_BYPASS_S; slots are taken in that order (once one request cannot get a slot, nobody behind
+it takes one this step), and a request whose adapter is still being read is passed over meanwhile.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ from dataclasses import dataclass, field
 from services.common.arbitration import ArbitrationPolicy, cost
 from services.engine.kv_manager import KVCacheManager
 from services.engine.request import Request, Status
+
+ADAPTER_BYPASS_S = 1.0  # how long a request needing an adapter slot may be overtaken by ones whose adapter sits in one
 
 
 @dataclass
@@ -44,8 +52,8 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, policy: ArbitrationPolicy, max_num_seqs: int,
-                 max_num_batched_tokens: int, clock=time.monotonic):
-        self.kv, self.policy, self.clock = kv, policy, clock
+                 max_num_batched_tokens: int, clock=time.monotonic, lora=None):
+        self.kv, self.policy, self.clock, self.lora = kv, policy, clock, lora
         self.max_num_seqs, self.budget = max_num_seqs, max_num_batched_tokens
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -104,15 +112,27 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int, now: float) -> None:
-        for req in self.policy.order(self.waiting, now):
+        order = self.policy.order(self.waiting, now)
+        if self.lora is not None:
+            order = self._resident_first(order, now)
+        slots_open = True
+        for req in order:
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
+            if req.adapter and req.lora_slot is None:
+                if not slots_open and self.lora.slot_of(req.adapter) is None:
+                    continue
+                req.lora_slot = self.lora.claim(req.adapter)
+                if req.lora_slot is None:
+                    slots_open = False  # the next free slot is this request's
+                    continue
             if req.pooled is not None and self.before_admit is not None:
                 self.before_admit(req)  # blocks from the mesh's KV pool join the prefix cache now, when there is room
             prefix = self.kv.cached_prefix(req)
             num_cached = len(prefix) * self.kv.block_size
             num_new = min(req.num_tokens - num_cached, budget)
             if not self.kv.allocate(req, num_cached + num_new, prefix):
+                self.unpin(req)
                 break
             if req.num_preemptions == 0:
                 req.num_cached_prompt = num_cached
@@ -123,7 +143,21 @@ class Scheduler:
             out.seqs.append(ScheduledSeq(req, num_cached, num_new, num_cached + num_new == req.num_tokens))
             budget -= num_new
 
+    def _resident_first(self, order: list, now: float) -> list:
+        def needs_slot(req: Request) -> bool:
+            return (bool(req.adapter) and req.lora_slot is None and self.lora.slot_of(req.adapter) is None
+                    and now - req.arrival_s < ADAPTER_BYPASS_S)
+
+        return sorted(order, key=needs_slot)  # stable: the policy's order within each part
+
+    def unpin(self, req: Request) -> None:
+        """Let go of the request's adapter slot (it left the batch)."""
+        if req.lora_slot is not None:
+            self.lora.release(req.lora_slot)
+            req.lora_slot = None
+
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.unpin(req)
         self.kv.free(req)
         self.running.remove(req)
         req.num_computed, req.status = 0, Status.WAITING
@@ -143,5 +177,6 @@ class Scheduler:
             self.running.remove(req)
         elif req.status is Status.WAITING:
             self.waiting.remove(req)
+        self.unpin(req)
         req.status, req.finish_reason = Status.FINISHED, reason
         self.kv.forget(req)
