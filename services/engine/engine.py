@@ -205,6 +205,8 @@ class LLMEngine:
         if req is None:
             return False
         self.scheduler.finish(req, "abort")
+        if self.lora is not None and self.lora.retired:
+            self.lora.sweep()
         return True
 
     def has_unfinished(self) -> bool:
@@ -229,6 +231,8 @@ class LLMEngine:
         tokens, logprobs = self.sampler(logits, sampling) if sampling else ([], None)
         self.scheduler.update(out)
         results = self._postprocess(sampling, tokens, logprobs)
+        if self.lora is not None and self.lora.retired:
+            self.lora.sweep()  # unloaded adapters whose last request just finished
         self._record(out, forward_s, time.perf_counter() - t0)
         return failed + results
 

@@ -51,7 +51,10 @@ def lora_engine(base, adapters, max_loras=8, max_cpu_loras=32, max_seqs=64, max_
                                     lora=LoRAConfig(max_loras=max_loras, max_cpu_loras=max_cpu_loras,
                                                     max_lora_rank=max_rank)))
     for name, path in adapters.items():
-        engine.load_adapter(name, str(path))
+        engine.load_adapter(name, str(path), prefetch=True)
+    while engine.lora.loading:  # read before the first step, so that what a step holds does not depend on timing
+        engine.lora.wait(1.0)
+        engine.lora.poll()
     return engine
 
 
