@@ -210,7 +210,8 @@ class Mesh:
         config = ["--config", s.config_file] if s.config_file else []
         self.kvstore = self._service("kvstore", "kvstore", "--instance", self.kv_instance, "--redis-url", self.redis_url,
                                      "--byte-budget-gb", s.kvstore_budget_gb, port=s.kvstore_port).address
-        routing = [f"--{k}={json.dumps(v)}" for k, v in s.routing.items()]
+        routing = [(f"--{k.replace('_', '-')}" if v else f"--no-{k.replace('_', '-')}") if isinstance(v, bool)
+                   else f"--{k}={json.dumps(v)}" for k, v in s.routing.items()]
         self.routers = [self._service(f"router-{i}" if i else "router", "router", *config, "--policy", s.policy,
                                       *routing, "--mode", s.mode, "--redis-url", self.redis_url,
                                       port=s.router_port if i == 0 else 0).address for i in range(s.routers)]

@@ -70,8 +70,11 @@ class Guard(Section):
 class RoutingSection(Section):
     """The router's policy (services/router/policies.py)."""
 
-    policy: Literal["round-robin", "least-outstanding", "prefix-aware"] = Field(
-        "least-outstanding", description="round-robin | least-outstanding | prefix-aware")
+    policy: Literal["round-robin", "least-outstanding", "prefix-aware", "lora-aware"] = Field(
+        "least-outstanding", description="round-robin | least-outstanding | prefix-aware | lora-aware (prefix-aware "
+                                         "with LoRA affinity)")
+    lora_placement: bool = Field(True, description="replicate LoRA adapters to workers by measured demand: hot ones "
+                                                   "are read into memory ahead of their requests (placement.py)")
     weights: dict[str, float] = Field(default_factory=dict, description='scorer weights, e.g. {"prefix": 1, "load": 0.5}')
     guard: Guard = Field(default_factory=Guard, description="prefix-aware's load guard")
 

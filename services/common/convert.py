@@ -43,13 +43,18 @@ LOAD_FIELDS = {"worker_id": "worker_id", "address": "address", "role": "role",
                "running": "running", "waiting": "waiting", "adapters": "adapters", "block_size": "block_size",
                "index_member": "index_member", "decode_tokens_per_s": "decode_tps", "max_num_seqs": "max_num_seqs",
                "prefill_s_per_token": "prefill_s_per_token", "decode_s_per_step": "decode_s_per_step",
-               "host": "host", "kv_pool": "kv_pool"}
+               "host": "host", "kv_pool": "kv_pool", "host_adapters": "host_adapters", "lora_slots": "lora_slots",
+               "free_lora_slots": "free_lora_slots", "known_adapters": "known_adapters",
+               "pinned_adapters": "pinned_adapters"}
+ADAPTER_FIELDS = ("adapters", "host_adapters", "known_adapters", "pinned_adapters")  # repeated: tuples in the view
 
 
 def load_from_pb(msg: pb.WorkerLoad) -> dict:
     """A heartbeat as WorkerView attributes (block size 16 when the worker sent none)."""
     out = {view: getattr(msg, field) for field, view in LOAD_FIELDS.items()}
-    out["adapters"], out["block_size"] = tuple(out["adapters"]), out["block_size"] or 16
+    for name in ADAPTER_FIELDS:
+        out[name] = tuple(out[name])
+    out["block_size"] = out["block_size"] or 16
     return out
 
 

@@ -11,10 +11,11 @@ From the mesh config file's `tenants` list (validated at start; errors name the 
         priorities: [0, 1]           # allowed priority classes (default: any)
         adapters: [sql-lora]         # allowed LoRA adapters (default: any)
         cache_domain: shared-docs    # prefix-cache isolation domain (default: the tenant's own)
+        admin: true                  # may load and unload LoRA adapters (default: false)
 
 Keys are kept only as salted SHA-256 digests and compared in constant time (hmac.compare_digest,
 every stored digest checked whatever matches). With no tenants configured there is one open
-tenant, "default", that needs no key. Request and token rates are token buckets; tokens are
+tenant, "default", that needs no key (and may load adapters: an open mesh has no admin to tell apart). Request and token rates are token buckets; tokens are
 counted at admission as prompt + max_tokens.
 """
 
@@ -31,7 +32,7 @@ from services.common.errors import CapacityExhausted, PermissionDenied, Unauthen
 DEFAULT_TENANT = "default"
 LIMIT_KEYS = {"requests_per_s", "tokens_per_min", "max_concurrent", "max_prompt_tokens", "max_output_tokens",
               "max_queued"}
-TENANT_KEYS = {"name", "api_key_hashes", "weight", "limits", "priorities", "adapters", "cache_domain"}
+TENANT_KEYS = {"name", "api_key_hashes", "weight", "limits", "priorities", "adapters", "cache_domain", "admin"}
 
 
 def hash_key(key: str, salt: bytes | None = None) -> str:
@@ -65,6 +66,11 @@ class Tenant:
     priorities: frozenset | None = None  # None = any
     adapters: frozenset | None = None  # None = any
     cache_salt: str = ""  # the prefix-cache isolation salt: "tenant:<name>" (its own) or "domain:<shared name>"
+    admin: bool = False  # may load and unload LoRA adapters
+
+    def check_admin(self) -> None:
+        if not self.admin:
+            raise PermissionDenied(f"tenant {self.name!r} may not load or unload adapters (needs admin: true)")
 
     def check_request(self, prompt_tokens: int, max_tokens: int, priority: int, adapter: str) -> None:
         """Permission and size limits of one request (rates are TenantState's)."""
@@ -82,7 +88,7 @@ class Tenant:
                                     f"{lim.max_output_tokens} (retrying will not help)", retry_after_ms=0)
 
 
-OPEN_TENANT = Tenant(DEFAULT_TENANT)  # no tenants configured: one open tenant, one shared cache
+OPEN_TENANT = Tenant(DEFAULT_TENANT, admin=True)  # no tenants configured: one open tenant, one shared cache
 
 
 CACHE_SECRET_ENV = "MESHSERVE_CACHE_SECRET"  # the gateway's key for cache salts (`meshserve up` makes one per run)
@@ -236,8 +242,11 @@ def parse_tenants(entries) -> list[Tenant]:
         domain = e.get("cache_domain") or ""
         if not isinstance(domain, str):
             raise ValueError(f"{where}: cache_domain must be a string")
+        admin = e.get("admin", False)
+        if not isinstance(admin, bool):
+            raise ValueError(f"{where}: admin must be true or false")
         out.append(Tenant(name, tuple(pairs), float(weight), Limits(**limits),
                           frozenset(priorities) if priorities is not None else None,
                           frozenset(adapters) if adapters is not None else None,
-                          f"domain:{domain}" if domain else f"tenant:{name}"))
+                          f"domain:{domain}" if domain else f"tenant:{name}", admin))
     return out

@@ -76,6 +76,8 @@ class EngineLoad:
     queued_prefill_tokens: int  # prompt tokens not yet computed, over running and waiting requests
     max_num_seqs: int  # sequence slots
     lora: LoRASnapshot | None = None  # adapters and their residency (None: no LoRA slots)
+    running_adapters: tuple = ()  # adapters of the running batch
+    waiting_adapters: tuple = ()  # adapters of waiting requests
 
     @property
     def kv_usage(self) -> float:
@@ -89,6 +91,10 @@ class RuntimeInfo:
     eos_token_ids: tuple  # ids that end generation unless ignore_eos
     vocab_size: int  # model vocabulary
     max_model_len: int  # longest prompt + output
+
+
+def _adapters_of(requests) -> tuple:
+    return tuple(sorted({r.adapter for r in requests if r.adapter}))
 
 
 def _configured_adapters(lc) -> list[tuple[str, str]]:
@@ -120,7 +126,7 @@ class LLMEngine:
         self.kv = KVCacheManager(BlockPool(num_blocks), cc.block_size, cc.enable_prefix_caching)
         lc = config.lora
         self.lora = AdapterResidency(mc, self.model.dtype, lc.max_loras, lc.max_cpu_loras, lc.max_lora_rank,
-                                     in_use=self._adapter_in_use) if lc.max_loras else None
+                                     in_use=self._adapter_in_use, clock=clock) if lc.max_loras else None
         self._lora_kernel = None
         self.scheduler = Scheduler(self.kv, make_policy(sc.policy), sc.max_num_seqs, sc.max_num_batched_tokens,
                                    clock=clock, lora=self.lora)
@@ -192,7 +198,7 @@ class LLMEngine:
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
             raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab})")
         params.validate()
-        if adapter and (self.lora is None or adapter not in self.lora.known):
+        if adapter and (self.lora is None or not self.lora.serves(adapter)):
             raise NotFound(f"adapter {adapter!r} is not loaded here")
         total = len(ids) + params.max_tokens
         if total > self.info.max_model_len:
@@ -210,7 +216,8 @@ class LLMEngine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work
+        """Requests to run, or adapter reads to join (step() does both)."""
+        return self.scheduler.has_work or bool(self.lora is not None and self.lora.loading)
 
     # ---- the iteration ----------------------------------------------------------------------
 
@@ -508,7 +515,9 @@ class LLMEngine:
                           blocks_used=c["used"], blocks_cached=c["cached"], blocks_total=c["total"],
                           block_size=self.kv.block_size, outstanding_tokens=outstanding,
                           queued_prefill_tokens=prefill, max_num_seqs=self.scheduler.max_num_seqs,
-                          lora=self.lora.snapshot() if self.lora is not None else None)
+                          lora=self.lora.snapshot() if self.lora is not None else None,
+                          running_adapters=_adapters_of(self.scheduler.running) if self.lora is not None else (),
+                          waiting_adapters=_adapters_of(self.scheduler.waiting) if self.lora is not None else ())
 
     # ---- LoRA adapters ------------------------------------------------------------------------
 
@@ -519,7 +528,7 @@ class LLMEngine:
             raise InvalidRequest(f"adapter {name!r}: this engine has no LoRA slots (max_loras 0)")
         self.lora.register(name, path)
         if prefetch:
-            self.lora.prefetch(name)
+            self.lora.prefetch(name, warm=True)
         return self.adapter_listing(name)
 
     def unload_adapter(self, name: str) -> None:
@@ -529,8 +538,8 @@ class LLMEngine:
         self.lora.unregister(name)
 
     def prefetch_adapter(self, name: str) -> bool:
-        """Read a registered adapter into host memory ahead of demand; False if it is not registered."""
-        return self.lora is not None and self.lora.prefetch(name)
+        """Read a registered adapter into host memory (and a free slot) ahead of demand; False if it is not registered."""
+        return self.lora is not None and self.lora.prefetch(name, warm=True)
 
     def adapters(self) -> list[dict]:
         """Every registered adapter with its residency (slot | host | loading | disk)."""

@@ -257,6 +257,7 @@ class LoRASnapshot:
     host: tuple  # adapters in host memory (slot ones included)
     known: tuple  # every registered adapter
     free_slots: int  # slots holding no adapter
+    pinned: tuple  # adapters in slots that live requests pin
     max_loras: int
     max_cpu_loras: int
     loads: int  # reads from disk, since start
@@ -270,13 +271,15 @@ class AdapterResidency:
     """The three tiers of one engine (module doc). Called on the engine's thread only, except the reads, which
     run on the loader thread and are joined by poll()."""
 
+    RETIRE_GRACE_S = 30.0  # an unloaded adapter still serves requests already in the mesh for this long
+
     def __init__(self, mc: ModelConfig, dtype: torch.dtype, max_loras: int, max_cpu_loras: int, max_rank: int,
-                 in_use=lambda name: False, reader=read_adapter):
-        self.mc, self.dtype, self.max_rank, self.reader = mc, dtype, max_rank, reader
+                 in_use=lambda name: False, reader=read_adapter, clock=time.monotonic):
+        self.mc, self.dtype, self.max_rank, self.reader, self.clock = mc, dtype, max_rank, reader, clock
         self.max_loras, self.max_cpu_loras = max_loras, max(max_cpu_loras, max_loras)
         self.in_use = in_use  # name -> whether a live request still uses it (unregistered ones linger until not)
         self.known: dict[str, AdapterInfo] = {}
-        self.retired: dict[str, AdapterInfo] = {}  # unregistered, still used by accepted requests
+        self.retired: dict[str, tuple] = {}  # unregistered: (info, when), kept while requests use it or for the grace
         self.host: OrderedDict[str, dict] = OrderedDict()  # LRU: oldest first
         self.slots = LoRASlots(mc, max_loras, dtype)
         self.slot_names: list[str | None] = [None] * max_loras
@@ -284,6 +287,7 @@ class AdapterResidency:
         self.pins = [0] * max_loras
         self.loading: dict[str, Future] = {}
         self.failed: dict[str, str] = {}  # name -> why its read failed (drained by the engine)
+        self.warm: set = set()  # prefetched adapters that go into a free slot once read
         self._tick = 0
         self._pool: ThreadPoolExecutor | None = None
         self.loads = self.slot_loads = self.hits = self.misses = 0
@@ -302,10 +306,11 @@ class AdapterResidency:
             raise InvalidRequest(f"adapter {name!r} is already loaded from {old.path}; unload it first")
         if self.max_loras == 0:
             raise InvalidRequest(f"adapter {name!r}: this engine has no LoRA slots (max_loras 0)")
-        gone = self.retired.pop(name, None)
+        retired = self.retired.pop(name, None)
+        gone = retired[0] if retired else None
         if gone is not None and Path(gone.path).resolve() != Path(info.path).resolve():
             if self.in_use(name):
-                self.retired[name] = gone
+                self.retired[name] = retired
                 raise InvalidRequest(f"adapter {name!r} is being unloaded and still serves accepted requests; load "
                                      f"it from {info.path} once they finish")
             self._drop(name)
@@ -314,17 +319,19 @@ class AdapterResidency:
         return info
 
     def unregister(self, name: str) -> None:
-        """New requests for it are refused from now; those accepted already finish with it."""
+        """It is no longer listed (the gateway refuses new requests for it); requests already in the mesh (here, or
+        on their way: a decode after its prefill) still run with it for RETIRE_GRACE_S, or while they last."""
         info = self.known.pop(name, None)
         if info is None:
             raise NotFound(f"adapter {name!r} is not loaded")
-        if self.in_use(name):
-            self.retired[name] = info
-        else:
-            self._drop(name)
+        self.retired[name] = (info, self.clock())
+
+    def serves(self, name: str) -> bool:
+        return name in self.known or name in self.retired
 
     def info(self, name: str) -> AdapterInfo | None:
-        return self.known.get(name) or self.retired.get(name)
+        retired = self.retired.get(name)
+        return self.known.get(name) or (retired[0] if retired else None)
 
     def _drop(self, name: str) -> None:
         self.host.pop(name, None)
@@ -375,17 +382,22 @@ class AdapterResidency:
         self.pins[slot] -= 1
 
     def sweep(self) -> None:
-        """Drop unregistered adapters that no live request uses any more."""
-        for name in [n for n in self.retired if not self.in_use(n)]:
+        """Drop unregistered adapters past their grace that no live request uses any more."""
+        now = self.clock()
+        for name in [n for n, (_, t) in self.retired.items() if now - t >= self.RETIRE_GRACE_S and not self.in_use(n)]:
             self.retired.pop(name)
             self._drop(name)
 
-    def prefetch(self, name: str) -> bool:
-        """Start reading a known adapter into host memory (no-op when there or on its way); False if unknown."""
+    def prefetch(self, name: str, warm: bool = False) -> bool:
+        """Start reading a known adapter into host memory (no-op when there or on its way); False if unknown.
+        warm: then put it into a free slot too (never evicting one)."""
         info = self.info(name)
         if info is None:
             return False
+        if warm:
+            self.warm.add(name)
         if name in self.host or name in self.loading:
+            self._warm_up()
             return True
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="lora-load")
@@ -419,6 +431,17 @@ class AdapterResidency:
                 self.load_seconds.append(seconds)
             self.host[name] = weights
             self._trim_host()
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Prefetched adapters in host memory take free slots (least recently used order is unchanged)."""
+        for name in [n for n in self.warm if n in self.host]:
+            self.warm.discard(name)
+            free = [s for s, n in enumerate(self.slot_names) if n is None]
+            if free and self.slot_of(name) is None:
+                self.slots.write(free[0], self.host[name])
+                self.slot_names[free[0]] = name
+                self.slot_loads += 1
 
     def _trim_host(self) -> None:
         pinned = {self.slot_names[s] for s in range(self.max_loras) if self.pins[s]}
@@ -440,7 +463,8 @@ class AdapterResidency:
 
     def snapshot(self) -> LoRASnapshot:
         return LoRASnapshot(tuple(n for n in self.slot_names if n), tuple(self.host), tuple(sorted(self.known)),
-                            sum(n is None for n in self.slot_names), self.max_loras, self.max_cpu_loras, self.loads,
+                            sum(n is None for n in self.slot_names),
+                            tuple(n for s, n in enumerate(self.slot_names) if n and self.pins[s]), self.max_loras, self.max_cpu_loras, self.loads,
                             self.load_s, self.slot_loads, self.hits, self.misses)
 
     def close(self) -> None:

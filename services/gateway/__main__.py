@@ -59,7 +59,8 @@ async def serve(args, config: MeshConfig) -> None:
     server = rpc.Server(["Generation"], args.port, args.host, public=True, public_tls=public_tls)
     add_to_server(servicer, server.server)
     tasks = [asyncio.create_task(watch_mesh(server, routers, args.mode, admission)),
-             asyncio.create_task(admission.tick())]
+             asyncio.create_task(admission.tick()),
+             asyncio.create_task(servicer.adapters.run())]
     http = None
     if args.http_port is not None:
         from services.gateway.http import HttpFront, http_server

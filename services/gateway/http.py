@@ -83,6 +83,8 @@ class HttpFront:
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/load_lora_adapter", self.load_lora_adapter, methods=["POST"]),
+            Route("/v1/unload_lora_adapter", self.unload_lora_adapter, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
         ])
@@ -96,8 +98,36 @@ class HttpFront:
             return OpenAIError.of(e).response()
         m = self.model
         return JSONResponse({"object": "list", "data": [
-            {"id": name, "object": "model", "created": 0, "owned_by": "meshserve", "max_model_len": m.max_model_len}
-            for name in m.names]})
+            {"id": name, "object": "model", "created": 0, "owned_by": "meshserve", "max_model_len": m.max_model_len,
+             "parent": parent or None}
+            for name, parent in await self.servicer.model_names()]})
+
+    # ---- LoRA adapters at run time, as vLLM's server takes them (an admin key) ---------------------
+
+    async def load_lora_adapter(self, request: Request) -> Response:
+        return await self._adapter_admin(request, load=True)
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        return await self._adapter_admin(request, load=False)
+
+    async def _adapter_admin(self, request: Request, load: bool) -> Response:
+        try:
+            self.servicer.auth.authenticate(_bearer(request)).check_admin()
+            body = await _json(request, 64 * 1024)
+            name, path = body.get("lora_name"), body.get("lora_path")
+            if not isinstance(name, str) or not name:
+                raise bad("lora_name", "lora_name is required (a string)")
+            if load and (not isinstance(path, str) or not path):
+                raise bad("lora_path", "lora_path is required (a string)")
+            if load:
+                await self.servicer.adapters.load(name, path)
+                return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
+            await self.servicer.adapters.unload(name)
+            return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain")
+        except OpenAIError as e:
+            return e.response()
+        except MeshError as e:
+            return OpenAIError.of(e).response()
 
     async def health(self, request: Request) -> Response:
         return Response(status_code=200)
@@ -120,6 +150,7 @@ class HttpFront:
             body = await _json(request, self.servicer.bounds.max_body_bytes)
             if isinstance(body.get("user"), str):
                 span.set_attribute("enduser.id", body["user"])
+            await self._learn_adapter(body.get("model"))
             reqs, stream, include_usage, want_logprobs = self._requests(body, chat)
         except OpenAIError as e:
             span.set_attribute("http.response.status_code", e.status)
@@ -131,18 +162,26 @@ class HttpFront:
         if isinstance(first, OpenAIError):
             return first.response()
         meta = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "created": int(time.time()),
-                "model": self.model.name}
+                "model": reqs[0].model or self.model.name}
         if stream:
             return StreamingResponse(self._sse(call, meta, chat, include_usage, want_logprobs),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         return await self._collect(request, call, meta, chat, want_logprobs)
 
+    async def _learn_adapter(self, model) -> None:
+        """A model that is not the base model may be an adapter the gateway has not heard of yet: ask the mesh."""
+        if isinstance(model, str) and model and model not in self.model.names and len(model) <= 256:
+            with contextlib.suppress(MeshError):
+                await self.servicer.adapters.check(model)
+
     def _requests(self, body: dict, chat: bool):
         """The ClientRequests of one HTTP body (one per prompt), and the response options."""
         try:
             b = parse_body(body, chat)
+            adapter = b.model if b.model and b.model in self.servicer.adapters.known else ""
             try:
-                self.model.check(b.model)
+                if not adapter:
+                    self.model.check(b.model)
             except NotFound as e:
                 raise OpenAIError(404, str(e), param="model", code="model_not_found") from None
             prompts = [self._chat_prompt(b.messages)] if chat else b.prompts()
@@ -156,7 +195,7 @@ class HttpFront:
                 out.append(ClientRequest(
                     client_id=uuid.uuid4().hex, sampling=b.sampling(mt, b.want_logprobs),
                     text=p if isinstance(p, str) else None, token_ids=tuple(p) if isinstance(p, list) else None,
-                    priority=b.priority or 0, deadline_ms=b.deadline_ms or 0))
+                    priority=b.priority or 0, deadline_ms=b.deadline_ms or 0, model=adapter))
         except OpenAIBodyError as e:
             raise bad(e.param, str(e)) from None
         return out, bool(b.stream), b.include_usage, b.want_logprobs

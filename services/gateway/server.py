@@ -32,6 +32,7 @@ from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.common.request import ClientRequest, RequestSpec
 from services.common.tenants import Authenticator, wire_salt
 from services.common.tokenizer import Tokenizer, cut_at_stop
+from services.gateway.adapters import AdapterCatalog
 from services.gateway.admission import Admission
 
 log = logging.getLogger("meshserve.gateway")
@@ -147,6 +148,7 @@ class GatewayServicer(pb_grpc.GenerationServicer):
         self.channels = rpc.ChannelPool()
         self.routers = list(routers)
         self._route_turn = itertools.count()
+        self.adapters = AdapterCatalog(self._list_workers, self.worker, model.name)
         self.resumes = metrics.get_meter("meshserve.gateway").create_counter(
             "meshserve.gateway.resumes", description="requests resumed on another worker after a failure")
 
@@ -222,11 +224,12 @@ class GatewayServicer(pb_grpc.GenerationServicer):
         tenant by its key, validation, admission, routing, and the token stream as GenerateResponses.
         Raises MeshError."""
         tenant = self.auth.authenticate(key)
+        req = await self._select_adapter(req)
         ids = self._validate(req)
         params = req.sampling
         tenant.check_request(len(ids), params.max_tokens, req.priority, req.adapter)
         if req.adapter:
-            raise NotFound(f"adapter {req.adapter!r} is not loaded")
+            await self.adapters.check(req.adapter)
         timeout = self._timeout(req, time_remaining)
         client_id = req.client_id or uuid.uuid4().hex
         req_id = f"{client_id}.{uuid.uuid4().hex[:12]}"
@@ -308,6 +311,18 @@ class GatewayServicer(pb_grpc.GenerationServicer):
                 if e.code() != grpc.StatusCode.UNAVAILABLE or i + 1 == len(self.routers):
                     raise rpc.forward_rpc_error(e, address) from None
 
+    async def _list_workers(self) -> list:
+        """The live workers (ListWorkers, failing over between routers like Route)."""
+        for i, address in enumerate(self.routers):
+            try:
+                reply = await pb_grpc.RouterStub(self.channels.get(address)).ListWorkers(pb.ListWorkersRequest(),
+                                                                                          timeout=5.0)
+                return list(reply.workers)
+            except grpc.aio.AioRpcError as e:
+                if i + 1 == len(self.routers):
+                    raise rpc.forward_rpc_error(e, address) from None
+        return []
+
     async def _events(self, decision, work, timeout):
         if decision.mode == "unified":
             call = self.worker(decision.decode_worker).Generate(work, timeout=timeout)
@@ -359,8 +374,58 @@ class GatewayServicer(pb_grpc.GenerationServicer):
     async def ListModels(self, request, context):
         self.auth.authenticate(api_key(context))  # behind the key when tenants are configured, as /v1/models
         m = self.model
-        return pb.ListModelsResponse(models=[pb.ModelInfo(name=name, max_model_len=m.max_model_len,
-                                                          vocab_size=m.vocab_size) for name in m.names])
+        return pb.ListModelsResponse(models=[pb.ModelInfo(name=name, max_model_len=m.max_model_len, vocab_size=m.vocab_size,
+                                                          parent=parent) for name, parent in await self.model_names()])
+
+    async def model_names(self) -> list[tuple[str, str]]:
+        """(name, parent) of every model a request may name: the base model's names, then the adapters (parent: the
+        base model), as vLLM lists them."""
+        try:
+            await self.adapters.refresh()
+        except MeshError as e:
+            log.warning("listing adapters: %s", e)
+        return [(name, "") for name in self.model.names] + [(a, self.model.name) for a in sorted(self.adapters.known)]
+
+    async def _select_adapter(self, req: ClientRequest) -> ClientRequest:
+        """A model field naming an adapter selects it, as in vLLM: the request as the rest of the path sees it (model
+        empty, adapter set). A name neither the base model nor an adapter has is NOT_FOUND."""
+        if not req.model or req.model in self.model.names:
+            return req
+        bounded(req.model, "model", MAX_ID_BYTES)
+        try:
+            await self.adapters.check(req.model)
+        except NotFound:
+            self.model.check(req.model)  # NOT_FOUND naming the model
+        if req.adapter and req.adapter != req.model:
+            raise InvalidRequest(f"model {req.model!r} names an adapter and adapter {req.adapter!r} another")
+        return replace(req, adapter=req.model, model="")
+
+    # ---- LoRA adapters at run time (admin) ----------------------------------------------------------
+
+    def _admin(self, context) -> None:
+        self.auth.authenticate(api_key(context)).check_admin()
+
+    @rpc.mapped
+    async def LoadAdapter(self, request, context):
+        self._admin(context)
+        if isinstance(request, BadMessage):
+            raise InvalidRequest(request.error)
+        bounded(request.name, "name", MAX_ID_BYTES)
+        return await self.adapters.load(request.name, request.path)
+
+    @rpc.mapped
+    async def UnloadAdapter(self, request, context):
+        self._admin(context)
+        if isinstance(request, BadMessage):
+            raise InvalidRequest(request.error)
+        bounded(request.name, "name", MAX_ID_BYTES)
+        return await self.adapters.unload(request.name)
+
+    @rpc.mapped
+    async def ListAdapters(self, request, context):
+        self.auth.authenticate(api_key(context))
+        await self.adapters.refresh()
+        return await self.adapters.listing()
 
     @rpc.mapped
     async def Tokenize(self, request, context):

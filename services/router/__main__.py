@@ -16,6 +16,7 @@ from services.common.config import RoutingSection, add_config_flag, add_section_
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.common.prefix_index import PrefixIndex, connect_lookup
 from services.common.telemetry import add_metrics_flag, setup_telemetry
+from services.router.placement import AdapterPlacement
 from services.router.policies import make_policy
 from services.router.registry import Registry
 from services.router.server import RouterServicer
@@ -33,21 +34,31 @@ async def watch_index(index: PrefixIndex, server: rpc.Server, servicer: RouterSe
         await asyncio.sleep(1.0)
 
 
+async def place_loop(servicer: RouterServicer, period_s: float = 1.0) -> None:
+    """LoRA placement (placement.py) once a second."""
+    while True:
+        await asyncio.sleep(period_s)
+        await servicer.place()
+
+
 async def serve(args, routing: RoutingSection) -> None:
     registry = Registry(time.monotonic, ttl_s=args.worker_ttl_s)
     index = PrefixIndex(connect_lookup(args.redis_url)) if args.redis_url else None
     server = rpc.Server(["Router"], args.port, args.host)
     policy = functools.partial(make_policy, routing.policy, routing.model_dump(include={"weights", "guard"}))
-    servicer = RouterServicer(registry, policy, args.mode, args.heartbeat_ms, index=index)
+    placement = AdapterPlacement() if routing.lora_placement else None
+    servicer = RouterServicer(registry, policy, args.mode, args.heartbeat_ms, index=index, placement=placement)
     pb_grpc.add_RouterServicer_to_server(servicer, server.server)
     gc.freeze()  # start-up objects leave the collector's view: shorter pauses on the routing path
     await server.set_serving(True)
     watch = asyncio.create_task(watch_index(index, server, servicer)) if index else None
+    placing = asyncio.create_task(place_loop(servicer)) if placement is not None else None
     print(f"router listening on {server.address} (policy {routing.policy}, mode {args.mode}, "
           f"prefix index {'redis ' + args.redis_url if index else 'off'})", flush=True)
     await server.run(grace_s=args.grace_s)
-    if watch:
-        watch.cancel()
+    for task in (watch, placing):
+        if task:
+            task.cancel()
 
 
 def main() -> None:

@@ -8,8 +8,8 @@ applies them in order and answers UNAVAILABLE naming the filter that left nobody
   workers with that block size: KV blocks move as whole blocks and are not re-blocked.
 - AvoidFilter: a resumed request (its worker failed mid-stream) avoids the workers that failed it while
   another can take it (the failed one may still look live until its heartbeats are missed).
-- AdapterFilter: the LoRA slot: with an adapter asked for, the workers that have it loaded when
-  any does (residency and loading on demand belong to the LoRA work); else every candidate.
+- AdapterFilter: with a LoRA adapter asked for, the workers where it is registered (they load it on
+  demand; where it sits in memory is the adapter scorer's business).
 """
 
 from __future__ import annotations
@@ -45,8 +45,9 @@ class AdapterFilter:
     name = "adapter"
 
     def keep(self, workers: list[WorkerView], need: Need) -> list[WorkerView]:
-        having = [w for w in workers if need.adapter and need.adapter in w.adapters]
-        return having or workers
+        if not need.adapter:
+            return workers
+        return [w for w in workers if need.adapter in w.known_adapters]
 
 
 class AvoidFilter:

@@ -5,6 +5,8 @@
   in-flight correction); ties go to the lower worker id.
 - prefix-aware: weighted scorers (prefix 1.0, load 0.5, adapter 0.0 by default) guarded by load
   (load wins outright past a gap of 1.0 load units and a ratio of 2 by default; scoring.py).
+- lora-aware: prefix-aware with LoRA affinity (adapter 1.0, load 1.0): an adapter's requests go where it is
+  resident unless that worker is much busier; the router's placement (placement.py) replicates hot adapters.
 
 The candidates come from the Filter stage (filters.py). select(workers, cost, ctx) only decides
 and says why; the router commits the decision through on_routed(worker, cost), the one commit
@@ -73,7 +75,12 @@ class PrefixAware(RoutingPolicy):
         return self.picker.pick(sorted(workers, key=lambda w: w.worker_id), ctx or RouteContext())
 
 
-POLICIES = {p.name: p for p in (RoundRobin, LeastOutstanding, PrefixAware)}
+class LoRAAware(PrefixAware):
+    name = "lora-aware"
+    DEFAULT_WEIGHTS = {"prefix": 1.0, "load": 1.0, "adapter": 1.0}
+
+
+POLICIES = {p.name: p for p in (RoundRobin, LeastOutstanding, PrefixAware, LoRAAware)}
 
 
 def make_policy(name: str, config: dict | None = None):
@@ -81,12 +88,13 @@ def make_policy(name: str, config: dict | None = None):
     if name not in POLICIES:
         raise ValueError(f"unknown routing policy {name!r}; known: {sorted(POLICIES)}")
     config = config or {}
-    if name != PrefixAware.name:
-        return POLICIES[name]()
+    cls = POLICIES[name]
+    if not issubclass(cls, PrefixAware):
+        return cls()
     guard = config.get("guard") or {}
     unknown = set(guard) - {"abs", "rel"}
     if unknown:
         raise ValueError(f"unknown load guard key(s) {sorted(unknown)}; known: abs, rel")
     default = LoadGuard()
-    return PrefixAware(config.get("weights"), LoadGuard(float(guard.get("abs", default.abs_threshold)),
+    return cls(config.get("weights"), LoadGuard(float(guard.get("abs", default.abs_threshold)),
                                                         float(guard.get("rel", default.rel_threshold))))

@@ -10,7 +10,8 @@ then only the load scorer counts. Loads are as views.loads() defines them.
 - PrefixScorer: the fraction of the prompt's full blocks the worker already caches; blocks beyond those that
   its host's KV pool holds (and it takes from there) count POOL_CREDIT each: far cheaper than computing them,
   a little dearer than a local hit (they are copied in).
-- AdapterScorer: 1 where the request's LoRA adapter is already loaded (the affinity slot).
+- AdapterScorer: the LoRA affinity of the request's adapter (llm-d's tiers): 1 in a compute slot, 0.8 in host
+  memory, 0.6 with a free slot (one read from disk), 0 where taking it means evicting another adapter.
 """
 
 from __future__ import annotations
@@ -51,11 +52,25 @@ class PrefixScorer:
         return [effective_blocks(w, ctx) / ctx.prompt_blocks for w in workers]
 
 
+AFFINITY = {"slot": 1.0, "host": 0.8, "free-slot": 0.6, "evict": 0.0}
+
+
+def residency(worker: WorkerView, adapter: str) -> str:
+    """Where an adapter stands on a worker: slot | host | free-slot | evict."""
+    if adapter in worker.adapters:
+        return "slot"
+    if adapter in worker.host_adapters:
+        return "host"
+    return "free-slot" if worker.free_lora_slots > 0 else "evict"
+
+
 class AdapterScorer:
     name = "adapter"
 
     def score(self, workers: list[WorkerView], ctx: RouteContext) -> list[float]:
-        return [1.0 if ctx.adapter and ctx.adapter in w.adapters else 0.0 for w in workers]
+        if not ctx.adapter:
+            return [0.0] * len(workers)
+        return [AFFINITY[residency(w, ctx.adapter)] for w in workers]
 
 
 SCORERS = {s.name: s for s in (LoadScorer, PrefixScorer, AdapterScorer)}

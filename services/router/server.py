@@ -10,8 +10,11 @@ in health (service "prefix-index" NOT_SERVING), ListWorkers, a metric and the lo
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+
+import grpc
 
 from opentelemetry import metrics, trace
 
@@ -57,8 +60,11 @@ class RouterMetrics:
 
 class RouterServicer(pb_grpc.RouterServicer):
     def __init__(self, registry: Registry, policy_factory, mode: str, beat_ms: int, index=None,
-                 recent: RecentRoutes | None = None, meter=None):
+                 recent: RecentRoutes | None = None, meter=None, placement=None):
+        """placement: an AdapterPlacement (placement.py) that sees every routed request's adapter; place() acts on
+        its plan."""
         self.registry, self.mode, self.beat_ms, self.index = registry, mode, beat_ms, index
+        self.placement, self.channels = placement, rpc.ChannelPool()
         self.policies = {role: policy_factory() for role in ("prefill", "decode", "unified")}
         self.recent = recent or RecentRoutes(registry.clock)
         self.metrics = RouterMetrics(registry, meter)
@@ -79,6 +85,8 @@ class RouterServicer(pb_grpc.RouterServicer):
     async def Route(self, request, context):
         rpc.require_peer(context, "gateway")
         t0 = time.perf_counter()
+        if self.placement is not None:
+            self.placement.observe(request.adapter, self.registry.clock())
         mode = request.mode or self.mode
         if mode == "unified":
             worker, why, cached = await self._pick("unified", request.prompt_tokens + request.max_tokens, request)
@@ -137,6 +145,24 @@ class RouterServicer(pb_grpc.RouterServicer):
             if w.kv_pool and pools.get(w.host, 0) > n:
                 pooled[w.worker_id] = pools[w.host]
         return hashes, RouteContext(len(hashes), cached, request.adapter, pooled)
+
+    async def place(self) -> int:
+        """One round of LoRA placement: the plan's prefetch orders, sent to the workers (without waiting for the
+        reads); returns how many were sent."""
+        now, live, sent = self.registry.clock(), self.registry.prune(), 0
+        for role in ("prefill", "decode", "unified"):
+            for worker, adapter in self.placement.plan([w for w in live if w.role == role], now):
+                asyncio.get_running_loop().create_task(self._prefetch(worker, adapter))
+                sent += 1
+        return sent
+
+    async def _prefetch(self, worker, adapter: str) -> None:
+        try:
+            await pb_grpc.WorkerStub(self.channels.get(worker.address)).LoadAdapter(
+                pb.LoadAdapterRequest(name=adapter, prefetch=True), timeout=5.0)
+            log.info("placement: %s prefetches adapter %s", worker.worker_id, adapter)
+        except grpc.aio.AioRpcError as e:
+            log.warning("placement: prefetching adapter %s on %s failed: %s", adapter, worker.worker_id, e.details())
 
     @rpc.mapped
     async def ListWorkers(self, request, context):

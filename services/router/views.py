@@ -29,7 +29,12 @@ class WorkerView:
     block_size: int = 16  # KV block size (for hashing prompts)
     index_member: str = ""  # its member in the Redis prefix index ("" = not publishing)
     decode_tps: float = 0.0  # measured decode throughput (0 = unknown)
-    adapters: tuple = ()  # LoRA adapters it has loaded
+    adapters: tuple = ()  # LoRA adapters in its compute slots
+    host_adapters: tuple = ()  # LoRA adapters in its host memory (slot ones included)
+    known_adapters: tuple = ()  # every adapter registered there (what it can serve)
+    pinned_adapters: tuple = ()  # slot adapters its running requests pin
+    lora_slots: int = 0  # compute slots (0 = no LoRA)
+    free_lora_slots: int = 0  # slots holding no adapter
     max_num_seqs: int = 0  # sequences it batches at once (0 = not reported)
     prefill_s_per_token: float = 0.0  # its fitted step costs (0 = not yet known)
     decode_s_per_step: float = 0.0

@@ -117,6 +117,7 @@ class CoreStats:
     prefill_s_per_token: float
     decode_s_per_step: float
     load: object  # EngineLoad after the step
+    lora_load_s: tuple = ()  # seconds of each adapter read finished since the previous stats
 
 
 class KVExport:
@@ -296,7 +297,7 @@ class EngineCore:
         return out
 
     def core_stats(self) -> "CoreStats":
-        return self.stats()
+        return self.stats(drain=False)
 
     def _forget(self, req_id: str) -> None:
         self.live.discard(req_id)
@@ -356,9 +357,12 @@ class EngineCore:
                 self.exports.pop(req_id, None)
         return pieces
 
-    def stats(self) -> CoreStats:
+    def stats(self, drain: bool = True) -> CoreStats:
+        """drain: hand over the adapter read times since the previous stats (the step messages carry them)."""
+        lora = self.engine.lora if drain else None
         return CoreStats(self.busy_s, self.tokens_out, self.aborted, self.cost.prefill_s_per_token,
-                         self.cost.decode_s_per_step, self.engine.load())
+                         self.cost.decode_s_per_step, self.engine.load(),
+                         tuple(lora.drain_load_seconds()) if lora is not None else ())
 
     def run(self, conn, idle_poll_s: float = 0.05) -> None:
         """Serve commands and step until the pipe closes."""

@@ -49,12 +49,51 @@ class WorkerMetrics:
         self.generation_tokens = meter.create_counter("vllm.generation_tokens", description="tokens sampled")
         self.prefix_queries = meter.create_counter("vllm.prefix_cache_queries", description="prompt tokens looked up")
         self.prefix_hits = meter.create_counter("vllm.prefix_cache_hits", description="prompt tokens found cached")
+        # LoRA: vLLM's info gauge (its labels name the adapters running and waiting), residency per adapter and
+        # tier, read times, and admissions that found their adapter in a slot (hits) or had to read it (misses).
+        meter.create_observable_gauge("vllm.lora_requests_info", [self._lora_info],
+                                      description="running_lora_adapters, waiting_lora_adapters, max_lora as labels")
+        meter.create_observable_gauge("meshserve.worker.lora_resident", [self._lora_resident],
+                                      description="1 per adapter and tier (slot, host) holding it")
+        for name, read, desc in (
+                ("meshserve.worker.lora_hits", lambda s: s.hits, "admissions whose adapter was in a compute slot"),
+                ("meshserve.worker.lora_misses", lambda s: s.misses, "admissions that waited for their adapter's read"),
+                ("meshserve.worker.lora_loads", lambda s: s.loads, "adapter reads from disk into host memory"),
+                ("meshserve.worker.lora_slot_loads", lambda s: s.slot_loads, "adapter copies into a compute slot")):
+            meter.create_observable_counter(name, [self._observe_lora(read)], description=desc)
+        self.lora_load = meter.create_histogram("meshserve.worker.lora_load_seconds", unit="s",
+                                                description="time to read one adapter from disk",
+                                                explicit_bucket_boundaries_advisory=ITL_BUCKETS)
 
     def _observe(self, read):
         def callback(options):
             if self.load is not None:
                 yield metrics.Observation(read(self.load), self.attrs)
         return callback
+
+    def _lora_info(self, options):
+        load = self.load
+        if load is not None and load.lora is not None:
+            yield metrics.Observation(1, {**self.attrs, "running_lora_adapters": ",".join(load.running_adapters),
+                                          "waiting_lora_adapters": ",".join(load.waiting_adapters),
+                                          "max_lora": str(load.lora.max_loras)})
+
+    def _lora_resident(self, options):
+        lora = self.load.lora if self.load is not None else None
+        if lora is not None:
+            for tier, names in (("slot", lora.slots), ("host", lora.host)):
+                for name in names:
+                    yield metrics.Observation(1, {**self.attrs, "adapter": name, "tier": tier})
+
+    def _observe_lora(self, read):
+        def callback(options):
+            if self.load is not None and self.load.lora is not None:
+                yield metrics.Observation(read(self.load.lora), self.attrs)
+        return callback
+
+    def on_adapter_reads(self, seconds) -> None:
+        for s in seconds:
+            self.lora_load.record(s, self.attrs)
 
     def on_step(self, outputs, load, now: float) -> None:
         """Record one step's outputs (services.worker.core.StepOutput, as the core reports them)."""

@@ -193,6 +193,7 @@ class EngineRunner:
         self.load = stats.load
         if self.metrics is not None:  # first: forget() below drops a finished request's last token time
             self.metrics.on_step(outputs, stats.load, self.clock())
+            self.metrics.on_adapter_reads(stats.lora_load_s)
         for out in outputs:
             q = self.streams.get(out.req_id)
             if q is not None:

@@ -22,7 +22,7 @@ import grpc
 
 from services.common import rpc
 from services.common.convert import spec_from_work
-from services.common.errors import CapacityExhausted, InvalidRequest, MeshError
+from services.common.errors import CapacityExhausted, InvalidRequest, MeshError, NotFound
 from services.common.host import host_id
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
@@ -296,7 +296,55 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                               blocks_cached=load.blocks_cached,
                               blocks_free=load.blocks_total - load.blocks_used - load.blocks_cached,
                               blocks_total=load.blocks_total, running=load.running, waiting=load.waiting,
-                              outstanding_tokens=load.outstanding_tokens, aborted=stats.aborted)
+                              outstanding_tokens=load.outstanding_tokens, aborted=stats.aborted,
+                              **lora_stats(load.lora))
+
+
+    # ---- LoRA adapters (the gateway's admin calls, the router's placement) ----------------------------
+
+    @rpc.mapped
+    async def LoadAdapter(self, request, context):
+        rpc.require_peer(context, "gateway", "router", "client")
+        if request.path:
+            await self.runner.call("load_adapter", request.name, request.path, request.prefetch)
+        elif not request.prefetch:
+            raise InvalidRequest("path is required (or prefetch, for an adapter registered already)")
+        elif not await self.runner.call("prefetch_adapter", request.name):
+            raise NotFound(f"adapter {request.name!r} is not loaded on {self.worker_id}")
+        return await self._adapters()
+
+    @rpc.mapped
+    async def UnloadAdapter(self, request, context):
+        rpc.require_peer(context, "gateway", "client")
+        await self.runner.call("unload_adapter", request.name)
+        return await self._adapters()
+
+    @rpc.mapped
+    async def ListAdapters(self, request, context):
+        rpc.require_peer(context, "gateway", "router", "client")
+        return await self._adapters()
+
+    async def _adapters(self) -> pb.AdapterList:
+        return pb.AdapterList(adapters=[pb.AdapterInfo(name=a["name"], path=a["path"], rank=a["rank"],
+                                                       targets=a["targets"], residency=a["residency"])
+                                        for a in await self.runner.call("adapters")])
+
+
+def lora_stats(lora) -> dict:
+    """WorkerStats' LoRA counters from a LoRASnapshot (none without LoRA)."""
+    if lora is None:
+        return {}
+    return dict(lora_loads=lora.loads, lora_load_s=lora.load_s, lora_slot_loads=lora.slot_loads, lora_hits=lora.hits,
+                lora_misses=lora.misses)
+
+
+def lora_fields(load) -> dict:
+    """The heartbeat's LoRA fields from an EngineLoad."""
+    lora = load.lora
+    if lora is None:
+        return {}
+    return dict(adapters=lora.slots, host_adapters=lora.host, known_adapters=lora.known, pinned_adapters=lora.pinned,
+                lora_slots=lora.max_loras, free_lora_slots=lora.free_slots)
 
 
 async def _nothing() -> tuple[str, None]:
@@ -322,7 +370,7 @@ async def heartbeat_loop(runner: EngineRunner, router: str, worker_id: str, addr
                 decode_tokens_per_s=rate.update(runner.busy_s, runner.tokens_out),
                 max_num_seqs=load.max_num_seqs,
                 prefill_s_per_token=runner.cost.prefill_s_per_token,
-                decode_s_per_step=runner.cost.decode_s_per_step), timeout=2.0)
+                decode_s_per_step=runner.cost.decode_s_per_step, **lora_fields(load)), timeout=2.0)
             interval = max(reply.interval_ms, 50) / 1000
             if first and on_first:
                 await on_first()

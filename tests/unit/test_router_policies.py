@@ -69,12 +69,14 @@ def test_filters_keep_the_decode_hop_to_the_prefill_block_size_and_name_the_filt
 
     reg = Registry(Clock(), ttl_s=3.0)
     reg.beat("d8", "127.0.0.1:9001", "decode", 0, 100, block_size=8)
-    reg.beat("d16", "127.0.0.1:9002", "decode", 0, 100, block_size=16, adapters=("sql",))
+    reg.beat("d16", "127.0.0.1:9002", "decode", 0, 100, block_size=16, known_adapters=("sql",))
     assert [w.worker_id for w in reg.live(Need("decode", block_size=16))] == ["d16"]
-    assert [w.worker_id for w in reg.live(Need("decode", adapter="sql"))] == ["d16"]
-    assert {w.worker_id for w in reg.live(Need("decode", adapter="other"))} == {"d8", "d16"}
+    assert [w.worker_id for w in reg.live(Need("decode", adapter="sql"))] == ["d16"]  # only where it is registered
+    assert {w.worker_id for w in reg.live(Need("decode"))} == {"d8", "d16"}
     with pytest.raises(Unavailable, match="block-size filter"):
         reg.live(Need("decode", block_size=32))
+    with pytest.raises(Unavailable, match="adapter filter"):
+        reg.live(Need("decode", adapter="other"))
 
 
 def test_a_resumed_request_avoids_the_workers_that_failed_it_while_another_can_take_it():
@@ -94,7 +96,9 @@ def test_heartbeat_fields_round_trip_through_the_one_conversion():
 
     beat = pb.WorkerLoad(worker_id="w", address="a:1", role="decode", outstanding_tokens=5, kv_capacity_tokens=64,
                          running=2, waiting=1, adapters=["x"], block_size=8, index_member="w#1",
-                         decode_tokens_per_s=12.5, max_num_seqs=4, prefill_s_per_token=1e-3, decode_s_per_step=2e-3)
+                         decode_tokens_per_s=12.5, max_num_seqs=4, prefill_s_per_token=1e-3, decode_s_per_step=2e-3,
+                         host_adapters=["x", "y"], known_adapters=["x", "y", "z"], pinned_adapters=["x"], lora_slots=2,
+                         free_lora_slots=1)
     reg = Registry(Clock(), ttl_s=3.0)
     reg.beat_view(load_from_pb(beat))
     assert load_to_pb(reg.live("decode")[0]) == beat

@@ -97,10 +97,27 @@ def test_in_flight_correction_counts_requests_against_slots():
     assert picks == ["w0", "w1", "w0", "w1"]
 
 
-def test_adapter_scorer_is_the_affinity_slot():
-    ws = [WorkerView("w0", "", "unified", adapters=("sql",)), WorkerView("w1", "", "unified")]
-    assert AdapterScorer().score(ws, RouteContext(adapter="sql")) == [1.0, 0.0]
-    assert AdapterScorer().score(ws, RouteContext()) == [0.0, 0.0]
+def test_adapter_scorer_ranks_slot_over_host_over_free_slot_over_evicting():
+    ws = [WorkerView("slot", "", "unified", adapters=("sql",), host_adapters=("sql",)),
+          WorkerView("host", "", "unified", host_adapters=("sql",)),
+          WorkerView("free", "", "unified", free_lora_slots=1),
+          WorkerView("full", "", "unified", adapters=("a", "b"))]
+    assert AdapterScorer().score(ws, RouteContext(adapter="sql")) == [1.0, 0.8, 0.6, 0.0]
+    assert AdapterScorer().score(ws, RouteContext()) == [0.0] * 4
+
+
+def test_lora_aware_keeps_an_adapter_where_it_is_resident_unless_a_replica_is_less_loaded():
+    from services.router.policies import make_policy
+
+    policy = make_policy("lora-aware")
+    a = WorkerView("w0", "", "unified", capacity_tokens=1000, adapters=("sql",), known_adapters=("sql",))
+    b = WorkerView("w1", "", "unified", capacity_tokens=1000, free_lora_slots=0, known_adapters=("sql",))
+    a.outstanding_tokens, b.outstanding_tokens = 600, 100
+    assert policy.select([a, b], 10, RouteContext(adapter="sql"))[0].worker_id == "w0"  # b would have to evict
+    b.host_adapters = ("sql",)  # a replica in b's memory (placement): load decides
+    assert policy.select([a, b], 10, RouteContext(adapter="sql"))[0].worker_id == "w1"
+    a.outstanding_tokens = 50
+    assert policy.select([a, b], 10, RouteContext(adapter="sql"))[0].worker_id == "w0"
 
 
 def test_policy_config_from_the_mesh_file():

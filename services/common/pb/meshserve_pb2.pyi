@@ -6,6 +6,52 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class LoadAdapterRequest(_message.Message):
+    __slots__ = ("name", "path", "prefetch")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    prefetch: bool
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., prefetch: _Optional[bool] = ...) -> None: ...
+
+class UnloadAdapterRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class ListAdaptersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class AdapterInfo(_message.Message):
+    __slots__ = ("name", "path", "rank", "targets", "slot_workers", "host_workers", "residency")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    TARGETS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    HOST_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    RESIDENCY_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    rank: int
+    targets: _containers.RepeatedScalarFieldContainer[str]
+    slot_workers: _containers.RepeatedScalarFieldContainer[str]
+    host_workers: _containers.RepeatedScalarFieldContainer[str]
+    residency: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., rank: _Optional[int] = ..., targets: _Optional[_Iterable[str]] = ..., slot_workers: _Optional[_Iterable[str]] = ..., host_workers: _Optional[_Iterable[str]] = ..., residency: _Optional[str] = ...) -> None: ...
+
+class AdapterList(_message.Message):
+    __slots__ = ("adapters", "base_model")
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    adapters: _containers.RepeatedCompositeFieldContainer[AdapterInfo]
+    base_model: str
+    def __init__(self, adapters: _Optional[_Iterable[_Union[AdapterInfo, _Mapping]]] = ..., base_model: _Optional[str] = ...) -> None: ...
+
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
     IDS_FIELD_NUMBER: _ClassVar[int]
@@ -83,14 +129,16 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "max_model_len", "vocab_size")
+    __slots__ = ("name", "max_model_len", "vocab_size", "parent")
     NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
     name: str
     max_model_len: int
     vocab_size: int
-    def __init__(self, name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ...) -> None: ...
+    parent: str
+    def __init__(self, name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., parent: _Optional[str] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("models",)
@@ -161,7 +209,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "role", "blocks_used", "blocks_cached", "blocks_free", "blocks_total", "running", "waiting", "outstanding_tokens", "aborted")
+    __slots__ = ("worker_id", "role", "blocks_used", "blocks_cached", "blocks_free", "blocks_total", "running", "waiting", "outstanding_tokens", "aborted", "lora_loads", "lora_load_s", "lora_slot_loads", "lora_hits", "lora_misses")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
@@ -172,6 +220,11 @@ class WorkerStats(_message.Message):
     WAITING_FIELD_NUMBER: _ClassVar[int]
     OUTSTANDING_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ABORTED_FIELD_NUMBER: _ClassVar[int]
+    LORA_LOADS_FIELD_NUMBER: _ClassVar[int]
+    LORA_LOAD_S_FIELD_NUMBER: _ClassVar[int]
+    LORA_SLOT_LOADS_FIELD_NUMBER: _ClassVar[int]
+    LORA_HITS_FIELD_NUMBER: _ClassVar[int]
+    LORA_MISSES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     blocks_used: int
@@ -182,7 +235,12 @@ class WorkerStats(_message.Message):
     waiting: int
     outstanding_tokens: int
     aborted: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., blocks_used: _Optional[int] = ..., blocks_cached: _Optional[int] = ..., blocks_free: _Optional[int] = ..., blocks_total: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., aborted: _Optional[int] = ...) -> None: ...
+    lora_loads: int
+    lora_load_s: float
+    lora_slot_loads: int
+    lora_hits: int
+    lora_misses: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., blocks_used: _Optional[int] = ..., blocks_cached: _Optional[int] = ..., blocks_free: _Optional[int] = ..., blocks_total: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., aborted: _Optional[int] = ..., lora_loads: _Optional[int] = ..., lora_load_s: _Optional[float] = ..., lora_slot_loads: _Optional[int] = ..., lora_hits: _Optional[int] = ..., lora_misses: _Optional[int] = ...) -> None: ...
 
 class WorkerId(_message.Message):
     __slots__ = ("worker_id",)
@@ -191,7 +249,7 @@ class WorkerId(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("worker_id", "address", "role", "outstanding_tokens", "kv_capacity_tokens", "kv_used_tokens", "running", "waiting", "adapters", "block_size", "index_member", "decode_tokens_per_s", "max_num_seqs", "prefill_s_per_token", "decode_s_per_step", "host", "kv_pool")
+    __slots__ = ("worker_id", "address", "role", "outstanding_tokens", "kv_capacity_tokens", "kv_used_tokens", "running", "waiting", "adapters", "block_size", "index_member", "decode_tokens_per_s", "max_num_seqs", "prefill_s_per_token", "decode_s_per_step", "host", "kv_pool", "host_adapters", "lora_slots", "free_lora_slots", "known_adapters", "pinned_adapters")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -209,6 +267,11 @@ class WorkerLoad(_message.Message):
     DECODE_S_PER_STEP_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     KV_POOL_FIELD_NUMBER: _ClassVar[int]
+    HOST_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    LORA_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    FREE_LORA_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    PINNED_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     role: str
@@ -226,7 +289,12 @@ class WorkerLoad(_message.Message):
     decode_s_per_step: float
     host: str
     kv_pool: bool
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[str] = ..., outstanding_tokens: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., adapters: _Optional[_Iterable[str]] = ..., block_size: _Optional[int] = ..., index_member: _Optional[str] = ..., decode_tokens_per_s: _Optional[float] = ..., max_num_seqs: _Optional[int] = ..., prefill_s_per_token: _Optional[float] = ..., decode_s_per_step: _Optional[float] = ..., host: _Optional[str] = ..., kv_pool: _Optional[bool] = ...) -> None: ...
+    host_adapters: _containers.RepeatedScalarFieldContainer[str]
+    lora_slots: int
+    free_lora_slots: int
+    known_adapters: _containers.RepeatedScalarFieldContainer[str]
+    pinned_adapters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[str] = ..., outstanding_tokens: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., adapters: _Optional[_Iterable[str]] = ..., block_size: _Optional[int] = ..., index_member: _Optional[str] = ..., decode_tokens_per_s: _Optional[float] = ..., max_num_seqs: _Optional[int] = ..., prefill_s_per_token: _Optional[float] = ..., decode_s_per_step: _Optional[float] = ..., host: _Optional[str] = ..., kv_pool: _Optional[bool] = ..., host_adapters: _Optional[_Iterable[str]] = ..., lora_slots: _Optional[int] = ..., free_lora_slots: _Optional[int] = ..., known_adapters: _Optional[_Iterable[str]] = ..., pinned_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("interval_ms",)

@@ -51,6 +51,21 @@ class GenerationStub:
                 request_serializer=meshserve__pb2.TokenizeRequest.SerializeToString,
                 response_deserializer=meshserve__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/meshserve.v1.Generation/LoadAdapter',
+                request_serializer=meshserve__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=meshserve__pb2.AdapterList.FromString,
+                _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/meshserve.v1.Generation/UnloadAdapter',
+                request_serializer=meshserve__pb2.UnloadAdapterRequest.SerializeToString,
+                response_deserializer=meshserve__pb2.AdapterList.FromString,
+                _registered_method=True)
+        self.ListAdapters = channel.unary_unary(
+                '/meshserve.v1.Generation/ListAdapters',
+                request_serializer=meshserve__pb2.ListAdaptersRequest.SerializeToString,
+                response_deserializer=meshserve__pb2.AdapterList.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -77,6 +92,26 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapter(self, request, context):
+        """LoRA adapters at run time (an admin key: a tenant with admin: true, or any caller of an open mesh). Load
+        registers a PEFT folder on every worker (all or none); Unload lets requests already accepted finish.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListAdapters(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -94,6 +129,21 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Tokenize,
                     request_deserializer=meshserve__pb2.TokenizeRequest.FromString,
                     response_serializer=meshserve__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=meshserve__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=meshserve__pb2.AdapterList.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=meshserve__pb2.UnloadAdapterRequest.FromString,
+                    response_serializer=meshserve__pb2.AdapterList.SerializeToString,
+            ),
+            'ListAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListAdapters,
+                    request_deserializer=meshserve__pb2.ListAdaptersRequest.FromString,
+                    response_serializer=meshserve__pb2.AdapterList.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -189,6 +239,87 @@ class Generation:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshserve.v1.Generation/LoadAdapter',
+            meshserve__pb2.LoadAdapterRequest.SerializeToString,
+            meshserve__pb2.AdapterList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshserve.v1.Generation/UnloadAdapter',
+            meshserve__pb2.UnloadAdapterRequest.SerializeToString,
+            meshserve__pb2.AdapterList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshserve.v1.Generation/ListAdapters',
+            meshserve__pb2.ListAdaptersRequest.SerializeToString,
+            meshserve__pb2.AdapterList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class WorkerStub:
     """---------------------------------------------------------------- workers
@@ -220,6 +351,21 @@ class WorkerStub:
                 '/meshserve.v1.Worker/Stats',
                 request_serializer=meshserve__pb2.StatsRequest.SerializeToString,
                 response_deserializer=meshserve__pb2.WorkerStats.FromString,
+                _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/meshserve.v1.Worker/LoadAdapter',
+                request_serializer=meshserve__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=meshserve__pb2.AdapterList.FromString,
+                _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/meshserve.v1.Worker/UnloadAdapter',
+                request_serializer=meshserve__pb2.UnloadAdapterRequest.SerializeToString,
+                response_deserializer=meshserve__pb2.AdapterList.FromString,
+                _registered_method=True)
+        self.ListAdapters = channel.unary_unary(
+                '/meshserve.v1.Worker/ListAdapters',
+                request_serializer=meshserve__pb2.ListAdaptersRequest.SerializeToString,
+                response_deserializer=meshserve__pb2.AdapterList.FromString,
                 _registered_method=True)
 
 
@@ -255,6 +401,24 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListAdapters(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -277,6 +441,21 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=meshserve__pb2.StatsRequest.FromString,
                     response_serializer=meshserve__pb2.WorkerStats.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=meshserve__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=meshserve__pb2.AdapterList.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=meshserve__pb2.UnloadAdapterRequest.FromString,
+                    response_serializer=meshserve__pb2.AdapterList.SerializeToString,
+            ),
+            'ListAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListAdapters,
+                    request_deserializer=meshserve__pb2.ListAdaptersRequest.FromString,
+                    response_serializer=meshserve__pb2.AdapterList.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -389,6 +568,87 @@ class Worker:
             '/meshserve.v1.Worker/Stats',
             meshserve__pb2.StatsRequest.SerializeToString,
             meshserve__pb2.WorkerStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshserve.v1.Worker/LoadAdapter',
+            meshserve__pb2.LoadAdapterRequest.SerializeToString,
+            meshserve__pb2.AdapterList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshserve.v1.Worker/UnloadAdapter',
+            meshserve__pb2.UnloadAdapterRequest.SerializeToString,
+            meshserve__pb2.AdapterList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshserve.v1.Worker/ListAdapters',
+            meshserve__pb2.ListAdaptersRequest.SerializeToString,
+            meshserve__pb2.AdapterList.FromString,
             options,
             channel_credentials,
             insecure,
