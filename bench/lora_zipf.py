@@ -11,8 +11,9 @@ Systems, each on a fresh mesh (cold adapter caches):
 - lora-least-outstanding: least-outstanding routing, no placement;
 - lora-aware: the lora-aware policy (LoRA affinity + load + prefix) and demand placement.
 Each gets, in order: (1) the requests as Poisson arrivals at 70% of base-only's throughput -> TTFT,
-adapter reads from disk (`adapter_loads`) and their seconds, copies into slots, from the workers' Stats;
-(2) the same requests all at once -> output tokens/s (capacity). With --peer-vllm, vLLM-CPU's offline
+adapter reads from disk (`adapter_loads`) and their seconds, copies into slots (`slot_loads`), from the
+workers' Stats, on cold caches; (2) the same requests all at once -> output tokens/s (capacity), and the
+same counters again (`*_warm`: the caches as the first pass left them, the steady state). With --peer-vllm, vLLM-CPU's offline
 engine (--enable-lora, max_loras 8, max_cpu_loras 32, max_lora_rank 64) runs the burst on the same
 adapters and requests (never in CI).
 """
@@ -49,6 +50,7 @@ def add_flags(p) -> None:
     g = p.add_argument_group("lora-zipf")
     g.add_argument("--lora-requests", type=int, help="requests (default 400; 96 with --quick)")
     g.add_argument("--lora-systems", default="", help=f"comma-separated subset of {', '.join(SYSTEMS)} (default: all)")
+    g.add_argument("--lora-slots", type=int, default=SLOTS, help=f"compute slots per worker (default {SLOTS})")
 
 
 def write_adapters(root: Path, model_dir: Path, n: int = N_ADAPTERS, seed: int = 0) -> list[str]:
@@ -113,7 +115,7 @@ def run(args) -> int:
     used = {r["adapter"] for r in reqs}
     log(f"{n} requests over {len(used)} of {N_ADAPTERS} adapters (Zipf 1.1); adapters in {root}")
     systems = [s for s in (args.lora_systems.split(",") if args.lora_systems else SYSTEMS) if s]
-    engine = ["--max-num-batched-tokens", "512", "--max-loras", str(SLOTS), "--max-cpu-loras", str(HOST),
+    engine = ["--max-num-batched-tokens", "512", "--max-loras", str(args.lora_slots), "--max-cpu-loras", str(HOST),
               "--max-lora-rank", str(MAX_RANK), "--lora-dir", str(root)]
 
     def mesh(system: str) -> Mesh:
@@ -137,13 +139,15 @@ def run(args) -> int:
             before = lora_counters(m)
             log(f"{system}: {n} requests at {rate:.2f} req/s")
             timings, wall_online = run_online(m.gateway, batch, arrivals)
-            online = delta(lora_counters(m), before)
+            after = lora_counters(m)
             log(f"{system}: all {n} at once")
             burst_t, burst_wall = run_online(m.gateway, batch, [0.0] * n)
+            warm_counts = delta(lora_counters(m), after)
         out = summarize(timings, wall_online)
         burst = summarize(burst_t, burst_wall)
         results[system] = {**{k: out[k] for k in ("ttft_ms_p50", "ttft_ms_p99", "e2e_ms_p50", "e2e_ms_p99")},
-                           "output_tokens_per_s": burst["output_tokens_per_s"], **online}
+                           "output_tokens_per_s": burst["output_tokens_per_s"], **delta(after, before),
+                           **{f"{k}_warm": v for k, v in warm_counts.items()}}
         log(f"{system}: {results[system]}")
     if getattr(args, "peer_vllm", None):
         results["vllm-cpu"] = run_vllm(args, model_dir, root, reqs)
@@ -155,15 +159,15 @@ def run(args) -> int:
                     results[s]["output_tokens_per_s"] / results["base-only"]["output_tokens_per_s"], 3)
     lo, aware = results.get("lora-least-outstanding"), results.get("lora-aware")
     if lo and aware:
-        ratios["lora-least-outstanding/lora-aware:adapter_loads"] = round(
-            lo["adapter_loads"] / max(aware["adapter_loads"], 1), 2)
+        for k in ("adapter_loads", "adapter_loads_warm", "slot_loads", "slot_loads_warm"):
+            ratios[f"lora-least-outstanding/lora-aware:{k}"] = round(lo[k] / max(aware[k], 1), 2)
         ratios["lora-aware/lora-least-outstanding:ttft_ms_p99"] = round(aware["ttft_ms_p99"] / lo["ttft_ms_p99"], 3)
     if aware and "vllm-cpu" in results:
         ratios["lora-aware/vllm-cpu:output_tokens_per_s"] = round(
             aware["output_tokens_per_s"] / results["vllm-cpu"]["output_tokens_per_s"], 3)
     result = {"workload": "lora-zipf", "command": args.command_line, "machine": machine(),
               "config": {"requests": n, "adapters": N_ADAPTERS, "adapters_used": len(used), "zipf": 1.1,
-                         "slots": SLOTS, "host_tier": HOST, "max_rank": MAX_RANK, "ranks": RANKS,
+                         "slots": args.lora_slots, "host_tier": HOST, "max_rank": MAX_RANK, "ranks": RANKS,
                          "target_sets": [list(t) for t in TARGET_SETS], "workers": 2, "threads_per_worker": 1,
                          "load": LOAD, "offered_req_per_s": round(rate, 3), "model": str(model_dir)},
               "systems": results, "ratios": ratios}

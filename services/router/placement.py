@@ -1,15 +1,21 @@
 """LoRA adapter placement by measured demand: a pure policy (no I/O; the clock is passed in).
 
 The router observes the adapter of every request it routes; plan() turns the last window_s of them into
-prefetch orders (worker, adapter): an adapter gets one replica per slot's worth of the traffic,
-    replicas(a) = min(workers, ceil(share(a) * workers * slots per worker)),
-so one that would keep a compute slot busy on more than one worker is read into memory (and a free slot)
-on that many workers before its requests arrive there, and the router's affinity scorer can then spread
-it by load instead of queueing it behind one worker's slots. A worker holds an adapter when it is in its
-slots or host memory (its heartbeat says which); new replicas go to the workers with the most free slots,
-then the fewest adapters in memory, then the lowest id. Cold adapters (one replica) are left to routing
-and the workers' own LRU. An order is not repeated for reorder_s (the heartbeat shows it after a read),
-and a worker gets at most max_orders per plan.
+homes (which workers of a pool serve each adapter) and prefetch orders (worker, adapter):
+
+- replicas: one per slot's worth of the traffic, replicas(a) = min(workers, ceil(share(a) * workers * slots)),
+  so an adapter that would keep a compute slot busy on more than one worker is served by that many;
+- homes: adapters in order of demand, each to the workers with the least demand homed so far (one that holds
+  it already, in a slot or in memory, is favoured by STICKY of a worker's fair share of the demand, so homes
+  stay put unless the imbalance is larger: moving a home costs a read); the demand is balanced across
+  workers, and each worker sees only its share of the adapters, so fewer of them contend for its slots and
+  host memory;
+- orders: a replicated adapter's home that does not hold it is told to read it into memory (and a free slot)
+  before the adapter's next request there; at most max_orders per worker per plan, none repeated for
+  reorder_s (the heartbeat shows the adapter once read). A single home reads its adapter on demand.
+
+The router's adapter scorer prefers an adapter's homes (services/router/scoring.py); load still decides
+between them, and against them when they are far busier.
 """
 
 from __future__ import annotations
@@ -19,15 +25,17 @@ from collections import Counter, deque
 
 from services.router.views import WorkerView
 
+STICKY = 0.1  # a worker holding an adapter counts this fraction of a worker's fair share less when homing it
+
 
 class AdapterPlacement:
     def __init__(self, window_s: float = 60.0, max_orders: int = 2, reorder_s: float = 10.0):
         self.window_s, self.max_orders, self.reorder_s = window_s, max_orders, reorder_s
         self.seen: deque = deque()  # (time, adapter) of routed requests with an adapter
         self.counts: Counter = Counter()
-        self.total = 0  # requests routed in the window, adapter or not
-        self.routed: deque = deque()
+        self.routed: deque = deque()  # times of every routed request
         self.ordered: dict = {}  # (worker_id, adapter) -> when it was ordered
+        self.homes: dict = {}  # (role, adapter) -> frozenset of worker ids, from the latest plan
 
     def observe(self, adapter: str, now: float) -> None:
         """One routed request (adapter "" for the base model)."""
@@ -40,7 +48,10 @@ class AdapterPlacement:
     def _expire(self, now: float) -> None:
         edge = now - self.window_s
         while self.seen and self.seen[0][0] < edge:
-            self.counts[self.seen.popleft()[1]] -= 1
+            adapter = self.seen.popleft()[1]
+            self.counts[adapter] -= 1
+            if not self.counts[adapter]:
+                del self.counts[adapter]
         while self.routed and self.routed[0] < edge:
             self.routed.popleft()
 
@@ -51,23 +62,38 @@ class AdapterPlacement:
         share = self.counts[adapter] / len(self.routed)
         return min(len(workers), math.ceil(share * len(workers) * slots))
 
+    def home(self, role: str, adapter: str) -> frozenset:
+        """The workers of a role that the latest plan homed the adapter on (empty: not planned yet)."""
+        return self.homes.get((role, adapter), frozenset())
+
     def plan(self, workers: list[WorkerView], now: float) -> list[tuple[WorkerView, str]]:
-        """Prefetch orders for one pool of workers (one role) that should hold more replicas (module doc)."""
+        """Homes for one pool of workers (one role; see module doc); returns the prefetch orders."""
         self._expire(now)
         self.ordered = {k: t for k, t in self.ordered.items() if now - t < self.reorder_s}
+        pool = [w for w in workers if w.lora_slots]
+        if not pool:
+            return []
+        role = pool[0].role
+        self.homes = {k: v for k, v in self.homes.items() if k[0] != role}
+        homed: Counter = Counter()  # demand homed on each worker so far
         orders: list = []
         given: Counter = Counter()
-        for adapter, _ in self.counts.most_common():
-            can = [w for w in workers if adapter in w.known_adapters and w.lora_slots]
+        stick = STICKY * sum(self.counts.values()) / len(pool)
+        for adapter, count in sorted(self.counts.items(), key=lambda kv: (-kv[1], kv[0])):
+            can = [w for w in pool if adapter in w.known_adapters]
             want = self.replicas(adapter, can)
-            holders = [w for w in can if adapter in w.adapters or adapter in w.host_adapters
-                       or (w.worker_id, adapter) in self.ordered]
-            if want < 2 or len(holders) >= want:
+            if not want:
                 continue
-            spare = sorted((w for w in can if w not in holders and given[w.worker_id] < self.max_orders),
-                           key=lambda w: (-w.free_lora_slots, len(w.host_adapters), w.worker_id))
-            for w in spare[:want - len(holders)]:
-                orders.append((w, adapter))
-                given[w.worker_id] += 1
-                self.ordered[(w.worker_id, adapter)] = now
+
+            def holds(w: WorkerView) -> bool:
+                return adapter in w.adapters or adapter in w.host_adapters or (w.worker_id, adapter) in self.ordered
+
+            chosen = sorted(can, key=lambda w: (homed[w.worker_id] - (stick if holds(w) else 0.0), w.worker_id))[:want]
+            for w in chosen:
+                homed[w.worker_id] += count / want
+                if want > 1 and not holds(w) and given[w.worker_id] < self.max_orders:
+                    orders.append((w, adapter))
+                    given[w.worker_id] += 1
+                    self.ordered[(w.worker_id, adapter)] = now
+            self.homes[(role, adapter)] = frozenset(w.worker_id for w in chosen)
         return orders

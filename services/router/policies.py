@@ -11,7 +11,7 @@
 The candidates come from the Filter stage (filters.py). select(workers, cost, ctx) only decides
 and says why; the router commits the decision through on_routed(worker, cost), the one commit
 path: the in-flight correction (views.charge) and whatever state the policy keeps (the turn of
-round-robin). `uses_prefix` tells the router whether to look the prompt up in the prefix index.
+round-robin; the adapters it was sent, until its next heartbeat). `uses_prefix` tells the router whether to look the prompt up in the prefix index.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ class RoutingPolicy:
     name = ""
     uses_prefix = False
 
-    def on_routed(self, worker: WorkerView, cost: int) -> None:
-        charge(worker, cost)
+    def on_routed(self, worker: WorkerView, cost: int, adapter: str = "") -> None:
+        charge(worker, cost, adapter)
 
 
 class RoundRobin(RoutingPolicy):
@@ -41,9 +41,9 @@ class RoundRobin(RoutingPolicy):
         pick = ordered[self.turn.get(ordered[0].role, 0) % len(ordered)]
         return pick, f"round-robin over {len(ordered)}"
 
-    def on_routed(self, worker: WorkerView, cost: int) -> None:
+    def on_routed(self, worker: WorkerView, cost: int, adapter: str = "") -> None:
         self.turn[worker.role] = self.turn.get(worker.role, 0) + 1
-        super().on_routed(worker, cost)
+        super().on_routed(worker, cost, adapter)
 
 
 class LeastOutstanding(RoutingPolicy):

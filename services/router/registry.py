@@ -30,6 +30,7 @@ class Registry:
             w = self.workers[worker_id] = WorkerView(worker_id, address, role)
         w.outstanding_tokens, w.capacity_tokens = outstanding, max(capacity, 1)
         w.routed_since_beat, w.routed_requests, w.last_seen_s = 0, 0, self.clock()
+        w.routed_adapters = set()
         for name, value in extra.items():
             setattr(w, name, value)
 

@@ -10,8 +10,10 @@ then only the load scorer counts. Loads are as views.loads() defines them.
 - PrefixScorer: the fraction of the prompt's full blocks the worker already caches; blocks beyond those that
   its host's KV pool holds (and it takes from there) count POOL_CREDIT each: far cheaper than computing them,
   a little dearer than a local hit (they are copied in).
-- AdapterScorer: the LoRA affinity of the request's adapter (llm-d's tiers): 1 in a compute slot, 0.8 in host
-  memory, 0.6 with a free slot (one read from disk), 0 where taking it means evicting another adapter.
+- AdapterScorer: the LoRA affinity of the request's adapter (llm-d's tiers, and one more): 1 in a compute slot,
+  0.8 in host memory, 0.6 with a free slot (one read from disk), 0.3 where another adapter's idle slot must go,
+  0 where every slot is held by other adapters' running requests (it would wait for one to finish). Where the
+  placement homed the adapter (placement.py), half the score is being one of its homes, half the residency.
 """
 
 from __future__ import annotations
@@ -52,13 +54,19 @@ class PrefixScorer:
         return [effective_blocks(w, ctx) / ctx.prompt_blocks for w in workers]
 
 
-AFFINITY = {"slot": 1.0, "host": 0.8, "free-slot": 0.6, "evict": 0.0}
+AFFINITY = {"slot": 1.0, "host": 0.8, "free-slot": 0.6, "evict": 0.3, "blocked": 0.0}
 
 
 def residency(worker: WorkerView, adapter: str) -> str:
-    """Where an adapter stands on a worker: slot | host | free-slot | evict."""
+    """Where an adapter stands on a worker: slot (in a compute slot), host (in memory, a slot to be had), free-slot
+    (one read from disk into a free slot), evict (another adapter's idle slot must go), blocked (every slot is held
+    by other adapters' running requests, by its last heartbeat and what was routed there since: the request would
+    wait for one of them to finish)."""
     if adapter in worker.adapters:
         return "slot"
+    held = set(worker.pinned_adapters) | worker.routed_adapters
+    if worker.lora_slots and len(held - {adapter}) >= worker.lora_slots:
+        return "blocked"
     if adapter in worker.host_adapters:
         return "host"
     return "free-slot" if worker.free_lora_slots > 0 else "evict"
@@ -70,7 +78,10 @@ class AdapterScorer:
     def score(self, workers: list[WorkerView], ctx: RouteContext) -> list[float]:
         if not ctx.adapter:
             return [0.0] * len(workers)
-        return [AFFINITY[residency(w, ctx.adapter)] for w in workers]
+        scores = [AFFINITY[residency(w, ctx.adapter)] for w in workers]
+        if ctx.homes:  # placement's homes count half: residency the other half
+            scores = [0.5 * s + (0.5 if w.worker_id in ctx.homes else 0.0) for s, w in zip(scores, workers)]
+        return scores
 
 
 SCORERS = {s.name: s for s in (LoadScorer, PrefixScorer, AdapterScorer)}

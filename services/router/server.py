@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import replace
 
 import grpc
 
@@ -113,10 +114,13 @@ class RouterServicer(pb_grpc.RouterServicer):
         hashes, ctx = [], None
         if policy.uses_prefix and role in PREFIX_ROLES and (request.prompt_u32 or request.prompt_token_ids):
             hashes, ctx = await self._prefix_context(workers, request)
+        if request.adapter:  # the LoRA affinity scorer reads the adapter and where placement homed it
+            homes = self.placement.home(role, request.adapter) if self.placement is not None else frozenset()
+            ctx = replace(ctx, homes=homes) if ctx else RouteContext(adapter=request.adapter, homes=homes)
         worker, why = policy.select(workers, cost, ctx)
         cached = ctx.cached_blocks.get(worker.worker_id, 0) * worker.block_size if ctx else 0
         spared = int(effective_blocks(worker, ctx) * worker.block_size) if ctx else 0
-        policy.on_routed(worker, max(cost - spared, 1))  # a cached prefix is work the worker will not do
+        policy.on_routed(worker, max(cost - spared, 1), request.adapter)  # a cached prefix is work it will not do
         if hashes:
             self.recent.record(hashes, worker.worker_id)
         return worker, why, cached

@@ -23,6 +23,7 @@ class WorkerView:
     capacity_tokens: int = 1  # KV pool token capacity
     routed_since_beat: int = 0  # tokens routed to it since its last heartbeat (in-flight correction)
     routed_requests: int = 0  # requests routed to it since its last heartbeat
+    routed_adapters: set = field(default_factory=set)  # LoRA adapters routed to it since its last heartbeat
     running: int = 0  # requests in its batch, from the last heartbeat
     waiting: int = 0  # requests queued in its engine
     last_seen_s: float = 0.0  # clock of the last heartbeat
@@ -46,10 +47,12 @@ class WorkerView:
         return self.outstanding_tokens + self.routed_since_beat
 
 
-def charge(worker: WorkerView, cost: int) -> None:
+def charge(worker: WorkerView, cost: int, adapter: str = "") -> None:
     """The in-flight correction of one routed request, until the worker's next heartbeat."""
     worker.routed_since_beat += cost
     worker.routed_requests += 1
+    if adapter:
+        worker.routed_adapters.add(adapter)
 
 
 def loads(workers: list[WorkerView]) -> list[float]:
@@ -71,3 +74,4 @@ class RouteContext:
     cached_blocks: dict = field(default_factory=dict)  # worker_id -> longest cached prefix, in blocks
     adapter: str = ""  # the request's LoRA adapter ("" = base model)
     pooled_blocks: dict = field(default_factory=dict)  # worker_id -> longest prefix its host's KV pool holds
+    homes: frozenset = frozenset()  # worker ids that placement homed the adapter on (empty: none planned)

@@ -101,9 +101,14 @@ def test_adapter_scorer_ranks_slot_over_host_over_free_slot_over_evicting():
     ws = [WorkerView("slot", "", "unified", adapters=("sql",), host_adapters=("sql",)),
           WorkerView("host", "", "unified", host_adapters=("sql",)),
           WorkerView("free", "", "unified", free_lora_slots=1),
-          WorkerView("full", "", "unified", adapters=("a", "b"))]
-    assert AdapterScorer().score(ws, RouteContext(adapter="sql")) == [1.0, 0.8, 0.6, 0.0]
-    assert AdapterScorer().score(ws, RouteContext()) == [0.0] * 4
+          WorkerView("full", "", "unified", adapters=("a", "b"), lora_slots=2),
+          WorkerView("blocked", "", "unified", adapters=("a", "b"), pinned_adapters=("a", "b"), lora_slots=2,
+                     host_adapters=("sql",)),
+          WorkerView("blocked-since", "", "unified", adapters=("a", "b"), pinned_adapters=("a",), lora_slots=2,
+                     routed_adapters={"b"})]
+    assert AdapterScorer().score(ws, RouteContext(adapter="sql")) == [1.0, 0.8, 0.6, 0.3, 0.0, 0.0]
+    assert AdapterScorer().score(ws, RouteContext()) == [0.0] * 6
+    assert AdapterScorer().score(ws, RouteContext(adapter="a"))[4] == 1.0  # joins its own pinned slot
 
 
 def test_lora_aware_keeps_an_adapter_where_it_is_resident_unless_a_replica_is_less_loaded():
@@ -111,10 +116,14 @@ def test_lora_aware_keeps_an_adapter_where_it_is_resident_unless_a_replica_is_le
 
     policy = make_policy("lora-aware")
     a = WorkerView("w0", "", "unified", capacity_tokens=1000, adapters=("sql",), known_adapters=("sql",))
-    b = WorkerView("w1", "", "unified", capacity_tokens=1000, free_lora_slots=0, known_adapters=("sql",))
+    b = WorkerView("w1", "", "unified", capacity_tokens=1000, known_adapters=("sql",), lora_slots=1,
+                   adapters=("x",), pinned_adapters=("x",))
     a.outstanding_tokens, b.outstanding_tokens = 600, 100
-    assert policy.select([a, b], 10, RouteContext(adapter="sql"))[0].worker_id == "w0"  # b would have to evict
-    b.host_adapters = ("sql",)  # a replica in b's memory (placement): load decides
+    assert policy.select([a, b], 10, RouteContext(adapter="sql"))[0].worker_id == "w0"  # b's one slot is in use
+    b.pinned_adapters = ()
+    assert policy.select([a, b], 10, RouteContext(adapter="sql"))[0].worker_id == "w1"  # b can evict an idle slot
+    b.pinned_adapters, b.lora_slots = ("x",), 2
+    b.host_adapters = ("sql",)  # a replica in b's memory (placement) and a slot to be had: load decides
     assert policy.select([a, b], 10, RouteContext(adapter="sql"))[0].worker_id == "w1"
     a.outstanding_tokens = 50
     assert policy.select([a, b], 10, RouteContext(adapter="sql"))[0].worker_id == "w0"
@@ -135,3 +144,10 @@ def test_policy_config_from_the_mesh_file():
 def test_bad_policy_config_is_refused(config, fragment):
     with pytest.raises(ValueError, match=fragment):
         make_policy("prefix-aware", config)
+
+
+def test_an_adapters_homes_count_half_of_its_affinity():
+    ws = [WorkerView("home", "", "unified", lora_slots=2, free_lora_slots=2),
+          WorkerView("slot", "", "unified", lora_slots=2, adapters=("sql",))]
+    assert AdapterScorer().score(ws, RouteContext(adapter="sql")) == [0.6, 1.0]  # no plan yet: residency alone
+    assert AdapterScorer().score(ws, RouteContext(adapter="sql", homes=frozenset({"home"}))) == [0.8, 0.5]
