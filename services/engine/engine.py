@@ -561,7 +561,7 @@ class LLMEngine:
         failed = []
         while self.lora.failed:
             name, why = self.lora.failed.popitem()
-            self.lora.known.pop(name, None)
+            self.lora.forget(name)
             for req in [r for r in self.scheduler.waiting if r.adapter == name]:
                 log.error("request %s: %s", req.req_id, why)
                 self.scheduler.finish(req, "abort")

@@ -326,6 +326,11 @@ class AdapterResidency:
             raise NotFound(f"adapter {name!r} is not loaded")
         self.retired[name] = (info, self.clock())
 
+    def forget(self, name: str) -> None:
+        """Unregister at once (its read failed: the folder is broken or gone)."""
+        self.known.pop(name, None)
+        self.retired.pop(name, None)
+
     def serves(self, name: str) -> bool:
         return name in self.known or name in self.retired
 

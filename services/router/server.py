@@ -66,6 +66,7 @@ class RouterServicer(pb_grpc.RouterServicer):
         its plan."""
         self.registry, self.mode, self.beat_ms, self.index = registry, mode, beat_ms, index
         self.placement, self.channels = placement, rpc.ChannelPool()
+        self.prefetches: set = set()  # prefetch calls in flight (held here so that none is collected mid-call)
         self.policies = {role: policy_factory() for role in ("prefill", "decode", "unified")}
         self.recent = recent or RecentRoutes(registry.clock)
         self.metrics = RouterMetrics(registry, meter)
@@ -156,7 +157,9 @@ class RouterServicer(pb_grpc.RouterServicer):
         now, live, sent = self.registry.clock(), self.registry.prune(), 0
         for role in ("prefill", "decode", "unified"):
             for worker, adapter in self.placement.plan([w for w in live if w.role == role], now):
-                asyncio.get_running_loop().create_task(self._prefetch(worker, adapter))
+                task = asyncio.get_running_loop().create_task(self._prefetch(worker, adapter))
+                self.prefetches.add(task)
+                task.add_done_callback(self.prefetches.discard)
                 sent += 1
         return sent
 

@@ -304,7 +304,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
     @rpc.mapped
     async def LoadAdapter(self, request, context):
-        rpc.require_peer(context, "gateway", "router", "client")
+        rpc.require_peer(context, "gateway", "router")  # the gateway checked the admin key; the router prefetches
         if request.path:
             await self.runner.call("load_adapter", request.name, request.path, request.prefetch)
         elif not request.prefetch:
@@ -315,7 +315,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
     @rpc.mapped
     async def UnloadAdapter(self, request, context):
-        rpc.require_peer(context, "gateway", "client")
+        rpc.require_peer(context, "gateway")
         await self.runner.call("unload_adapter", request.name)
         return await self._adapters()
 

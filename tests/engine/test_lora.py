@@ -14,7 +14,7 @@ from services.engine.config import CacheConfig, EngineConfig, LoRAConfig, Schedu
 from services.engine.engine import LLMEngine
 from services.engine.lora import AdapterResidency
 from tests.support.lora import ADAPTERS, peft_greedy, save_peft_adapter
-from tests.support.reference import assert_matches, greedy, random_prompts, save_hf_model
+from tests.support.reference import assert_matches, greedy, random_prompts, run_all, save_hf_model
 
 NEW_TOKENS = 12
 N_PROMPTS = 15  # three per adapter and three for the base model
@@ -60,16 +60,7 @@ def lora_engine(base, adapters, max_loras=8, max_cpu_loras=32, max_seqs=64, max_
 
 
 def run(engine, prompts, assigned, check=None) -> list:
-    for i, (p, a) in enumerate(zip(prompts, assigned)):
-        engine.add_request(f"r{i}", p, greedy(NEW_TOKENS), adapter=a)
-    done = {}
-    while engine.has_unfinished():
-        for o in engine.step():
-            if o.finished:
-                done[o.req_id] = o.request.output_token_ids
-        if check:
-            check(engine)
-    return [done[f"r{i}"] for i in range(len(prompts))]
+    return run_all(engine, prompts, greedy(NEW_TOKENS), check, assigned)
 
 
 @pytest.mark.parametrize("kernel", ["compiled", "gathered"])

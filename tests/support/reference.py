@@ -98,10 +98,11 @@ def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
-def run_all(engine: LLMEngine, prompts: list, params: SamplingParams, check=None) -> list:
-    """Add every prompt, step until done; returns output tokens in prompt order. check() runs after each step."""
+def run_all(engine: LLMEngine, prompts: list, params: SamplingParams, check=None, adapters=None) -> list:
+    """Add every prompt (with its LoRA adapter from adapters, if given), step until done; returns output tokens in
+    prompt order. check() runs after each step."""
     for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, params)
+        engine.add_request(f"r{i}", p, params, adapter=adapters[i] if adapters else "")
     done = {}
     while engine.has_unfinished():
         for o in engine.step():

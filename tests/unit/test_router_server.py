@@ -155,3 +155,46 @@ def test_a_pool_resident_prefix_counts_for_the_workers_of_its_host_that_take_fro
         assert (await route(router)).decode_worker == "addr-w1"
         await client.aclose()
     asyncio.run(go())
+
+
+def test_lora_routes_by_placement_homes_and_prefetches_hot_adapters():
+    """Route with an adapter: only workers that registered it; the hot one is homed on both (and prefetched where
+    missing), a cold one on one worker, where its requests then go."""
+    from services.router.placement import AdapterPlacement
+
+    clock = Clock()
+    registry = Registry(clock)
+    servicer = RouterServicer(registry, functools.partial(make_policy, "lora-aware", {}), "unified", 1000,
+                              placement=AdapterPlacement(), meter=MeterProvider().get_meter("test"))
+    sent = []
+
+    async def prefetch(worker, adapter):
+        sent.append((worker.worker_id, adapter))
+    servicer._prefetch = prefetch
+
+    async def beats():  # both idle again: what was routed since the last beat is forgotten
+        for wid, held in (("w0", ("hot",)), ("w1", ())):
+            await servicer.Heartbeat(pb.WorkerLoad(
+                worker_id=wid, address=f"addr-{wid}", role="unified", kv_capacity_tokens=10_000, block_size=BS,
+                known_adapters=["hot", "cold", "only0"] if wid == "w0" else ["hot", "cold"], adapters=held,
+                host_adapters=held, lora_slots=2, free_lora_slots=2 - len(held)), None)
+
+    async def scenario():
+        await beats()
+        picks = []
+        for adapter in ["hot"] * 6 + ["cold", "only0"]:
+            d = await servicer.Route(pb.RouteRequest(prompt_tokens=8, max_tokens=8, adapter=adapter,
+                                                     prompt_token_ids=PROMPT[:8]), None)
+            picks.append(d.decode_worker)
+        assert picks[-1] == "addr-w0"  # only w0 registered it
+        await servicer.place()
+        await asyncio.sleep(0)
+        homes = servicer.placement.home("unified", "cold")
+        assert servicer.placement.home("unified", "hot") == {"w0", "w1"} and len(homes) == 1
+        assert sent == [("w1", "hot")]  # the hot adapter's replica that lacks it; cold ones are read on demand
+        await beats()
+        d = await servicer.Route(pb.RouteRequest(prompt_tokens=8, max_tokens=8, adapter="cold",
+                                                 prompt_token_ids=PROMPT[:8]), None)
+        assert d.decode_worker == f"addr-{next(iter(homes))}"
+
+    asyncio.run(scenario())
