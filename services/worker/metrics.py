@@ -9,6 +9,8 @@ latency between consecutive tokens of a request seen here, e2e from arrival to f
 
 from __future__ import annotations
 
+import os
+
 from opentelemetry import metrics
 
 # vLLM's histogram buckets (seconds), so dashboards read the same quantiles.
@@ -18,6 +20,16 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                40.0, 80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0, 1920.0, 7680.0)
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process (its threads included), from /proc; 0 when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
 
 
 class WorkerMetrics:
@@ -61,6 +73,13 @@ class WorkerMetrics:
                 ("meshserve.worker.lora_loads", lambda s: s.loads, "adapter reads from disk into host memory"),
                 ("meshserve.worker.lora_slot_loads", lambda s: s.slot_loads, "adapter copies into a compute slot")):
             meter.create_observable_counter(name, [self._observe_lora(read)], description=desc)
+        # CPU: the servicer's and the engine core's, for the CPU-utilisation autoscaling baseline (the HPA's signal)
+        self.cpu_pids: list[int] = []
+        self.cpu_cores = 1.0
+        meter.create_observable_counter("meshserve.worker.cpu_seconds", [self._cpu_seconds], unit="s",
+                                        description="CPU time of the worker's processes (servicer + engine core)")
+        meter.create_observable_gauge("meshserve.worker.cpu_cores", [self._cores],
+                                      description="cores the worker's engine is given (its torch threads)")
         self.lora_load = meter.create_histogram("meshserve.worker.lora_load_seconds", unit="s",
                                                 description="time to read one adapter from disk",
                                                 explicit_bucket_boundaries_advisory=ITL_BUCKETS)
@@ -90,6 +109,17 @@ class WorkerMetrics:
             if self.load is not None and self.load.lora is not None:
                 yield metrics.Observation(read(self.load.lora), self.attrs)
         return callback
+
+    def watch_cpu(self, pids: list[int], cores: float) -> None:
+        self.cpu_pids, self.cpu_cores = list(pids), float(cores)
+
+    def _cpu_seconds(self, options):
+        if self.cpu_pids:
+            yield metrics.Observation(sum(process_cpu_seconds(p) for p in self.cpu_pids), self.attrs)
+
+    def _cores(self, options):
+        if self.cpu_pids:
+            yield metrics.Observation(self.cpu_cores, self.attrs)
 
     def on_adapter_reads(self, seconds) -> None:
         for s in seconds:

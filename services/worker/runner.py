@@ -53,6 +53,8 @@ class EngineRunner:
         self.process = ctx.Process(target=core_main, args=(child, engine_config, os.getpid(), threads),
                                    name="engine-core", daemon=True)
         self.process.start()
+        if metrics is not None:
+            metrics.watch_cpu([os.getpid(), self.process.pid], threads or 1)
         child.close()
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._ready: asyncio.Future = loop.create_future()

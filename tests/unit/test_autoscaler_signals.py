@@ -1,0 +1,75 @@
+"""OTLP metrics from real worker instruments (WorkerMetrics, encoded as the OTLP exporter encodes them) turned into
+pool samples: token rates, interval p90s, queue, KV occupancy, CPU, stale workers dropped."""
+
+import os
+
+from opentelemetry.exporter.otlp.proto.common._internal.metrics_encoder import encode_metrics
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.resources import Resource
+
+from services.autoscaler.signals import PoolSignals
+from services.engine.engine import EngineLoad
+from services.worker.core import StepOutput
+from services.worker.metrics import WorkerMetrics
+
+
+def worker(role: str, worker_id: str):
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader], resource=Resource.create({"service.name": role}))
+    return WorkerMetrics(role, worker_id, provider.get_meter("t")), reader
+
+
+def load(queued=0, kv_used=0):
+    return EngineLoad(running=1, waiting=0, receiving=0, blocks_used=kv_used, blocks_cached=0, blocks_total=100,
+                      block_size=16, outstanding_tokens=0, queued_prefill_tokens=queued, max_num_seqs=8)
+
+
+def step(m: WorkerMetrics, req: str, n_out: int, prompt: int, arrival: float, now: float, finished=False, **kw):
+    m.on_step([StepOutput(req, [7], None, finished, "length" if finished else None, prompt, 0, n_out, arrival)],
+              load(**kw), now)
+
+
+def export(signals: PoolSignals, reader, now: float) -> None:
+    signals.ingest(encode_metrics(reader.get_metrics_data()), now)
+
+
+def test_rates_percentiles_queue_and_kv_from_otlp():
+    m, reader = worker("unified", "u0")
+    m.watch_cpu([os.getpid()], 1)
+    signals = PoolSignals()
+    export(signals, reader, 0.0)
+    signals.sample("unified", 0.0)
+    for i in range(10):  # ten requests: 100-token prompts, first token 0.3 s after arrival, then 4 more tokens
+        step(m, f"r{i}", 1, 100, arrival=0.0, now=0.3, queued=500, kv_used=40)
+        for k in range(2, 6):
+            step(m, f"r{i}", k, 100, arrival=0.0, now=0.3 + 0.02 * (k - 1), queued=500, kv_used=40, finished=k == 5)
+    export(signals, reader, 10.0)
+    s = signals.sample("unified", 10.0)
+    assert s.ready == 1
+    assert s.prompt_tokens_per_s == 100.0  # 1,000 prompt tokens over 10 s
+    assert s.output_tokens_per_s == 5.0  # 50 tokens
+    assert s.requests_per_s == 1.0
+    assert s.ttft_p90_s == 0.5  # 0.3 s: vLLM's (0.25, 0.5] bucket, reported as its upper bound
+    assert s.itl_p90_s == 0.025  # 0.02 s: the (0.01, 0.025] bucket
+    assert s.queued_prefill_tokens == 500 and s.kv_usage == 0.4
+    assert 0.0 <= s.cpu_util <= 1.0
+    export(signals, reader, 20.0)
+    quiet = signals.sample("unified", 20.0)  # nothing new: zero rates, no percentile
+    assert (quiet.prompt_tokens_per_s, quiet.ttft_p90_s) == (0.0, None)
+
+
+def test_pools_by_role_and_stale_workers_drop_out():
+    signals = PoolSignals(stale_s=15)
+    d0, r0 = worker("decode", "d0")
+    d1, r1 = worker("decode", "d1")
+    p0, rp = worker("prefill", "p0")
+    for m in (d0, d1, p0):
+        step(m, "x", 1, 10, 0.0, 0.1)
+    export(signals, r0, 0.0)
+    export(signals, r1, 0.0)
+    export(signals, rp, 0.0)
+    assert signals.live("decode", 1.0) == ["d0", "d1"] and signals.live("prefill", 1.0) == ["p0"]
+    export(signals, r0, 20.0)
+    assert signals.live("decode", 20.0) == ["d0"]  # d1 silent for 20 s
+    assert signals.sample("decode", 20.0, starting=2).starting == 2
