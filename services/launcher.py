@@ -61,6 +61,8 @@ class Proc:
     restart_at: float | None = None  # when the pending restart is due
     identity: str = ""  # its certificate's name when the mesh runs mutual TLS ("" = none: Redis, or TLS off)
     tls_health: bool = False  # its health port wants a mesh certificate (internal services under TLS)
+    healthy_s: float | None = None  # monotonic time it first answered its health check (None: still starting)
+    draining: bool = False  # told to stop by a scale-down: not started again; gone once it exits
 
 
 RESTART_BACKOFF_S = (0.5, 10.0)  # first delay, cap (doubling in between)
@@ -98,6 +100,7 @@ class MeshSpec:
     kv_transport: str = "auto"  # workers' KV transport: auto (shared memory on this host) | grpc | shm
     kv_pool: bool = False  # workers take prompts' blocks from the kvstore's pool (and unified ones push them)
     kvstore_budget_gb: float = 1.0  # the kvstore's pool, reserved in /dev/shm once the first worker attaches
+    drain_grace_s: float = 10.0  # a worker told to stop lets its in-flight requests finish for up to this long
 
 
 class Mesh:
@@ -115,6 +118,7 @@ class Mesh:
         self.tls_dir = ""  # the mesh's certificates (services.common.certs) when spec.tls
         self.redis_password = secrets.token_urlsafe(24) if spec.tls else ""
         self.kv_instance = "mesh" + secrets.token_hex(6)  # names the kvstore's segments (a restart reclaims them)
+        self.worker_seq: dict[str, int] = {}  # role -> the next worker's number
 
     def _free_port(self) -> int:
         """A free port not already handed to another process of this mesh: the OS may give a port just
@@ -148,6 +152,9 @@ class Mesh:
         """One round of supervision (see the module doc): start again what exited, when its backoff is due.
         Raises RestartLimit for a service that keeps dying."""
         now = time.monotonic()
+        for p in [p for p in self.procs if p.draining and p.popen.poll() is not None]:
+            self.procs.remove(p)
+            say(f"{p.name} drained (exit code {p.popen.returncode})")
         for p in self.procs:
             code = p.popen.poll()
             if code is None:
@@ -217,13 +224,10 @@ class Mesh:
                                       port=s.router_port if i == 0 else 0).address for i in range(s.routers)]
         self.router, routers = self.routers[0], ",".join(self.routers)
         roles = [("unified", s.unified)] if s.mode == "unified" else [("prefill", s.prefill), ("decode", s.decode)]
+        self.worker_seq = {}
         for role, count in roles:
-            for i in range(count):
-                name = f"{role}-{i}"
-                self._service(name, "worker", "--role", role, "--model", s.model_dir, "--router", routers,
-                              "--redis-url", self.redis_url, "--worker-id", name, "--threads", s.threads, *config,
-                              "--kv-transport", s.kv_transport, "--kv-pool" if s.kv_pool else "--no-kv-pool",
-                              *s.engine_args, *s.worker_args.get(name, []))
+            for _ in range(count):
+                self._worker(role)
         http = []
         if s.http_port is not None:
             http_port = s.http_port or self._free_port()
@@ -235,6 +239,63 @@ class Mesh:
                                      port=s.gateway_port).address
         self.wait_healthy(timeout_s)
 
+    def _worker(self, role: str) -> Proc:
+        """Start one more worker of a role, named role-N (N never reused within this mesh)."""
+        s = self.spec
+        n = self.worker_seq.get(role, 0)
+        self.worker_seq[role] = n + 1
+        name = f"{role}-{n}"
+        config = ["--config", s.config_file] if s.config_file else []
+        return self._service(name, "worker", "--role", role, "--model", s.model_dir, "--router", ",".join(self.routers),
+                             "--redis-url", self.redis_url, "--worker-id", name, "--threads", s.threads, *config,
+                             "--kv-transport", s.kv_transport, "--kv-pool" if s.kv_pool else "--no-kv-pool",
+                             "--grace-s", s.drain_grace_s, *s.engine_args, *s.worker_args.get(name, []))
+
+    # ---- scaling at run time (the Supervisor service of `meshserve up`; the autoscaler's local actuator) --------
+
+    def scale(self, role: str, replicas: int, reason: str = "", say: Callable[[str], None] = print) -> None:
+        """Start workers of a role, or drain the most recently started ones, until `replicas` are up or starting.
+        Draining: SIGTERM; the worker deregisters (the router stops routing to it), lets its in-flight requests
+        finish (up to its grace, drain_grace_s), then exits; it is not started again."""
+        if replicas < 0:
+            raise ValueError(f"replicas must be >= 0, got {replicas}")
+        active = [p for p in self.workers(role) if not p.draining]
+        for _ in range(replicas - len(active)):
+            p = self._worker(role)
+            say(f"scale {role}: started {p.name} ({reason or 'asked'})")
+        for p in sorted(active, key=lambda p: p.started_s)[replicas:][::-1] if replicas < len(active) else []:
+            p.draining = True
+            signal_group(p.popen, signal.SIGTERM)
+            say(f"scale {role}: draining {p.name} ({reason or 'asked'})")
+
+    def start_autoscaler(self, port: int, supervisor: str, pools: tuple, timeout_s: float = 60.0) -> Proc:
+        """The autoscaler service, with this process's Supervisor as its actuator (plain gRPC on loopback: the
+        services' metric exporters send to it without mesh certificates)."""
+        config = ["--config", self.spec.config_file] if self.spec.config_file else []
+        proc = self._spawn("autoscaler", [sys.executable, "-m", "services.autoscaler", "--port", str(port),
+                                          "--metrics-port", "0", "--supervisor", supervisor, "--scaled-pools",
+                                          ",".join(pools), *config], port)
+        self.wait_healthy(timeout_s)
+        return proc
+
+    def check_health(self) -> None:
+        """Note when starting services first answer their health check (the measured start-up time)."""
+        for p in self.procs:
+            if p.healthy_s is None and p.grpc_health and not p.draining and p.popen.poll() is None:
+                if serving(p.address, timeout_s=0.5, tls_dir=self.tls_dir if p.tls_health else ""):
+                    p.healthy_s = time.monotonic()
+                    found = METRICS_LINE.search(p.log.read_text(errors="replace"))
+                    p.metrics_url = found.group(1) if found else ""
+
+    def pool_state(self, role: str) -> dict:
+        ws = self.workers(role)
+        active = [p for p in ws if not p.draining]
+        ready = [p for p in active if p.healthy_s is not None]
+        latest = max(ready, key=lambda p: p.healthy_s, default=None)
+        return {"pool": role, "ready": len(ready), "starting": len(active) - len(ready),
+                "draining": sum(p.draining for p in ws), "workers": [p.name for p in active],
+                "startup_s": round(latest.healthy_s - latest.started_s, 3) if latest is not None else 0.0}
+
     def _public_tls(self) -> list:
         if not self.spec.public_tls:
             return []
@@ -245,13 +306,16 @@ class Mesh:
 
     def wait_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        pending = [p for p in self.procs if p.grpc_health]
+        pending = [p for p in self.procs if p.grpc_health and p.healthy_s is None]
         while pending:
             for p in pending:
                 if p.popen.poll() is not None:
                     raise RuntimeError(f"{p.name} exited with {p.popen.returncode}; see {p.log}:\n"
                                        + p.log.read_text()[-3000:])
-            pending = [p for p in pending if not serving(p.address, tls_dir=self.tls_dir if p.tls_health else "")]
+            for p in pending:
+                if serving(p.address, tls_dir=self.tls_dir if p.tls_health else ""):
+                    p.healthy_s = time.monotonic()
+            pending = [p for p in pending if p.healthy_s is None]
             if pending and time.monotonic() > deadline:
                 raise TimeoutError(f"not healthy after {timeout_s}s: {', '.join(p.name for p in pending)}")
             time.sleep(0.2)

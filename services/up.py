@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import signal
 import sys
@@ -20,7 +21,7 @@ from services.common.pb import meshserve_pb2_grpc as pb_grpc
 
 TINY_MODEL = Path("models/tiny")  # `--model tiny`, and the fallback when the default cannot be fetched
 MESH_KV_CACHE_GB = 0.25  # per worker, when the file does not say: three workers fit a small machine
-DEFAULT_PORTS = {**rpc.DEFAULT_PORTS, "http": 8000}  # ../shared/INTERFACES.md
+DEFAULT_PORTS = {**rpc.DEFAULT_PORTS, "http": 8000, "autoscaler": 50054, "supervisor": 50055}  # ../shared/INTERFACES.md; supervisor: ours
 
 
 def mesh_spec(cfg: MeshConfig, model: Path, args):
@@ -83,6 +84,7 @@ def resolve_model(name: str | None) -> Path:
 
 
 def cmd_up(args) -> int:
+    from services import supervisor
     from services.launcher import Mesh, RestartLimit
 
     try:
@@ -92,11 +94,29 @@ def cmd_up(args) -> int:
     model = resolve_model(args.model or cfg.mesh.model)
     print(f"serving {model}", flush=True)
     spec = mesh_spec(cfg, model, args)
+    scaling = cfg.autoscaler
+    autoscaler_port = 0
+    if scaling.enabled:
+        from services.common.telemetry import METRICS_ENDPOINT_ENV
+        from services.launcher import free_port
+
+        if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get(METRICS_ENDPOINT_ENV):
+            print("the autoscaler needs the workers' metrics: OTLP already goes elsewhere, so have your collector "
+                  "send metrics to the autoscaler's port too", flush=True)
+        else:
+            autoscaler_port = args.autoscaler_port or free_port()
+            spec.env.update({METRICS_ENDPOINT_ENV: f"http://127.0.0.1:{autoscaler_port}",
+                             "OTEL_METRIC_EXPORT_INTERVAL": str(scaling.export_interval_ms)})
     mesh = Mesh(spec)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     print(f"starting the mesh ({spec.mode}); logs in {mesh.log_dir}", flush=True)
+    lock, control = threading.Lock(), None
+
+    def say(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
     tenants = cfg.tenants
     print(f"{len(tenants)} tenant(s) from {args.config}" if tenants else
           "no tenants configured: one open default tenant (no API key needed)", flush=True)
@@ -111,18 +131,32 @@ def cmd_up(args) -> int:
         if mesh.tls_dir:
             print(f"internal services speak mutual TLS (certificates in {mesh.tls_dir}; the gateway's public ports "
                   + ("use TLS too: clients trust ca.pem there)" if mesh.spec.public_tls else "are plain)"), flush=True)
+        roles = ("unified",) if spec.mode == "unified" else ("prefill", "decode")
+        control, control_address = supervisor.serve(mesh, lock, roles, args.supervisor_port, say=say)
+        print(f"scaling: meshserve scale POOL N --supervisor {control_address} (pools: {', '.join(roles)})", flush=True)
+        if scaling.enabled:
+            with lock:
+                scaler = mesh.start_autoscaler(autoscaler_port or args.autoscaler_port or free_port(), control_address,
+                                               roles)
+            print(f"autoscaler ({scaling.policy}) on {scaler.address}, scaling {', '.join(roles)}; its decisions in "
+                  f"{scaler.log}", flush=True)
         print(f"meshserve is ready: gateway {mesh.gateway}, HTTP {mesh.http}, router {','.join(mesh.routers)}, kvstore {mesh.kvstore}, "
               f"redis {redis}", flush=True)
         while not stop.wait(0.2):
             try:
-                mesh.supervise(lambda line: print(line, file=sys.stderr, flush=True))
+                with lock:
+                    mesh.supervise(say)
+                    mesh.check_health()
             except RestartLimit as e:
                 print(f"stopping: {e}", file=sys.stderr, flush=True)
                 return 1
         return 0
     finally:
+        if control is not None:
+            control.stop(0)
         print("stopping the mesh", flush=True)
-        mesh.stop()
+        with lock:
+            mesh.stop()
         print("stopped", flush=True)
 
 
@@ -183,6 +217,19 @@ def cmd_client(args) -> int:
     return asyncio.run(_client(args))
 
 
+def cmd_scale(args) -> int:
+    with grpc.insecure_channel(args.supervisor) as ch:
+        try:
+            state = pb_grpc.SupervisorStub(ch).Scale(pb.ScaleRequest(pool=args.pool, replicas=args.replicas,
+                                                                     reason="meshserve scale"), timeout=30)
+        except grpc.RpcError as e:
+            print(f"meshserve scale: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    print(f"{state.pool}: {state.ready} ready, {state.starting} starting, {state.draining} draining "
+          f"({', '.join(state.workers)})")
+    return 0
+
+
 def add_parsers(sub) -> None:
     up = sub.add_parser("up", help="start every service as a process on loopback")
     up.add_argument("--model", help="model folder, tiny (the seeded tiny model, written to models/tiny) or a known "
@@ -195,7 +242,19 @@ def add_parsers(sub) -> None:
                     help="the OpenAI-compatible HTTP port, also serving the gateway's /metrics (0 = any free port)")
     up.add_argument("--router-port", type=int, default=DEFAULT_PORTS["router"], help="(0 = any free port)")
     up.add_argument("--kvstore-port", type=int, default=DEFAULT_PORTS["kvstore"], help="(0 = any free port)")
+    up.add_argument("--autoscaler-port", type=int, default=DEFAULT_PORTS["autoscaler"],
+                    help="the autoscaler's OTLP port, when the config enables it (0 = any free port)")
+    up.add_argument("--supervisor-port", type=int, default=DEFAULT_PORTS["supervisor"],
+                    help="the Supervisor service (meshserve scale, the autoscaler's local actuator) on loopback "
+                         "(0 = any free port)")
     up.set_defaults(func=cmd_up)
+    scale = sub.add_parser("scale", help="set a pool's worker count in a running `meshserve up` (new workers start "
+                                         "and register; surplus ones drain)")
+    scale.add_argument("pool", help="prefill, decode or unified")
+    scale.add_argument("replicas", type=int)
+    scale.add_argument("--supervisor", default=f"127.0.0.1:{DEFAULT_PORTS['supervisor']}",
+                       help="the Supervisor address `meshserve up` printed")
+    scale.set_defaults(func=cmd_scale)
     client = sub.add_parser("client", help="send JSONL requests through a running gateway")
     client.add_argument("--target", required=True, help="gateway HOST:PORT")
     client.add_argument("--input", required=True)

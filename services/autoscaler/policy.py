@@ -81,7 +81,8 @@ class PolicyState:
     """What a policy remembers between decisions (kept by the caller, so that replay is explicit)."""
 
     last_change_t: float = -math.inf
-    desired_history: list = field(default_factory=list)  # (t, desired)
+    desired_history: list = field(default_factory=list)  # (t, desired) over the last down_window_s
+    first_t: float | None = None  # the first decision's time (a scale-down needs a whole window of targets)
 
 
 def _window(samples: list[PoolSample], now: float, window_s: float) -> list[PoolSample]:
@@ -123,6 +124,8 @@ class _Hysteresis:
         current = latest.ready + latest.starting
         desired, why = self.desired(recent, now)
         desired = max(c.min_replicas, min(c.max_replicas, desired))
+        if state.first_t is None:
+            state.first_t = now
         state.desired_history = [(t, d) for t, d in state.desired_history if now - t <= c.down_window_s]
         state.desired_history.append((now, desired))
         urgent = self.urgent(latest)
@@ -133,9 +136,8 @@ class _Hysteresis:
             state.last_change_t = now
             return Decision(target, "up", why, desired)
         if desired < current:
-            span = now - state.desired_history[0][0]
             highest = max(d for _, d in state.desired_history)
-            if span < c.down_window_s * 0.99 or highest > math.floor(current * c.down_margin):
+            if now - state.first_t < c.down_window_s or highest > math.floor(current * c.down_margin):
                 return Decision(current, "hold", f"stabilising before scale-down ({why}; highest target over "
                                                  f"{c.down_window_s:g} s: {highest})", desired)
             if now - state.last_change_t < c.cooldown_s:

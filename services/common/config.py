@@ -22,8 +22,8 @@ import typing
 from pathlib import Path
 from typing import Literal
 
-from pydantic import (BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, ValidationError, field_validator,
-                      model_validator)
+from pydantic import (BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt,
+                      ValidationError, field_validator, model_validator)
 
 from services.engine.config import ArbitrationPolicyName, EngineSection
 
@@ -110,6 +110,55 @@ class KVSection(Section):
                                                       "worker attaches")
 
 
+class PoolSection(Section):
+    """One pool's scaling bounds, capacity and SLOs (services/autoscaler/policy.py PoolConfig)."""
+
+    min_replicas: NonNegativeInt = Field(1, description="fewest workers, also at zero traffic")
+    max_replicas: PositiveInt = Field(4, description="most workers")
+    startup_s: PositiveFloat = Field(30.0, description="a worker's start-up time until one is measured (the forecast "
+                                                       "horizon)")
+    prefill_tokens_per_s: PositiveFloat = Field(2000.0, description="one worker's prompt tokens per second")
+    decode_tokens_per_s: PositiveFloat = Field(500.0, description="one worker's output tokens per second")
+    target_util: PositiveFloat = Field(0.7, description="capacity is planned at this fraction of a worker's rate")
+    ttft_slo_ms: PositiveFloat = Field(1000.0, description="TTFT p90 SLO")
+    itl_slo_ms: PositiveFloat = Field(200.0, description="inter-token latency p90 SLO")
+    max_step: PositiveInt = Field(2, description="workers added or drained per decision, at most")
+    cooldown_s: NonNegativeFloat = Field(60.0, description="no change within this long of the previous one")
+    down_window_s: NonNegativeFloat = Field(120.0, description="scale down only if every target of this window was "
+                                                               "lower")
+    window_s: PositiveFloat = Field(60.0, description="samples considered for rates and the trend")
+
+    def to_pool_config(self, role: str, startup_s: float | None = None):
+        from services.autoscaler.policy import PoolConfig
+
+        return PoolConfig(role, self.min_replicas, self.max_replicas, startup_s or self.startup_s,
+                          self.prefill_tokens_per_s, self.decode_tokens_per_s, self.target_util,
+                          self.ttft_slo_ms / 1000, self.itl_slo_ms / 1000, max_step=self.max_step,
+                          cooldown_s=self.cooldown_s, down_window_s=self.down_window_s, window_s=self.window_s)
+
+
+class AutoscalerSection(Section):
+    """The autoscaler (services/autoscaler): `meshserve up` starts it when enabled."""
+
+    enabled: bool = Field(False, description="start the autoscaler (local actuator: the up process's supervisor)")
+    policy: Literal["token-policy", "cpu-utilisation", "request-rate"] = Field(
+        "token-policy", description="token-policy | cpu-utilisation | request-rate (the baselines)")
+    interval_s: PositiveFloat = Field(5.0, description="seconds between decisions")
+    export_interval_ms: PositiveInt = Field(1000, description="how often workers export metrics to it (OTLP)")
+    pools: dict[str, PoolSection] = Field(default_factory=dict, description="per pool (prefill, decode, unified): "
+                                                                            "bounds, capacity, SLOs")
+    target_cpu: PositiveFloat = Field(0.7, description="cpu-utilisation: the target utilisation")
+    requests_per_s_per_replica: PositiveFloat = Field(4.0, description="request-rate: one worker's share")
+
+    @field_validator("pools")
+    @classmethod
+    def _known_pools(cls, pools: dict) -> dict:
+        unknown = set(pools) - {"prefill", "decode", "unified"}
+        if unknown:
+            raise ValueError(f"unknown pool(s) {sorted(unknown)}; pools are prefill, decode, unified")
+        return pools
+
+
 RENAMED = {("mesh", "policy"): "routing.policy", ("engine", "policy"): "engine.slot_policy"}
 
 
@@ -121,6 +170,7 @@ class MeshConfig(Section):
     routing: RoutingSection = Field(default_factory=RoutingSection)
     admission: AdmissionSection = Field(default_factory=AdmissionSection)
     kv: KVSection = Field(default_factory=KVSection)
+    autoscaler: AutoscalerSection = Field(default_factory=AutoscalerSection)
     tenants: list = Field(default_factory=list, description="tenants (services/common/tenants.py)")
 
     @model_validator(mode="before")

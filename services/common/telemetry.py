@@ -31,6 +31,7 @@ log = logging.getLogger("meshserve.telemetry")
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 UNIT_SUFFIX = {"ms": "_milliseconds", "s": "_seconds", "By": "_bytes"}
 _reader = None  # the pull reader behind /metrics, once setup_metrics ran
+METRICS_ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"  # the SDK's variable for a metrics-only endpoint
 
 
 def setup_tracing(service_name: str) -> None:
@@ -50,7 +51,8 @@ def setup_tracing(service_name: str) -> None:
 
 
 def setup_metrics(service_name: str, interval_ms: int | None = None) -> None:
-    """The process's MeterProvider: a pull reader for /metrics, plus OTLP export when an endpoint is set.
+    """The process's MeterProvider: a pull reader for /metrics, plus OTLP export when an endpoint is set
+    (OTEL_EXPORTER_OTLP_ENDPOINT, or OTEL_EXPORTER_OTLP_METRICS_ENDPOINT for metrics alone: the autoscaler's).
 
     interval_ms defaults to OTEL_METRIC_EXPORT_INTERVAL (the SDK's variable), else 5000."""
     global _reader
@@ -60,7 +62,7 @@ def setup_metrics(service_name: str, interval_ms: int | None = None) -> None:
 
     _reader = InMemoryMetricReader()
     readers = [_reader]
-    if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+    if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get(METRICS_ENDPOINT_ENV):
         from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
 
         interval = interval_ms or int(os.environ.get("OTEL_METRIC_EXPORT_INTERVAL", "5000"))

@@ -39,6 +39,8 @@ async def serve(args) -> int:
     except ModelLoadError as e:
         runner.stop()
         raise SystemExit(f"{args.role} worker: {e}") from None
+    if args.startup_delay_s > 0:  # benchmarks: a model that loads this much slower (the autoscaler's horizon)
+        await asyncio.sleep(args.startup_delay_s)
     servicer = await WorkerServicer(runner, args.role, worker_id, kv_transport=args.kv_transport,
                                     kv_pool=args.kv_pool, metrics=runner.metrics).start()
     pb_grpc.add_WorkerServicer_to_server(servicer, server.server)
@@ -95,6 +97,9 @@ def parser(role: str | None = None) -> argparse.ArgumentParser:
                     default=os.environ.get("KV_POOL", "") in ("1", "true"),
                     help="take a prompt's blocks from the kvstore's pool when it holds more of them than this engine "
                          "caches, and (unified role) push computed prompt blocks there")
+    ap.add_argument("--startup-delay-s", type=float, default=float(os.environ.get("MESHSERVE_STARTUP_DELAY_S", "0")),
+                    help="wait this long after the model loads before serving: emulates a slow load (benchmarks of "
+                         "the autoscaler; env MESHSERVE_STARTUP_DELAY_S)")
     add_config_flag(ap)
     add_section_flags(ap, "engine")
     add_metrics_flag(ap)

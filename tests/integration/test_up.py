@@ -22,7 +22,7 @@ def kv_segments() -> set:
 def test_up_serves_and_stops_cleanly(tmp_path):
     before = kv_segments()
     proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--model", "tiny", "--port", "0", "--http-port", "0",
-                             "--router-port", "0", "--kvstore-port", "0"], cwd=tmp_path, stdout=subprocess.PIPE,
+                             "--router-port", "0", "--kvstore-port", "0", "--supervisor-port", "0"], cwd=tmp_path, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines = []
     try:

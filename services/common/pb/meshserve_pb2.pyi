@@ -511,3 +511,39 @@ class KVStoreStats(_message.Message):
     segment: str
     block_bytes: int
     def __init__(self, transfers: _Optional[int] = ..., bytes: _Optional[int] = ..., byte_budget: _Optional[int] = ..., evicted: _Optional[int] = ..., expired: _Optional[int] = ..., pool_blocks: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., hits: _Optional[int] = ..., segment: _Optional[str] = ..., block_bytes: _Optional[int] = ...) -> None: ...
+
+class ScaleRequest(_message.Message):
+    __slots__ = ("pool", "replicas", "reason")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    replicas: int
+    reason: str
+    def __init__(self, pool: _Optional[str] = ..., replicas: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class PoolState(_message.Message):
+    __slots__ = ("pool", "ready", "starting", "draining", "startup_s", "workers")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    STARTING_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    STARTUP_S_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    ready: int
+    starting: int
+    draining: int
+    startup_s: float
+    workers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, pool: _Optional[str] = ..., ready: _Optional[int] = ..., starting: _Optional[int] = ..., draining: _Optional[int] = ..., startup_s: _Optional[float] = ..., workers: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class PoolsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PoolsReply(_message.Message):
+    __slots__ = ("pools",)
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    pools: _containers.RepeatedCompositeFieldContainer[PoolState]
+    def __init__(self, pools: _Optional[_Iterable[_Union[PoolState, _Mapping]]] = ...) -> None: ...

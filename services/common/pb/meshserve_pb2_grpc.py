@@ -1212,3 +1212,129 @@ class KVStore:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class SupervisorStub:
+    """---------------------------------------------------------------- supervisor (`meshserve up`) and autoscaler
+
+    The process supervisor of `meshserve up`: the local actuator of the autoscaler and of `meshserve scale`.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Scale = channel.unary_unary(
+                '/meshserve.v1.Supervisor/Scale',
+                request_serializer=meshserve__pb2.ScaleRequest.SerializeToString,
+                response_deserializer=meshserve__pb2.PoolState.FromString,
+                _registered_method=True)
+        self.Pools = channel.unary_unary(
+                '/meshserve.v1.Supervisor/Pools',
+                request_serializer=meshserve__pb2.PoolsRequest.SerializeToString,
+                response_deserializer=meshserve__pb2.PoolsReply.FromString,
+                _registered_method=True)
+
+
+class SupervisorServicer:
+    """---------------------------------------------------------------- supervisor (`meshserve up`) and autoscaler
+
+    The process supervisor of `meshserve up`: the local actuator of the autoscaler and of `meshserve scale`.
+    """
+
+    def Scale(self, request, context):
+        """Set a pool's replica count: new workers start (and register with the router once healthy); surplus ones
+        drain (deregister, finish their in-flight requests, then stop), the most recently started first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Pools(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_SupervisorServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Scale': grpc.unary_unary_rpc_method_handler(
+                    servicer.Scale,
+                    request_deserializer=meshserve__pb2.ScaleRequest.FromString,
+                    response_serializer=meshserve__pb2.PoolState.SerializeToString,
+            ),
+            'Pools': grpc.unary_unary_rpc_method_handler(
+                    servicer.Pools,
+                    request_deserializer=meshserve__pb2.PoolsRequest.FromString,
+                    response_serializer=meshserve__pb2.PoolsReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'meshserve.v1.Supervisor', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('meshserve.v1.Supervisor', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Supervisor:
+    """---------------------------------------------------------------- supervisor (`meshserve up`) and autoscaler
+
+    The process supervisor of `meshserve up`: the local actuator of the autoscaler and of `meshserve scale`.
+    """
+
+    @staticmethod
+    def Scale(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshserve.v1.Supervisor/Scale',
+            meshserve__pb2.ScaleRequest.SerializeToString,
+            meshserve__pb2.PoolState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Pools(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshserve.v1.Supervisor/Pools',
+            meshserve__pb2.PoolsRequest.SerializeToString,
+            meshserve__pb2.PoolsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

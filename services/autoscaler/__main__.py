@@ -1,0 +1,148 @@
+"""python -m services.autoscaler: receives the workers' metrics over OTLP and scales their pools.
+
+It implements the OTLP MetricsService Export RPC itself (a Collector may sit in front and fan out to it,
+Prometheus and Jaeger; traces sent to it are accepted and dropped), turns the metrics into one sample per
+pool every --interval-s (signals.py), asks the policy (policy.py) and tells the actuator (actuators.py).
+Each decision that changes a pool is a log line with its reason and the metric
+meshserve.autoscaler.decisions{pool, kind, policy}; meshserve.autoscaler.desired_replicas{pool} is what
+the signals alone ask for. Its port speaks plain gRPC (exporters send to it without mesh certificates).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import time
+
+from opentelemetry import metrics
+from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+from services.autoscaler.actuators import ComposeActuator, LocalActuator
+from services.autoscaler.policy import POLICIES, PolicyState
+from services.autoscaler.signals import PoolSignals
+from services.common import rpc
+from services.common.config import AutoscalerSection, PoolSection, add_config_flag, add_section_flags, config_from_args
+from services.common.telemetry import METRICS_ENDPOINT_ENV, add_metrics_flag, setup_telemetry
+
+log = logging.getLogger("meshserve.autoscaler")
+DEFAULT_PORT = 50054  # ../shared/INTERFACES.md
+
+
+class Autoscaler(metrics_service_pb2_grpc.MetricsServiceServicer):
+    def __init__(self, section: AutoscalerSection, actuator, pools: list[str], clock=time.monotonic, meter=None):
+        self.section, self.actuator, self.pools, self.clock = section, actuator, pools, clock
+        self.signals = PoolSignals()
+        self.samples: dict[str, list] = {p: [] for p in pools}
+        self.states: dict[str, PolicyState] = {p: PolicyState() for p in pools}
+        self.desired: dict[str, int] = {}
+        meter = meter or metrics.get_meter("meshserve.autoscaler")
+        self.decisions = meter.create_counter("meshserve.autoscaler.decisions",
+                                              description="scaling decisions that changed a pool, by kind")
+        meter.create_observable_gauge("meshserve.autoscaler.desired_replicas", [self._observe_desired],
+                                      description="replicas the signals ask for, before hysteresis and bounds")
+
+    def _observe_desired(self, options):
+        for pool, n in self.desired.items():
+            yield metrics.Observation(n, {"pool": pool})
+
+    async def Export(self, request, context):
+        self.signals.ingest(request, self.clock())
+        return metrics_service_pb2.ExportMetricsServiceResponse()
+
+    def policy(self, pool: str, startup_s: float):
+        section = self.section.pools.get(pool) or PoolSection()
+        config = section.to_pool_config(pool, startup_s or None)
+        name = self.section.policy
+        if name == "cpu-utilisation":
+            return POLICIES[name](config, self.section.target_cpu)
+        if name == "request-rate":
+            return POLICIES[name](config, self.section.requests_per_s_per_replica)
+        return POLICIES[name](config)
+
+    async def tick(self) -> list:
+        """One round: sample, decide and act for every pool; returns [(pool, Decision)]."""
+        out = []
+        for pool in self.pools:
+            now = self.clock()
+            status = await self.actuator.state(pool)
+            sample = self.signals.sample(pool, now, starting=status.starting, ready=status.ready)
+            samples = self.samples[pool]
+            samples.append(sample)
+            policy = self.policy(pool, status.startup_s)
+            del samples[:-max(2, int(policy.config.window_s / max(self.section.interval_s, 0.1)) + 2)]
+            d = policy.decide(samples, self.states[pool], now)
+            self.desired[pool] = d.desired
+            if d.kind != "hold":
+                log.info("%s: %s to %d (%s; ready %d, starting %d)", pool, d.kind, d.target, d.reason, status.ready,
+                         status.starting)
+                self.decisions.add(1, {"pool": pool, "kind": d.kind, "policy": policy.name})
+                await self.actuator.scale(pool, d.target, f"{policy.name}: {d.reason}")
+            out.append((pool, d))
+        return out
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.section.interval_s)
+            try:
+                await self.tick()
+            except Exception as e:  # an actuator away: try again next round
+                log.warning("scaling round failed: %s", e)
+
+
+class _Traces(trace_service_pb2_grpc.TraceServiceServicer):
+    """Traces sent here (one OTLP endpoint for everything) are accepted and dropped."""
+
+    async def Export(self, request, context):
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+
+def make_actuator(args):
+    if args.actuator == "local":
+        return LocalActuator(args.supervisor)
+    if args.actuator == "compose":
+        services = dict(pair.split("=", 1) for pair in args.compose_services.split(",")) if args.compose_services \
+            else {}
+        return ComposeActuator(args.compose_file, args.compose_project, services)
+    raise SystemExit(f"unknown actuator {args.actuator!r}")
+
+
+async def serve(args, section: AutoscalerSection) -> None:
+    server = rpc.Server([], args.port, args.host, public=True)
+    autoscaler = Autoscaler(section, make_actuator(args), args.scaled_pools.split(","))
+    metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(autoscaler, server.server)
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(_Traces(), server.server)
+    await server.set_serving(True)
+    loop = asyncio.create_task(autoscaler.run())
+    print(f"autoscaler listening on {server.address} (OTLP metrics; policy {section.policy}, pools {args.scaled_pools}, "
+          f"actuator {args.actuator}, every {section.interval_s:g} s)", flush=True)
+    await server.run(grace_s=args.grace_s)
+    loop.cancel()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(prog="python -m services.autoscaler", description=__doc__)
+    rpc.add_server_flags(ap, "AUTOSCALER_PORT", grace_s=1.0, default_port=DEFAULT_PORT)
+    ap.add_argument("--scaled-pools", default=os.environ.get("AUTOSCALER_POOLS", "decode"),
+                    help="comma-separated pools to scale: prefill, decode, unified")
+    ap.add_argument("--actuator", choices=("local", "compose"), default=os.environ.get("AUTOSCALER_ACTUATOR", "local"))
+    ap.add_argument("--supervisor", default=os.environ.get("MESHSERVE_SUPERVISOR", "127.0.0.1:50055"),
+                    help="local actuator: the Supervisor address `meshserve up` printed")
+    ap.add_argument("--compose-file", default="deploy/docker-compose.yml")
+    ap.add_argument("--compose-project", default="meshserve")
+    ap.add_argument("--compose-services", default="", help="pool=service pairs, e.g. decode=decode,prefill=prefill")
+    add_config_flag(ap)
+    add_section_flags(ap, "autoscaler")
+    add_metrics_flag(ap)
+    args = ap.parse_args()
+    section = config_from_args(ap, args, "autoscaler").autoscaler
+    if os.environ.get(METRICS_ENDPOINT_ENV, "").endswith(f":{args.port}"):
+        del os.environ[METRICS_ENDPOINT_ENV]  # the mesh's services export here; the autoscaler itself does not
+    setup_telemetry("autoscaler", args.metrics_port, args.host)
+    asyncio.run(serve(args, section))
+
+
+if __name__ == "__main__":
+    main()
