@@ -1,13 +1,27 @@
 """Every RPC of every service in the proto is served by a running mesh: none answers UNIMPLEMENTED."""
 
+import threading
+
 import grpc
 import pytest
 from google.protobuf.message_factory import GetMessageClass
 
 from services.common.pb import meshserve_pb2 as pb
 
+_SUPERVISORS: dict = {}
+
+
+def supervisor_of(mesh) -> str:
+    """The Supervisor service (which `meshserve up` hosts) on the fixture's mesh, started once."""
+    if id(mesh) not in _SUPERVISORS:
+        from services.supervisor import serve
+
+        _SUPERVISORS[id(mesh)] = serve(mesh, threading.Lock(), ("unified",), 0, say=lambda line: None)
+    return _SUPERVISORS[id(mesh)][1]
+
+
 ADDRESS = {"Generation": lambda m: m.gateway, "Router": lambda m: m.router, "KVStore": lambda m: m.kvstore,
-           "Worker": lambda m: m.workers("unified")[0].address}
+           "Worker": lambda m: m.workers("unified")[0].address, "Supervisor": supervisor_of}
 ALL_RPCS = [(s.name, m) for s in pb.DESCRIPTOR.services_by_name.values() for m in s.methods]
 
 

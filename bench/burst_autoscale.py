@@ -1,0 +1,175 @@
+"""Workload burst-autoscale: the token policy vs the CPU-utilisation and request-rate baselines, and the best fixed
+size, on one bursty trace in real time, with the local actuator (`meshserve up`'s Supervisor, hosted here).
+
+Unified workers of the bench preset, one torch thread each, each with `--startup-delay-s` (default 15 s) on top of
+its real start-up: a slow model load, so that the forecast horizon matters. First, on one worker: the solo TTFT
+(8 requests one at a time; the SLO is 5x its p90), its prefill capacity (prompt tokens/s of a burst of 1-token
+requests) and decode capacity (output tokens/s of a burst of long-output, short-prompt requests), which the token
+policy is configured with. Then each system gets the same Poisson trace: base rate b for 30 s, 10 b for 40 s (a
+burst), b for 40 s; b is 0.1 of one worker's request rate at saturation. Autoscaled systems: 1-3 workers.
+Reported per system: slo_attainment (requests whose TTFT met the SLO), worker_seconds (workers up or starting,
+integrated over the trace), max_workers; best-fixed is the smallest fixed size (1, 2, 3, tried in order) whose
+attainment is >= 95%.
+"""
+
+from __future__ import annotations
+
+import random
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import yaml
+
+from bench.common import default_model, log, machine, print_table, write_result
+from bench.latency import percentile, poisson_arrivals
+from bench.online import run_online, warm
+from services import supervisor
+from services.common.telemetry import METRICS_ENDPOINT_ENV
+from services.launcher import Mesh, MeshSpec, free_port
+
+POLICIES = ("token-policy", "cpu-utilisation", "request-rate")
+MAX_WORKERS = 3
+
+
+def add_flags(p) -> None:
+    g = p.add_argument_group("burst-autoscale")
+    g.add_argument("--startup-delay", type=float, default=15.0, help="seconds added to each worker's start-up")
+
+
+def requests(n: int, seed: int, prompt=(64, 256), out=(32, 96), vocab: int = 32000) -> list[dict]:
+    rng = random.Random(seed)
+    return [{"id": f"req-{i}", "prompt_token_ids": [rng.randrange(3, vocab) for _ in range(rng.randint(*prompt))],
+             "max_tokens": rng.randint(*out), "temperature": 0.0, "ignore_eos": True} for i in range(n)]
+
+
+class Run:
+    """A unified mesh of `workers`, optionally autoscaled (a config with the autoscaler section), with the
+    Supervisor in this process and a thread that supervises and integrates the worker count."""
+
+    def __init__(self, model_dir: Path, workers: int, engine: list, config: dict | None):
+        self.tmp = tempfile.TemporaryDirectory()
+        cfg_file = None
+        env = {}
+        self.autoscaler_port = 0
+        if config:
+            cfg_file = Path(self.tmp.name) / "mesh.yaml"
+            cfg_file.write_text(yaml.safe_dump(config))
+            self.autoscaler_port = free_port()
+            env = {METRICS_ENDPOINT_ENV: f"http://127.0.0.1:{self.autoscaler_port}",
+                   "OTEL_METRIC_EXPORT_INTERVAL": "500"}
+        self.mesh = Mesh(MeshSpec(str(model_dir), mode="unified", unified=workers, engine_args=engine,
+                                  config_file=str(cfg_file) if cfg_file else None, env=env))
+        self.lock, self.stop = threading.Lock(), threading.Event()
+        self.worker_s, self.max_workers, self.t_last = 0.0, workers, None
+
+    def __enter__(self) -> "Run":
+        self.mesh.start()
+        self.control, address = supervisor.serve(self.mesh, self.lock, ("unified",), 0, say=log)
+        if self.autoscaler_port:
+            with self.lock:
+                self.mesh.start_autoscaler(self.autoscaler_port, address, ("unified",))
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while not self.stop.wait(0.25):
+            with self.lock:
+                self.mesh.supervise(log)
+                self.mesh.check_health()
+                state = self.mesh.pool_state("unified")
+            n = state["ready"] + state["starting"]
+            now = time.monotonic()
+            if self.t_last is not None and self.counting:
+                self.worker_s += n * (now - self.t_last)
+                self.max_workers = max(self.max_workers, n)
+            self.t_last = now
+
+    counting = False
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.control.stop(0)
+        self.mesh.stop()
+        self.tmp.cleanup()
+
+
+def measure(gateway: str, reqs: list, arrivals: list, slo_ms: float) -> dict:
+    timings, wall = run_online(gateway, reqs, arrivals)
+    ttft = [(t.first_s - t.arrival_s) * 1e3 for t in timings if t.first_s is not None]
+    return {"slo_attainment": round(sum(1 for x in ttft if x <= slo_ms) / len(reqs), 4),
+            "ttft_ms_p50": round(percentile(ttft, 0.5), 1), "ttft_ms_p99": round(percentile(ttft, 0.99), 1),
+            "completed": len(ttft), "wall_s": round(wall, 1)}
+
+
+def run(args) -> int:
+    model_dir = Path(args.model) if args.model else default_model("bench")
+    delay = args.startup_delay
+    engine = ["--max-num-batched-tokens", "512", "--max-num-seqs", "32", "--kv-cache-gb", "0.25"]
+    slow = engine + ["--startup-delay-s", str(delay)]
+    scale = 0.5 if args.quick else 1.0
+    with Run(model_dir, 1, engine, None) as r:
+        warm(r.mesh)
+        solo, _ = run_online(r.mesh.gateway, requests(8, args.seed + 1), None)
+        solo_ms = [(t.first_s - t.arrival_s) * 1e3 for t in solo]
+        prefill = requests(48, args.seed + 2, out=(1, 1))
+        _, wall = run_online(r.mesh.gateway, prefill, [0.0] * len(prefill))
+        prefill_tps = sum(len(q["prompt_token_ids"]) for q in prefill) / wall
+        decode = requests(32, args.seed + 3, prompt=(8, 16), out=(96, 128))
+        _, wall = run_online(r.mesh.gateway, decode, [0.0] * len(decode))
+        decode_tps = sum(q["max_tokens"] for q in decode) / wall
+        sat = requests(32, args.seed + 4)
+        _, wall = run_online(r.mesh.gateway, sat, [0.0] * len(sat))
+        sat_rps = len(sat) / wall
+    slo_ms = 5 * percentile(solo_ms, 0.9)
+    base = 0.1 * sat_rps
+    phases = [(30 * scale, base), (40 * scale, 10 * base), (40 * scale, base)]
+    arrivals, t0 = [], 0.0
+    for i, (length, rate) in enumerate(phases):
+        n = max(1, round(length * rate))
+        arrivals += [t0 + a for a in poisson_arrivals(n, rate, args.seed + 10 + i) if a < length]
+        t0 += length
+    reqs = requests(len(arrivals), args.seed)
+    log(f"solo TTFT p90 {percentile(solo_ms, 0.9):.0f} ms -> SLO {slo_ms:.0f} ms; one worker: prefill {prefill_tps:.0f} "
+        f"tok/s, decode {decode_tps:.0f} tok/s, {sat_rps:.2f} req/s; trace {len(reqs)} requests over {t0:.0f} s "
+        f"(base {base:.2f} req/s, burst {10 * base:.2f})")
+    pool = {"min_replicas": 1, "max_replicas": MAX_WORKERS, "prefill_tokens_per_s": round(prefill_tps, 1),
+            "decode_tokens_per_s": round(decode_tps, 1), "startup_s": delay + 5, "ttft_slo_ms": round(slo_ms, 1),
+            "cooldown_s": 10, "down_window_s": 20, "window_s": 10, "max_step": 2}
+    systems = {}
+    for policy in POLICIES:
+        config = {"autoscaler": {"enabled": True, "policy": policy, "interval_s": 1.0, "export_interval_ms": 500,
+                                 "target_cpu": 0.7, "requests_per_s_per_replica": round(0.7 * sat_rps, 3),
+                                 "pools": {"unified": pool}}}
+        with Run(model_dir, 1, slow, config) as r:
+            warm(r.mesh)
+            r.counting = True
+            out = measure(r.mesh.gateway, reqs, arrivals, slo_ms)
+            r.counting = False
+        systems[policy] = {**out, "worker_seconds": round(r.worker_s, 1), "max_workers": r.max_workers}
+        log(f"{policy}: {systems[policy]}")
+    for n in range(1, MAX_WORKERS + 1):
+        with Run(model_dir, n, engine, None) as r:
+            warm(r.mesh)
+            r.counting = True
+            out = measure(r.mesh.gateway, reqs, arrivals, slo_ms)
+            r.counting = False
+        systems[f"fixed-{n}"] = {**out, "worker_seconds": round(r.worker_s, 1), "max_workers": n}
+        log(f"fixed-{n}: {systems[f'fixed-{n}']}")
+        if out["slo_attainment"] >= 0.95:
+            systems["best-fixed"] = {**systems[f"fixed-{n}"], "workers": n}
+            break
+    best = systems.get("best-fixed")
+    ratios = {f"{p}/best-fixed:worker_seconds": round(systems[p]["worker_seconds"] / best["worker_seconds"], 3)
+              for p in POLICIES if best}
+    result = {"workload": "burst-autoscale", "command": args.command_line, "machine": machine(),
+              "config": {"startup_delay_s": delay, "slo_ms": round(slo_ms, 1), "solo_ttft_ms_p90":
+                         round(percentile(solo_ms, 0.9), 1), "phases": [[round(a, 1), round(b, 3)] for a, b in phases],
+                         "requests": len(reqs), "pool": pool, "model": str(model_dir)},
+              "systems": systems, "ratios": ratios}
+    write_result(result, args.out)
+    print_table(result)
+    return 0
