@@ -263,7 +263,7 @@ class Mesh:
         for _ in range(replicas - len(active)):
             p = self._worker(role)
             say(f"scale {role}: started {p.name} ({reason or 'asked'})")
-        for p in sorted(active, key=lambda p: p.started_s)[replicas:][::-1] if replicas < len(active) else []:
+        for p in reversed(sorted(active, key=lambda p: p.started_s)[replicas:]):
             p.draining = True
             signal_group(p.popen, signal.SIGTERM)
             say(f"scale {role}: draining {p.name} ({reason or 'asked'})")

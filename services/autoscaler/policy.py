@@ -29,6 +29,7 @@ size_pair() sizes a disaggregated pair together from the prompt/output token mix
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
 
 
@@ -107,7 +108,7 @@ def _trend(points: list[tuple[float, float]], at: float) -> float:
     return max(0.0, min(my + slope * (at - mt), 2 * max(last, my)))
 
 
-class _Hysteresis:
+class _Hysteresis(ABC):
     """What every policy shares: bounds, steps, cooldown, the down window, drain."""
 
     name = ""
@@ -152,8 +153,9 @@ class _Hysteresis:
     def urgent(self, latest: PoolSample) -> bool:
         return False
 
+    @abstractmethod
     def desired(self, recent: list[PoolSample], now: float) -> tuple[int, str]:
-        raise NotImplementedError
+        """(replicas the signals ask for, why), before hysteresis and bounds."""
 
 
 class TokenPolicy(_Hysteresis):

@@ -46,6 +46,7 @@ MODULE = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "
           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
           "down": ("down_proj",)}  # the model's fused projections and their parts, in column order
+GROUP_TARGETS = {g: tuple((TARGETS.index(t), t) for t in parts) for g, parts in GROUPS.items()}  # with indices
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 UNSUPPORTED = {"use_dora": "DoRA", "fan_in_fan_out": "fan_in_fan_out weights", "modules_to_save": "modules_to_save",
@@ -235,8 +236,7 @@ class LoRABatch:
     def apply(self, out: torch.Tensor, x: torch.Tensor, layer: int, group: str) -> None:
         """out (the fused projection's output for x) += every row's adapter delta, in place."""
         slots, active = self.slots, self.active[layer]
-        for t in GROUPS[group]:
-            ti = TARGETS.index(t)
+        for ti, t in GROUP_TARGETS[group]:
             if not active[ti]:
                 continue
             col = slots.columns[t][1]

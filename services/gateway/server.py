@@ -402,23 +402,21 @@ class GatewayServicer(pb_grpc.GenerationServicer):
 
     # ---- LoRA adapters at run time (admin) ----------------------------------------------------------
 
-    def _admin(self, context) -> None:
+    def _admin(self, request, context) -> None:
+        """An admin call: the caller's key must be an admin's, the message well-formed, the name bounded."""
         self.auth.authenticate(api_key(context)).check_admin()
-
-    @rpc.mapped
-    async def LoadAdapter(self, request, context):
-        self._admin(context)
         if isinstance(request, BadMessage):
             raise InvalidRequest(request.error)
         bounded(request.name, "name", MAX_ID_BYTES)
+
+    @rpc.mapped
+    async def LoadAdapter(self, request, context):
+        self._admin(request, context)
         return await self.adapters.load(request.name, request.path)
 
     @rpc.mapped
     async def UnloadAdapter(self, request, context):
-        self._admin(context)
-        if isinstance(request, BadMessage):
-            raise InvalidRequest(request.error)
-        bounded(request.name, "name", MAX_ID_BYTES)
+        self._admin(request, context)
         return await self.adapters.unload(request.name)
 
     @rpc.mapped
