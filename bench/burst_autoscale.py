@@ -5,15 +5,21 @@ Unified workers of the bench preset, one torch thread each, each with `--startup
 its real start-up: a slow model load, so that the forecast horizon matters. First, on one worker: the solo TTFT
 (8 requests one at a time; the SLO is 5x its p90), its prefill capacity (prompt tokens/s of a burst of 1-token
 requests) and decode capacity (output tokens/s of a burst of long-output, short-prompt requests), which the token
-policy is configured with. Then each system gets the same Poisson trace: base rate b for 30 s, 10 b for 40 s (a
-burst), b for 40 s; b is 0.1 of one worker's request rate at saturation. Autoscaled systems: 1-3 workers.
-Reported per system: slo_attainment (requests whose TTFT met the SLO), worker_seconds (workers up or starting,
-integrated over the trace), max_workers; best-fixed is the smallest fixed size (1, 2, 3, tried in order) whose
-attainment is >= 95%.
+policy is configured with. Then each system gets the same Poisson trace, base rate b = 0.1 of one worker's
+request rate at saturation: b for 20 s, a burst to 10 b, and b again for 40 s. The burst's shape (`--shape`):
+`ramp` (default) rises linearly from b to 10 b over 30 s and holds 10 b for 20 s; `step` jumps to 10 b for 40 s.
+A step faster than a replica can start is absorbed only by capacity already there (no policy that adds
+replicas after the fact can meet a tight SLO through it: the first run, step-shaped, showed that); a ramp over
+twice the start-up delay is where looking ahead by the start-up time can act. Autoscaled systems: 1 to
+(cores) workers (one torch thread each: more workers than cores add no capacity). Reported per system:
+slo_attainment (requests whose TTFT met the SLO), worker_seconds (workers up or starting, integrated over the
+trace), max_workers, and the timeline of the worker count; best-fixed is the smallest fixed size (1, 2, ...,
+tried in order) whose attainment is >= 95%.
 """
 
 from __future__ import annotations
 
+import os
 import random
 import tempfile
 import threading
@@ -30,12 +36,39 @@ from services.common.telemetry import METRICS_ENDPOINT_ENV
 from services.launcher import Mesh, MeshSpec, free_port
 
 POLICIES = ("token-policy", "cpu-utilisation", "request-rate")
-MAX_WORKERS = 3
+MAX_WORKERS = max(2, min(4, os.cpu_count() or 2))
+SHAPES = ("ramp", "step")
 
 
 def add_flags(p) -> None:
     g = p.add_argument_group("burst-autoscale")
     g.add_argument("--startup-delay", type=float, default=15.0, help="seconds added to each worker's start-up")
+    g.add_argument("--shape", choices=SHAPES, default="ramp", help="the burst's shape (see the module's notes)")
+
+
+def phases_for(shape: str, base: float, scale: float = 1.0) -> list[tuple[float, float, float]]:
+    """(length s, rate at its start, rate at its end) per phase; the rate is linear within a phase."""
+    burst = 10 * base
+    if shape == "step":
+        middle = [(40 * scale, burst, burst)]
+    else:
+        middle = [(30 * scale, base, burst), (20 * scale, burst, burst)]
+    return [(20 * scale, base, base), *middle, (40 * scale, base, base)]
+
+
+def arrivals_for(phases: list[tuple[float, float, float]], seed: int) -> list[float]:
+    """Poisson arrivals at a piecewise-linear rate (thinning a stream at the highest rate)."""
+    rng, out, t0 = random.Random(seed), [], 0.0
+    for length, r0, r1 in phases:
+        top, t = max(r0, r1), 0.0
+        while True:
+            t += rng.expovariate(top)
+            if t >= length:
+                break
+            if rng.random() * top <= r0 + (r1 - r0) * t / length:
+                out.append(t0 + t)
+        t0 += length
+    return out
 
 
 def requests(n: int, seed: int, prompt=(64, 256), out=(32, 96), vocab: int = 32000) -> list[dict]:
@@ -63,6 +96,8 @@ class Run:
                                   config_file=str(cfg_file) if cfg_file else None, env=env))
         self.lock, self.stop = threading.Lock(), threading.Event()
         self.worker_s, self.max_workers, self.t_last = 0.0, workers, None
+        self.timeline: list[list[float]] = []  # [seconds since counting began, workers] at each change
+        self.t_count = None
 
     def __enter__(self) -> "Run":
         self.mesh.start()
@@ -85,6 +120,10 @@ class Run:
             if self.t_last is not None and self.counting:
                 self.worker_s += n * (now - self.t_last)
                 self.max_workers = max(self.max_workers, n)
+                if self.t_count is None:
+                    self.t_count = now
+                if not self.timeline or self.timeline[-1][1] != n:
+                    self.timeline.append([round(now - self.t_count, 1), n])
             self.t_last = now
 
     counting = False
@@ -126,16 +165,13 @@ def run(args) -> int:
         sat_rps = len(sat) / wall
     slo_ms = 5 * percentile(solo_ms, 0.9)
     base = 0.1 * sat_rps
-    phases = [(30 * scale, base), (40 * scale, 10 * base), (40 * scale, base)]
-    arrivals, t0 = [], 0.0
-    for i, (length, rate) in enumerate(phases):
-        n = max(1, round(length * rate))
-        arrivals += [t0 + a for a in poisson_arrivals(n, rate, args.seed + 10 + i) if a < length]
-        t0 += length
+    phases = phases_for(args.shape, base, scale)
+    arrivals = arrivals_for(phases, args.seed + 10)
+    t0 = sum(length for length, _, _ in phases)
     reqs = requests(len(arrivals), args.seed)
     log(f"solo TTFT p90 {percentile(solo_ms, 0.9):.0f} ms -> SLO {slo_ms:.0f} ms; one worker: prefill {prefill_tps:.0f} "
         f"tok/s, decode {decode_tps:.0f} tok/s, {sat_rps:.2f} req/s; trace {len(reqs)} requests over {t0:.0f} s "
-        f"(base {base:.2f} req/s, burst {10 * base:.2f})")
+        f"(base {base:.2f} req/s, {args.shape} burst to {10 * base:.2f})")
     pool = {"min_replicas": 1, "max_replicas": MAX_WORKERS, "prefill_tokens_per_s": round(prefill_tps, 1),
             "decode_tokens_per_s": round(decode_tps, 1), "startup_s": delay + 5, "ttft_slo_ms": round(slo_ms, 1),
             "cooldown_s": 10, "down_window_s": 20, "window_s": 10, "max_step": 2}
@@ -149,7 +185,8 @@ def run(args) -> int:
             r.counting = True
             out = measure(r.mesh.gateway, reqs, arrivals, slo_ms)
             r.counting = False
-        systems[policy] = {**out, "worker_seconds": round(r.worker_s, 1), "max_workers": r.max_workers}
+        systems[policy] = {**out, "worker_seconds": round(r.worker_s, 1), "max_workers": r.max_workers,
+                           "timeline": r.timeline}
         log(f"{policy}: {systems[policy]}")
     for n in range(1, MAX_WORKERS + 1):
         with Run(model_dir, n, engine, None) as r:
@@ -166,8 +203,8 @@ def run(args) -> int:
     ratios = {f"{p}/best-fixed:worker_seconds": round(systems[p]["worker_seconds"] / best["worker_seconds"], 3)
               for p in POLICIES if best}
     result = {"workload": "burst-autoscale", "command": args.command_line, "machine": machine(),
-              "config": {"startup_delay_s": delay, "slo_ms": round(slo_ms, 1), "solo_ttft_ms_p90":
-                         round(percentile(solo_ms, 0.9), 1), "phases": [[round(a, 1), round(b, 3)] for a, b in phases],
+              "config": {"shape": args.shape, "startup_delay_s": delay, "slo_ms": round(slo_ms, 1), "solo_ttft_ms_p90":
+                         round(percentile(solo_ms, 0.9), 1), "phases": [[round(x, 3) for x in p] for p in phases],
                          "requests": len(reqs), "pool": pool, "model": str(model_dir)},
               "systems": systems, "ratios": ratios}
     write_result(result, args.out)
