@@ -101,10 +101,7 @@ class Run:
 
     def __enter__(self) -> "Run":
         self.mesh.start()
-        self.control, address = supervisor.serve(self.mesh, self.lock, ("unified",), 0, say=log)
-        if self.autoscaler_port:
-            with self.lock:
-                self.mesh.start_autoscaler(self.autoscaler_port, address, ("unified",))
+        self.control, self.address = supervisor.serve(self.mesh, self.lock, ("unified",), 0, say=log)
         self.thread = threading.Thread(target=self._loop, daemon=True)
         self.thread.start()
         return self
@@ -127,6 +124,14 @@ class Run:
             self.t_last = now
 
     counting = False
+
+    def begin(self) -> None:
+        """The trace starts: the autoscaler too (after the warm-up, whose traffic is not the trace's), and the
+        integration of worker-seconds."""
+        if self.autoscaler_port:
+            with self.lock:
+                self.mesh.start_autoscaler(self.autoscaler_port, self.address, ("unified",))
+        self.counting = True
 
     def __exit__(self, *exc) -> None:
         self.stop.set()
@@ -182,7 +187,7 @@ def run(args) -> int:
                                  "pools": {"unified": pool}}}
         with Run(model_dir, 1, slow, config) as r:
             warm(r.mesh)
-            r.counting = True
+            r.begin()
             out = measure(r.mesh.gateway, reqs, arrivals, slo_ms)
             r.counting = False
         systems[policy] = {**out, "worker_seconds": round(r.worker_s, 1), "max_workers": r.max_workers,
@@ -191,7 +196,7 @@ def run(args) -> int:
     for n in range(1, MAX_WORKERS + 1):
         with Run(model_dir, n, engine, None) as r:
             warm(r.mesh)
-            r.counting = True
+            r.begin()
             out = measure(r.mesh.gateway, reqs, arrivals, slo_ms)
             r.counting = False
         systems[f"fixed-{n}"] = {**out, "worker_seconds": round(r.worker_s, 1), "max_workers": n}

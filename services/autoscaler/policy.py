@@ -16,9 +16,11 @@ TokenPolicy sizes by work in tokens, looking ahead by the pool's measured start-
   KV occupancy above `kv_high`, ask for at least one replica more than the ready ones, whatever the demand;
 - replicas still starting count as capacity: while the ready + starting ones cover the target, nothing is
   added (no cascade 2 -> 4 -> 8 while pods are pending);
-- up: at once, by at most `max_step`; down: only when every target of the last `down_window_s` was below the
-  current size by `down_margin` (hysteresis), at most `max_step` at a time, never within `cooldown_s` of the
-  previous change, and by drain (the router stops routing to the replica, its requests finish, then it stops);
+- up: at once, by at most `max_step`, not within `cooldown_s` of the previous scale-up (a drain does not hold
+  one back: the load came back, and the down window already keeps a pool from flapping); down: only when every
+  target of the last `down_window_s` was below the current size by `down_margin` (hysteresis), at most
+  `max_step` at a time, never within `cooldown_s` of the previous change, and by drain (the router stops
+  routing to the replica, its requests finish, then it stops);
 - min/max bounds; with no traffic for the window, `min_replicas`.
 
 Baselines, in the same shape, for comparison: CpuPolicy (the Kubernetes HPA formula on CPU utilisation, with
@@ -82,6 +84,7 @@ class PolicyState:
     """What a policy remembers between decisions (kept by the caller, so that replay is explicit)."""
 
     last_change_t: float = -math.inf
+    last_kind: str = ""  # up | drain: the previous change
     desired_history: list = field(default_factory=list)  # (t, desired) over the last down_window_s
     first_t: float | None = None  # the first decision's time (a scale-down needs a whole window of targets)
 
@@ -131,10 +134,10 @@ class _Hysteresis(ABC):
         state.desired_history.append((now, desired))
         urgent = self.urgent(latest)
         if desired > current:
-            if now - state.last_change_t < c.cooldown_s and not urgent:
+            if state.last_kind == "up" and now - state.last_change_t < c.cooldown_s and not urgent:
                 return Decision(current, "hold", f"cooldown ({why}; wants {desired})", desired)
             target = min(desired, current + c.max_step)
-            state.last_change_t = now
+            state.last_change_t, state.last_kind = now, "up"
             return Decision(target, "up", why, desired)
         if desired < current:
             highest = max(d for _, d in state.desired_history)
@@ -146,7 +149,7 @@ class _Hysteresis(ABC):
             if latest.starting:
                 return Decision(current, "hold", f"{latest.starting} replica(s) still starting", desired)
             target = max(highest, current - c.max_step, c.min_replicas)
-            state.last_change_t = now
+            state.last_change_t, state.last_kind = now, "drain"
             return Decision(target, "drain", why, desired)
         return Decision(current, "hold", why, desired)
 

@@ -106,12 +106,21 @@ def test_the_startup_time_is_the_forecast_horizon():
 
 
 def test_an_slo_breach_adds_a_replica_even_in_the_cooldown_unless_one_is_starting():
-    policy, state = TokenPolicy(DECODE), PolicyState(last_change_t=0.0)
+    policy, state = TokenPolicy(DECODE), PolicyState(last_change_t=0.0, last_kind="up")
     calm = [PoolSample(t, 2, 0, output_tokens_per_s=300, itl_p90_s=0.5) for t in (10, 15, 20)]
     d = policy.decide(calm, state, 20)
     assert (d.kind, d.target) == ("up", 3) and "inter-token" in d.reason
     starting = [PoolSample(t, 2, 1, output_tokens_per_s=300, itl_p90_s=0.5) for t in (25, 30)]
     assert policy.decide(starting, state, 30).kind == "hold"
+
+
+def test_a_drain_does_not_hold_back_the_next_scale_up_but_a_scale_up_does():
+    busy = [PoolSample(t, 1, 0, output_tokens_per_s=1000) for t in (10, 15, 20)]
+    after_drain = PolicyState(last_change_t=15.0, last_kind="drain")
+    assert TokenPolicy(DECODE).decide(busy, after_drain, 20).kind == "up"
+    after_up = PolicyState(last_change_t=15.0, last_kind="up")
+    d = TokenPolicy(DECODE).decide(busy, after_up, 20)
+    assert d.kind == "hold" and "cooldown" in d.reason
 
 
 def test_prefill_pools_size_by_prompt_tokens_and_queue():
