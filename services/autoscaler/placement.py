@@ -11,12 +11,15 @@ place(inventory, used, pool, k, n) places n replicas of size k:
   that capacity fill domains completely, those with the smallest remainder first: optimal for one size
   (an exchange argument; tests check it against exhaustive search);
 - anti-affinity: among equally good domains, the node (then rack) holding the fewest replicas of this pool
-  first, so one node's failure takes as few of the pool's replicas as possible.
+  first, so one node's failure takes as few of the pool's replicas as possible;
+- pairs: among domains still equal, the closest to the partner pool's replicas (`near`: decode replicas
+  near the prefill ones, whose KV they receive).
 Fewer than n fit: as many as fit, and the rest reported as unplaced.
 
 upgrade_plan() replaces a pool's replicas group by group with at most `surge` extra replicas at a time;
-distance() ranks how close two replicas are (same domain 0, same node 1, same rack 2, else 3): prefill and
-decode replicas of a pair are placed close, and the router may break ties between decode workers by it.
+distance() ranks how close two replicas are (same domain 0, same node 1, same rack 2, else 3; the same ranks
+as services.common.host.distance on the "rack/node/domain" paths workers report): the router breaks ties
+between decode workers by it.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from __future__ import annotations
 import heapq
 from collections import Counter, defaultdict
 from dataclasses import dataclass
+
+from services.common import host
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,11 @@ class Replica:
     rack: str
     node: str
     domain: str
+
+    @property
+    def topology(self) -> str:
+        """Its place as the "rack/node/domain" path its workers report (MESHSERVE_TOPOLOGY)."""
+        return f"{self.rack}/{self.node}/{self.domain}"
 
 
 @dataclass
@@ -64,9 +74,11 @@ def stranded(free_by_domain: dict, k: int) -> int:
     return sum(len(f) for f in free_by_domain.values() if len(f) < k)
 
 
-def place(inventory: list[Device], used: set, pool: str, k: int, n: int, existing: list | None = None) -> Placement:
+def place(inventory: list[Device], used: set, pool: str, k: int, n: int, existing: list | None = None,
+          near: list | None = None) -> Placement:
     """n replicas of k devices for `pool` on the free devices (see module doc). existing: the pool's replicas
-    already placed (anti-affinity counts them)."""
+    already placed (anti-affinity counts them). near: the partner pool's replicas (decode for prefill, or the
+    reverse): among domains equally good by stranding and anti-affinity, the closest to one of them first."""
     if k < 1 or n < 0:
         raise ValueError(f"replica size must be >= 1 and count >= 0, got k={k} n={n}")
     free = domains_of(inventory, used)
@@ -78,14 +90,16 @@ def place(inventory: list[Device], used: set, pool: str, k: int, n: int, existin
     spare = {key: max(len(f) // k - 1, 0) for key, f in free.items()}
     replicas: list[Replica] = []
 
+    close = {key: min((host.distance("/".join(key), r.topology) for r in near or []), default=0) for key in free}
+
     def rank(x):  # only ever grows as replicas are placed: a lazy heap stays exact
-        return per_node[x[1]], per_rack[x[0]], -(len(free[x]) - k * taken[x]), x
+        return per_node[x[1]], per_rack[x[0]], close[x], -(len(free[x]) - k * taken[x]), x
 
     heap = [rank(key) for key in free if spare[key] > 0]
     heapq.heapify(heap)
     while len(replicas) < n and heap:
         entry = heapq.heappop(heap)
-        key = entry[3]
+        key = entry[-1]
         now = rank(key)
         if now != entry:
             heapq.heappush(heap, now)
@@ -94,7 +108,7 @@ def place(inventory: list[Device], used: set, pool: str, k: int, n: int, existin
         if taken[key] < spare[key]:
             heapq.heappush(heap, rank(key))
     fill = sorted((key for key in free if len(free[key]) - k * taken[key] >= k),
-                  key=lambda x: ((len(free[x]) - k * taken[x]) % k, per_node[x[1]], per_rack[x[0]], x))
+                  key=lambda x: ((len(free[x]) - k * taken[x]) % k, per_node[x[1]], per_rack[x[0]], close[x], x))
     for key in fill:
         if len(replicas) >= n:
             break
@@ -144,12 +158,8 @@ def upgrade_plan(replicas: list[Replica], surge: int) -> list[list[tuple[str, Re
 
 
 def distance(a: Replica, b: Replica) -> int:
-    """0 same domain, 1 same node, 2 same rack, 3 otherwise."""
-    if (a.rack, a.node, a.domain) == (b.rack, b.node, b.domain):
-        return 0
-    if (a.rack, a.node) == (b.rack, b.node):
-        return 1
-    return 2 if a.rack == b.rack else 3
+    """0 same domain, 1 same node, 2 same rack, 3 otherwise (the router's tie-break uses the same ranks)."""
+    return host.distance(a.topology, b.topology)
 
 
 def inventory(racks: int, nodes_per_rack: int, domains_per_node: int, devices_per_domain: int) -> list[Device]:

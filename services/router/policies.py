@@ -2,7 +2,8 @@
 
 - round-robin: the next live worker of the role, in worker-id order.
 - least-outstanding: the lowest load (views.loads: outstanding tokens over capacity, with the
-  in-flight correction); ties go to the lower worker id.
+  in-flight correction); ties go to the worker nearer the request's KV (a decode pick: the prefill worker's
+  topology, views.closeness), then to the lower worker id.
 - prefix-aware: weighted scorers (prefix 1.0, load 0.5, adapter 0.0 by default) guarded by load
   (load wins outright past a gap of 1.0 load units and a ratio of 2 by default; scoring.py).
 - lora-aware: prefix-aware with LoRA affinity (adapter 1.0, load 1.0): an adapter's requests go where it is
@@ -17,7 +18,7 @@ round-robin; the adapters it was sent, until its next heartbeat). `uses_prefix` 
 from __future__ import annotations
 
 from services.router.scoring import SCORERS, LoadGuard, WeightedPicker
-from services.router.views import RouteContext, WorkerView, charge, loads
+from services.router.views import RouteContext, WorkerView, charge, closeness, loads
 
 
 class RoutingPolicy:
@@ -52,7 +53,7 @@ class LeastOutstanding(RoutingPolicy):
     def select(self, workers: list[WorkerView], cost: int, ctx: RouteContext | None = None):
         ordered = sorted(workers, key=lambda w: w.worker_id)
         ls = loads(ordered)
-        best = min(range(len(ordered)), key=lambda i: (ls[i], ordered[i].worker_id))
+        best = min(range(len(ordered)), key=lambda i: (ls[i], closeness(ordered[i], ctx), ordered[i].worker_id))
         return ordered[best], " ".join(f"{w.worker_id}={x:.3f}" for w, x in zip(ordered, ls))
 
 

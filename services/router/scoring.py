@@ -1,7 +1,7 @@
 """Routing as Filter -> Scorer -> Picker (the llm-d shape), pure and torch-free.
 
 Scorers map each candidate to 0..1 (higher is better); the picker sums them with weights and
-takes the best, ties going to the lower worker id. The load guard (SGLang's cache-aware
+takes the best, ties going to the worker nearer the request's KV (views.closeness), then to the lower worker id. The load guard (SGLang's cache-aware
 imbalance rule) lets load win outright when the spread of loads is large:
     max_load - min_load > abs_threshold  and  max_load > rel_threshold * min_load
 then only the load scorer counts. Loads are as views.loads() defines them.
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.router.views import RouteContext, WorkerView, loads
+from services.router.views import RouteContext, WorkerView, closeness, loads
 
 
 class LoadScorer:
@@ -111,7 +111,7 @@ class WeightedPicker:
             active = [(s, w) for s, w in self.scorers if s.name == "load"] or [(LoadScorer(), 1.0)]
         columns = [(s.name, weight, s.score(workers, ctx)) for s, weight in active]
         totals = [sum(weight * col[i] for _, weight, col in columns) for i in range(len(workers))]
-        best = min(range(len(workers)), key=lambda i: (-totals[i], workers[i].worker_id))
+        best = min(range(len(workers)), key=lambda i: (-totals[i], closeness(workers[i], ctx), workers[i].worker_id))
         why = "; ".join(f"{w.worker_id}={totals[i]:.3f}(" + ",".join(f"{n}={c[i]:.2f}" for n, _, c in columns) + ")"
                         for i, w in enumerate(workers))
         return workers[best], ("load guard: " if guarded else "") + why

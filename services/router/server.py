@@ -95,7 +95,8 @@ class RouterServicer(pb_grpc.RouterServicer):
             decision = pb.RouteDecision(decode_worker=worker.address, mode=mode, reason=why)
         else:
             prefill, why_p, cached = await self._pick("prefill", request.prompt_tokens, request)
-            decode, why_d, _ = await self._pick("decode", request.max_tokens, request, block_size=prefill.block_size)
+            decode, why_d, _ = await self._pick("decode", request.max_tokens, request, block_size=prefill.block_size,
+                                                near=prefill.topology)
             decision = pb.RouteDecision(prefill_worker=prefill.address, decode_worker=decode.address,
                                         mode="disaggregated", reason=f"prefill[{why_p}] decode[{why_d}]")
         decision.decision_ms = (time.perf_counter() - t0) * 1e3
@@ -108,8 +109,9 @@ class RouterServicer(pb_grpc.RouterServicer):
             span.set_attribute("meshserve.route.cached_prefix_tokens", cached)
         return decision
 
-    async def _pick(self, role: str, cost: int, request, block_size: int = 0):
-        """Filter, decide, then commit; returns (worker, why, cached prompt tokens on it per the index)."""
+    async def _pick(self, role: str, cost: int, request, block_size: int = 0, near: str = ""):
+        """Filter, decide, then commit; returns (worker, why, cached prompt tokens on it per the index). near: the
+        topology the request's KV comes from (equally good workers nearer it go first)."""
         policy, workers = self.policies[role], self.registry.live(
             Need(role, block_size, request.adapter, frozenset(request.avoid)))
         hashes, ctx = [], None
@@ -118,6 +120,8 @@ class RouterServicer(pb_grpc.RouterServicer):
         if request.adapter:  # the LoRA affinity scorer reads the adapter and where placement homed it
             homes = self.placement.home(role, request.adapter) if self.placement is not None else frozenset()
             ctx = replace(ctx, homes=homes) if ctx else RouteContext(adapter=request.adapter, homes=homes)
+        if near:
+            ctx = replace(ctx, near=near) if ctx else RouteContext(near=near)
         worker, why = policy.select(workers, cost, ctx)
         cached = ctx.cached_blocks.get(worker.worker_id, 0) * worker.block_size if ctx else 0
         spared = int(effective_blocks(worker, ctx) * worker.block_size) if ctx else 0

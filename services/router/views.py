@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.common import host
+
 
 @dataclass
 class WorkerView:
@@ -41,6 +43,7 @@ class WorkerView:
     decode_s_per_step: float = 0.0
     host: str = ""  # its host identity (the kvstore pool of that host serves it)
     kv_pool: bool = False  # it takes prompts' blocks from the pool
+    topology: str = ""  # rack/node/domain (services.common.host.topology; "" = unknown)
 
     @property
     def tokens(self) -> int:
@@ -75,3 +78,10 @@ class RouteContext:
     adapter: str = ""  # the request's LoRA adapter ("" = base model)
     pooled_blocks: dict = field(default_factory=dict)  # worker_id -> longest prefix its host's KV pool holds
     homes: frozenset = frozenset()  # worker ids that placement homed the adapter on (empty: none planned)
+    near: str = ""  # where the request's KV comes from (the prefill worker's topology, for a decode pick):
+    #                 equally good workers closer to it go first (services.common.host.distance)
+
+
+def closeness(worker: WorkerView, ctx: RouteContext | None) -> int:
+    """The tie-break between equally good workers: distance to ctx.near (0 when there is nothing to be near)."""
+    return host.distance(worker.topology, ctx.near) if ctx is not None and ctx.near else 0

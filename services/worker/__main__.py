@@ -15,6 +15,7 @@ from services.common.telemetry import add_metrics_flag, setup_telemetry
 from services.common.errors import ModelLoadError
 from services.worker.metrics import WorkerMetrics
 from services.worker.runner import EngineRunner
+from services.common.host import topology
 from services.worker.server import WorkerServicer, heartbeat_loop, index_loop
 
 ROLES = ("prefill", "decode", "unified")
@@ -23,6 +24,10 @@ ROLES = ("prefill", "decode", "unified")
 async def serve(args) -> int:
     """Serve until stopped (0) or until the engine core dies (1: the supervisor starts the worker again)."""
     config = args.engine.to_engine_config(args.model)
+    try:
+        place = topology()  # rack/node/domain, for the router's tie-break between close and far workers
+    except ValueError as e:
+        raise SystemExit(f"{args.role} worker: {e}") from None
     loop = asyncio.get_running_loop()
     server = rpc.Server(["Worker"], args.port, args.host)
     worker_id = args.worker_id or f"{args.role}-{server.port}"
@@ -52,7 +57,7 @@ async def serve(args) -> int:
     routers = args.router.split(",")  # every router hears every heartbeat: none holds state the others lack
     beats = [asyncio.create_task(heartbeat_loop(runner, router, worker_id, server.address, args.role,
                                                 on_first=lambda: server.set_serving(True), publisher=publisher,
-                                                kv_pool=args.kv_pool))
+                                                kv_pool=args.kv_pool, topology=place))
              for router in routers]
 
     async def deregister(router: str) -> None:

@@ -352,7 +352,7 @@ async def _nothing() -> tuple[str, None]:
 
 
 async def heartbeat_loop(runner: EngineRunner, router: str, worker_id: str, address: str, role: str,
-                         on_first=None, publisher=None, kv_pool: bool = False) -> None:
+                         on_first=None, publisher=None, kv_pool: bool = False, topology: str = "") -> None:
     """Beat every interval the router asks for (1 s by default); retry quietly while it is away."""
     chan = rpc.channel(router)  # held for the loop's lifetime
     stub = pb_grpc.RouterStub(chan)
@@ -366,7 +366,7 @@ async def heartbeat_loop(runner: EngineRunner, router: str, worker_id: str, addr
                 kv_used_tokens=load.blocks_used * load.block_size, running=load.running, waiting=load.waiting,
                 block_size=load.block_size,
                 index_member=publisher.member if publisher is not None and publisher.connected else "",
-                host=host_id(), kv_pool=kv_pool,
+                host=host_id(), kv_pool=kv_pool, topology=topology,
                 decode_tokens_per_s=rate.update(runner.busy_s, runner.tokens_out),
                 max_num_seqs=load.max_num_seqs,
                 prefill_s_per_token=runner.cost.prefill_s_per_token,

@@ -80,3 +80,16 @@ def test_distance_ranks_domain_node_rack():
     assert distance(a, by[("r0", "r0n0", "d1")]) == 1
     assert distance(a, by[("r0", "r0n1", "d0")]) == 2
     assert distance(a, by[("r1", "r1n0", "d0")]) == 3
+
+
+def test_a_pools_replicas_go_near_the_partner_pool_when_that_costs_nothing():
+    inv = inventory(2, 2, 2, 8)
+    prefill = place(inv, set(), "prefill", 2, 1).replicas
+    used = {d for r in prefill for d in r.devices}
+    alone = place(inv, used, "decode", 2, 1).replicas[0]
+    paired = place(inv, used, "decode", 2, 1, near=prefill).replicas[0]
+    assert distance(alone, prefill[0]) > 0  # by free room alone it goes to an emptier domain
+    assert distance(paired, prefill[0]) == 0
+    spread = place(inv, used, "decode", 2, 4, near=prefill)  # anti-affinity still spreads them over the nodes
+    assert len({r.node for r in spread.replicas}) == 4 and spread.stranded == 0
+    assert min(distance(r, prefill[0]) for r in spread.replicas) == 0

@@ -98,7 +98,7 @@ def test_heartbeat_fields_round_trip_through_the_one_conversion():
                          running=2, waiting=1, adapters=["x"], block_size=8, index_member="w#1",
                          decode_tokens_per_s=12.5, max_num_seqs=4, prefill_s_per_token=1e-3, decode_s_per_step=2e-3,
                          host_adapters=["x", "y"], known_adapters=["x", "y", "z"], pinned_adapters=["x"], lora_slots=2,
-                         free_lora_slots=1)
+                         free_lora_slots=1, topology="r0/n1/numa0")
     reg = Registry(Clock(), ttl_s=3.0)
     reg.beat_view(load_from_pb(beat))
     assert load_to_pb(reg.live("decode")[0]) == beat

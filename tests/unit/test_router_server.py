@@ -198,3 +198,42 @@ def test_lora_routes_by_placement_homes_and_prefetches_hot_adapters():
         assert d.decode_worker == f"addr-{next(iter(homes))}"
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("policy", ["least-outstanding", "prefix-aware"])
+def test_equally_loaded_decode_workers_go_nearest_the_prefill_worker_first(policy):
+    """Disaggregated: among equally loaded decode workers the one in the prefill worker's domain, then its node,
+    then the rest (whatever their ids); load still comes first."""
+    registry = Registry(Clock())
+    servicer = RouterServicer(registry, functools.partial(make_policy, policy, {}), "disaggregated", 1000,
+                              meter=MeterProvider().get_meter("test"))
+    places = {"p0": ("prefill", "r0/n0/d0"), "a": ("decode", "r1/n5/d0"), "b": ("decode", "r0/n0/d1"),
+              "c": ("decode", "r0/n0/d0")}
+
+    async def scenario():
+        for wid, (role, topology) in places.items():
+            await servicer.Heartbeat(pb.WorkerLoad(worker_id=wid, address=f"addr-{wid}", role=role,
+                                                   kv_capacity_tokens=10_000, block_size=BS, topology=topology), None)
+        picks = []
+        for _ in range(3):
+            d = await servicer.Route(pb.RouteRequest(prompt_tokens=64, max_tokens=32, prompt_token_ids=PROMPT), None)
+            assert d.prefill_worker == "addr-p0"
+            picks.append(d.decode_worker)
+        return picks
+
+    # idle: same domain, then same node; the third goes to the idle far one, not to a busier near one
+    assert asyncio.run(scenario()) == ["addr-c", "addr-b", "addr-a"]
+
+
+def test_topology_paths_and_their_distance(monkeypatch):
+    from services.common import host
+
+    monkeypatch.setenv(host.TOPOLOGY_ENV, "rack-1/node-7/numa0")
+    assert host.topology() == "rack-1/node-7/numa0"
+    for bad in ("node-7", "rack-1//numa0", "a/b/c/d"):
+        monkeypatch.setenv(host.TOPOLOGY_ENV, bad)
+        with pytest.raises(ValueError, match="MESHSERVE_TOPOLOGY"):
+            host.topology()
+    monkeypatch.delenv(host.TOPOLOGY_ENV)
+    assert host.topology() == f"/{host.host_id()}/"  # on one machine: every worker on the same node
+    assert [host.distance("r/n/d", other) for other in ("r/n/d", "r/n/e", "r/m/d", "s/n/d", "")] == [0, 1, 2, 3, 3]

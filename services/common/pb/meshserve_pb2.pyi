@@ -249,7 +249,7 @@ class WorkerId(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("worker_id", "address", "role", "outstanding_tokens", "kv_capacity_tokens", "kv_used_tokens", "running", "waiting", "adapters", "block_size", "index_member", "decode_tokens_per_s", "max_num_seqs", "prefill_s_per_token", "decode_s_per_step", "host", "kv_pool", "host_adapters", "lora_slots", "free_lora_slots", "known_adapters", "pinned_adapters")
+    __slots__ = ("worker_id", "address", "role", "outstanding_tokens", "kv_capacity_tokens", "kv_used_tokens", "running", "waiting", "adapters", "block_size", "index_member", "decode_tokens_per_s", "max_num_seqs", "prefill_s_per_token", "decode_s_per_step", "host", "kv_pool", "host_adapters", "lora_slots", "free_lora_slots", "known_adapters", "pinned_adapters", "topology")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -272,6 +272,7 @@ class WorkerLoad(_message.Message):
     FREE_LORA_SLOTS_FIELD_NUMBER: _ClassVar[int]
     KNOWN_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     PINNED_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     role: str
@@ -294,7 +295,8 @@ class WorkerLoad(_message.Message):
     free_lora_slots: int
     known_adapters: _containers.RepeatedScalarFieldContainer[str]
     pinned_adapters: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[str] = ..., outstanding_tokens: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., adapters: _Optional[_Iterable[str]] = ..., block_size: _Optional[int] = ..., index_member: _Optional[str] = ..., decode_tokens_per_s: _Optional[float] = ..., max_num_seqs: _Optional[int] = ..., prefill_s_per_token: _Optional[float] = ..., decode_s_per_step: _Optional[float] = ..., host: _Optional[str] = ..., kv_pool: _Optional[bool] = ..., host_adapters: _Optional[_Iterable[str]] = ..., lora_slots: _Optional[int] = ..., free_lora_slots: _Optional[int] = ..., known_adapters: _Optional[_Iterable[str]] = ..., pinned_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
+    topology: str
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[str] = ..., outstanding_tokens: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., adapters: _Optional[_Iterable[str]] = ..., block_size: _Optional[int] = ..., index_member: _Optional[str] = ..., decode_tokens_per_s: _Optional[float] = ..., max_num_seqs: _Optional[int] = ..., prefill_s_per_token: _Optional[float] = ..., decode_s_per_step: _Optional[float] = ..., host: _Optional[str] = ..., kv_pool: _Optional[bool] = ..., host_adapters: _Optional[_Iterable[str]] = ..., lora_slots: _Optional[int] = ..., free_lora_slots: _Optional[int] = ..., known_adapters: _Optional[_Iterable[str]] = ..., pinned_adapters: _Optional[_Iterable[str]] = ..., topology: _Optional[str] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("interval_ms",)
