@@ -5,8 +5,11 @@ Unified workers of the bench preset, one torch thread each, each with `--startup
 its real start-up: a slow model load, so that the forecast horizon matters. First, on one worker: the solo TTFT
 (8 requests one at a time; the SLO is 5x its p90), its prefill capacity (prompt tokens/s of a burst of 1-token
 requests) and decode capacity (output tokens/s of a burst of long-output, short-prompt requests), which the token
-policy is configured with. Then each system gets the same Poisson trace, base rate b = 0.1 of one worker's
-request rate at saturation: b for 20 s, a burst to 10 b, and b again for 40 s. The burst's shape (`--shape`):
+policy is configured with. Then each system gets the same Poisson trace, base rate b: b for 20 s, a burst to
+10 b, and b again for 40 s. The burst peaks at `--peak` (default 0.85) of one worker's request rate at
+saturation (a burst's throughput; what a Poisson stream can sustain within a TTFT SLO is less): one worker
+cannot hold the peak within the SLO and two can. At 1.0 (the first runs) not even two fixed workers met the
+SLO on a 2-core machine, where the gateway, router, kvstore and the load generator share the workers' cores. The burst's shape (`--shape`):
 `ramp` (default) rises linearly from b to 10 b over 30 s and holds 10 b for 20 s; `step` jumps to 10 b for 40 s.
 A step faster than a replica can start is absorbed only by capacity already there (no policy that adds
 replicas after the fact can meet a tight SLO through it: the first run, step-shaped, showed that); a ramp over
@@ -43,7 +46,23 @@ SHAPES = ("ramp", "step")
 def add_flags(p) -> None:
     g = p.add_argument_group("burst-autoscale")
     g.add_argument("--startup-delay", type=float, default=15.0, help="seconds added to each worker's start-up")
+    g.add_argument("--peak", type=float, default=0.85, help="the burst's peak, as a fraction of one worker's "
+                   "request rate at saturation (the base rate is a tenth of it)")
     g.add_argument("--shape", choices=SHAPES, default="ramp", help="the burst's shape (see the module's notes)")
+
+
+def strays() -> list[int]:
+    """Pids of other meshserve service processes on this machine (none should outlive their run)."""
+    out = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and int(proc.name) != os.getpid():
+            try:
+                cmd = (proc / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"-m" in cmd and any(c.startswith(b"services.") and c != b"services.cli" for c in cmd):
+                out.append(int(proc.name))
+    return sorted(out)
 
 
 def phases_for(shape: str, base: float, scale: float = 1.0) -> list[tuple[float, float, float]]:
@@ -100,6 +119,9 @@ class Run:
         self.t_count = None
 
     def __enter__(self) -> "Run":
+        stray = strays()
+        if stray:  # a previous run's process still computing would skew this one's figures
+            log(f"warning: processes of an earlier mesh still running: {stray}")
         self.mesh.start()
         self.control, self.address = supervisor.serve(self.mesh, self.lock, ("unified",), 0, say=log)
         self.thread = threading.Thread(target=self._loop, daemon=True)
@@ -144,9 +166,13 @@ class Run:
 def measure(gateway: str, reqs: list, arrivals: list, slo_ms: float) -> dict:
     timings, wall = run_online(gateway, reqs, arrivals)
     ttft = [(t.first_s - t.arrival_s) * 1e3 for t in timings if t.first_s is not None]
+    misses = [0] * (int(max(arrivals, default=0) // 10) + 1)  # requests that missed the SLO, per 10 s of arrival
+    for t, at in zip(timings, arrivals):
+        if t.first_s is None or (t.first_s - t.arrival_s) * 1e3 > slo_ms:
+            misses[int(at // 10)] += 1
     return {"slo_attainment": round(sum(1 for x in ttft if x <= slo_ms) / len(reqs), 4),
             "ttft_ms_p50": round(percentile(ttft, 0.5), 1), "ttft_ms_p99": round(percentile(ttft, 0.99), 1),
-            "completed": len(ttft), "wall_s": round(wall, 1)}
+            "completed": len(ttft), "wall_s": round(wall, 1), "misses_per_10s": misses}
 
 
 def run(args) -> int:
@@ -169,7 +195,9 @@ def run(args) -> int:
         _, wall = run_online(r.mesh.gateway, sat, [0.0] * len(sat))
         sat_rps = len(sat) / wall
     slo_ms = 5 * percentile(solo_ms, 0.9)
-    base = 0.1 * sat_rps
+    if not 0 < args.peak <= 4:
+        raise SystemExit(f"--peak must be in (0, 4], got {args.peak}")
+    base = args.peak * sat_rps / 10
     phases = phases_for(args.shape, base, scale)
     arrivals = arrivals_for(phases, args.seed + 10)
     t0 = sum(length for length, _, _ in phases)
@@ -207,11 +235,16 @@ def run(args) -> int:
     best = systems.get("best-fixed")
     ratios = {f"{p}/best-fixed:worker_seconds": round(systems[p]["worker_seconds"] / best["worker_seconds"], 3)
               for p in POLICIES if best}
+    if best is None:
+        log(f"no fixed size up to {MAX_WORKERS} met the SLO for 95% of requests: no target to compare with")
+    # the issue's target: >= 95% attainment at <= 1.3x the best fixed size's worker-seconds
+    met = {p: bool(best) and systems[p]["slo_attainment"] >= 0.95 and ratios[f"{p}/best-fixed:worker_seconds"] <= 1.3
+           for p in POLICIES}
     result = {"workload": "burst-autoscale", "command": args.command_line, "machine": machine(),
-              "config": {"shape": args.shape, "startup_delay_s": delay, "slo_ms": round(slo_ms, 1), "solo_ttft_ms_p90":
-                         round(percentile(solo_ms, 0.9), 1), "phases": [[round(x, 3) for x in p] for p in phases],
+              "config": {"shape": args.shape, "peak": args.peak, "startup_delay_s": delay, "slo_ms": round(slo_ms, 1),
+                         "solo_ttft_ms_p90": round(percentile(solo_ms, 0.9), 1), "phases": [[round(x, 3) for x in p] for p in phases],
                          "requests": len(reqs), "pool": pool, "model": str(model_dir)},
-              "systems": systems, "ratios": ratios}
+              "systems": systems, "ratios": ratios, "target_met": met}
     write_result(result, args.out)
     print_table(result)
     return 0
