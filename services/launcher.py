@@ -63,6 +63,7 @@ class Proc:
     tls_health: bool = False  # its health port wants a mesh certificate (internal services under TLS)
     healthy_s: float | None = None  # monotonic time it first answered its health check (None: still starting)
     draining: bool = False  # told to stop by a scale-down: not started again; gone once it exits
+    pool: str = ""  # a worker's pool: its role, or the named group (MeshSpec.worker_pools) it belongs to
 
 
 RESTART_BACKOFF_S = (0.5, 10.0)  # first delay, cap (doubling in between)
@@ -101,6 +102,7 @@ class MeshSpec:
     kv_pool: bool = False  # workers take prompts' blocks from the kvstore's pool (and unified ones push them)
     kvstore_budget_gb: float = 1.0  # the kvstore's pool, reserved in /dev/shm once the first worker attaches
     drain_grace_s: float = 10.0  # a worker told to stop lets its in-flight requests finish for up to this long
+    worker_pools: dict = field(default_factory=dict)  # named groups beside the roles': name -> {role, replicas, args}
 
 
 class Mesh:
@@ -225,9 +227,9 @@ class Mesh:
         self.router, routers = self.routers[0], ",".join(self.routers)
         roles = [("unified", s.unified)] if s.mode == "unified" else [("prefill", s.prefill), ("decode", s.decode)]
         self.worker_seq = {}
-        for role, count in roles:
+        for pool, count in roles + [(name, group["replicas"]) for name, group in s.worker_pools.items()]:
             for _ in range(count):
-                self._worker(role)
+                self._worker(pool)
         http = []
         if s.http_port is not None:
             http_port = s.http_port or self._free_port()
@@ -239,22 +241,33 @@ class Mesh:
                                      port=s.gateway_port).address
         self.wait_healthy(timeout_s)
 
-    def _worker(self, role: str) -> Proc:
-        """Start one more worker of a role, named role-N (N never reused within this mesh)."""
+    def _worker(self, pool: str) -> Proc:
+        """Start one more worker of a pool (a role, or a named group of MeshSpec.worker_pools), named pool-N (N never
+        reused within this mesh)."""
         s = self.spec
-        n = self.worker_seq.get(role, 0)
-        self.worker_seq[role] = n + 1
-        name = f"{role}-{n}"
+        group = s.worker_pools.get(pool)
+        role, extra = (group["role"], ["--pool", pool, *group.get("args", [])]) if group else (pool, [])
+        n = self.worker_seq.get(pool, 0)
+        self.worker_seq[pool] = n + 1
+        name = f"{pool}-{n}"
         config = ["--config", s.config_file] if s.config_file else []
-        return self._service(name, "worker", "--role", role, "--model", s.model_dir, "--router", ",".join(self.routers),
+        proc = self._service(name, "worker", "--role", role, "--model", s.model_dir, "--router", ",".join(self.routers),
                              "--redis-url", self.redis_url, "--worker-id", name, "--threads", s.threads, *config,
                              "--kv-transport", s.kv_transport, "--kv-pool" if s.kv_pool else "--no-kv-pool",
-                             "--grace-s", s.drain_grace_s, *s.engine_args, *s.worker_args.get(name, []))
+                             "--grace-s", s.drain_grace_s, *s.engine_args, *extra, *s.worker_args.get(name, []))
+        proc.pool = pool
+        return proc
+
+    def pools(self) -> tuple:
+        """The pools `scale` takes: the mode's roles, then the named groups."""
+        roles = ("unified",) if self.spec.mode == "unified" else ("prefill", "decode")
+        return roles + tuple(self.spec.worker_pools)
 
     # ---- scaling at run time (the Supervisor service of `meshserve up`; the autoscaler's local actuator) --------
 
     def scale(self, role: str, replicas: int, reason: str = "", say: Callable[[str], None] = print) -> None:
-        """Start workers of a role, or drain the most recently started ones, until `replicas` are up or starting.
+        """Start workers of a pool (a role or a named group), or drain the most recently started ones, until
+        `replicas` are up or starting.
         Draining: SIGTERM; the worker deregisters (the router stops routing to it), lets its in-flight requests
         finish (up to its grace, drain_grace_s), then exits; it is not started again."""
         if replicas < 0:
@@ -326,8 +339,9 @@ class Mesh:
     def proc(self, name: str) -> Proc:
         return next(p for p in self.procs if p.name == name)
 
-    def workers(self, role: str) -> list[Proc]:
-        return [p for p in self.procs if p.name.startswith(role + "-")]
+    def workers(self, pool: str) -> list[Proc]:
+        """The workers of a pool: a role's own, or a named group's."""
+        return [p for p in self.procs if p.pool == pool]
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM every process group (gateway first, Redis last), SIGKILL what outlives the grace period."""

@@ -39,7 +39,8 @@ def mesh_spec(cfg: MeshConfig, model: Path, args):
                     gateway_port=args.port, http_port=args.http_port, router_port=args.router_port,
                     kvstore_port=args.kvstore_port, config_file=args.config, tls=m.tls, public_tls=m.public_tls,
                     gateway_args=["--served-model-name", *names] if names else [], kv_transport=cfg.kv.transport,
-                    kv_pool=cfg.kv.pool, kvstore_budget_gb=cfg.kv.budget_gb)
+                    kv_pool=cfg.kv.pool, kvstore_budget_gb=cfg.kv.budget_gb,
+                    worker_pools={name: group.model_dump() for name, group in m.worker_pools.items()})
 
 
 def default_kv_gb(model: Path) -> float:
@@ -131,14 +132,14 @@ def cmd_up(args) -> int:
         if mesh.tls_dir:
             print(f"internal services speak mutual TLS (certificates in {mesh.tls_dir}; the gateway's public ports "
                   + ("use TLS too: clients trust ca.pem there)" if mesh.spec.public_tls else "are plain)"), flush=True)
-        roles = ("unified",) if spec.mode == "unified" else ("prefill", "decode")
-        control, control_address = supervisor.serve(mesh, lock, roles, args.supervisor_port, say=say)
-        print(f"scaling: meshserve scale POOL N --supervisor {control_address} (pools: {', '.join(roles)})", flush=True)
+        pools = mesh.pools()
+        control, control_address = supervisor.serve(mesh, lock, pools, args.supervisor_port, say=say)
+        print(f"scaling: meshserve scale POOL N --supervisor {control_address} (pools: {', '.join(pools)})", flush=True)
         if scaling.enabled:
             with lock:
                 scaler = mesh.start_autoscaler(autoscaler_port or args.autoscaler_port or free_port(), control_address,
-                                               roles)
-            print(f"autoscaler ({scaling.policy}) on {scaler.address}, scaling {', '.join(roles)}; its decisions in "
+                                               pools)
+            print(f"autoscaler ({scaling.policy}) on {scaler.address}, scaling {', '.join(pools)}; its decisions in "
                   f"{scaler.log}", flush=True)
         print(f"meshserve is ready: gateway {mesh.gateway}, HTTP {mesh.http}, router {','.join(mesh.routers)}, kvstore {mesh.kvstore}, "
               f"redis {redis}", flush=True)
@@ -250,7 +251,7 @@ def add_parsers(sub) -> None:
     up.set_defaults(func=cmd_up)
     scale = sub.add_parser("scale", help="set a pool's worker count in a running `meshserve up` (new workers start "
                                          "and register; surplus ones drain)")
-    scale.add_argument("pool", help="prefill, decode or unified")
+    scale.add_argument("pool", help="prefill, decode or unified (the mode's), or a named group of mesh.worker_pools")
     scale.add_argument("replicas", type=int)
     scale.add_argument("--supervisor", default=f"127.0.0.1:{DEFAULT_PORTS['supervisor']}",
                        help="the Supervisor address `meshserve up` printed")

@@ -20,7 +20,7 @@ from opentelemetry import metrics
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-from services.autoscaler.actuators import ComposeActuator, LocalActuator
+from services.autoscaler.actuators import ComposeActuator, KubernetesActuator, LocalActuator
 from services.autoscaler.policy import POLICIES, PolicyState
 from services.autoscaler.signals import PoolSignals
 from services.common import rpc
@@ -32,8 +32,11 @@ DEFAULT_PORT = 50054  # ../shared/INTERFACES.md
 
 
 class Autoscaler(metrics_service_pb2_grpc.MetricsServiceServicer):
-    def __init__(self, section: AutoscalerSection, actuator, pools: list[str], clock=time.monotonic, meter=None):
+    def __init__(self, section: AutoscalerSection, actuator, pools: list[str], clock=time.monotonic, meter=None,
+                 roles: dict | None = None):
+        """roles: pool -> role for pools that are not a role (MeshConfig.pool_role)."""
         self.section, self.actuator, self.pools, self.clock = section, actuator, pools, clock
+        self.roles = {p: (roles or {}).get(p, p) for p in pools}
         self.signals = PoolSignals()
         self.samples: dict[str, list] = {p: [] for p in pools}
         self.states: dict[str, PolicyState] = {p: PolicyState() for p in pools}
@@ -54,7 +57,7 @@ class Autoscaler(metrics_service_pb2_grpc.MetricsServiceServicer):
 
     def policy(self, pool: str, startup_s: float):
         section = self.section.pools.get(pool) or PoolSection()
-        config = section.to_pool_config(pool, startup_s or None)
+        config = section.to_pool_config(self.roles[pool], startup_s or None)
         name = self.section.policy
         if name == "cpu-utilisation":
             return POLICIES[name](config, self.section.target_cpu)
@@ -106,12 +109,26 @@ def make_actuator(args):
         services = dict(pair.split("=", 1) for pair in args.compose_services.split(",")) if args.compose_services \
             else {}
         return ComposeActuator(args.compose_file, args.compose_project, services)
+    if args.actuator == "kubernetes":
+        return KubernetesActuator(args.k8s_namespace, parse_workloads(args.k8s_workloads))
     raise SystemExit(f"unknown actuator {args.actuator!r}")
 
 
-async def serve(args, section: AutoscalerSection) -> None:
+def parse_workloads(text: str) -> dict:
+    """`decode=Deployment/meshserve-decode,sql=StatefulSet/sql` -> {pool: (kind, name)}; SystemExit naming a bad pair."""
+    out = {}
+    for pair in filter(None, text.split(",")):
+        pool, _, workload = pair.partition("=")
+        kind, _, name = workload.partition("/")
+        if not pool or kind not in ("Deployment", "StatefulSet") or not name:
+            raise SystemExit(f"--k8s-workloads: {pair!r} is not POOL=Deployment/NAME or POOL=StatefulSet/NAME")
+        out[pool] = (kind, name)
+    return out
+
+
+async def serve(args, section: AutoscalerSection, roles: dict) -> None:
     server = rpc.Server([], args.port, args.host, public=True)
-    autoscaler = Autoscaler(section, make_actuator(args), args.scaled_pools.split(","))
+    autoscaler = Autoscaler(section, make_actuator(args), args.scaled_pools.split(","), roles=roles)
     metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(autoscaler, server.server)
     trace_service_pb2_grpc.add_TraceServiceServicer_to_server(_Traces(), server.server)
     await server.set_serving(True)
@@ -126,22 +143,32 @@ def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m services.autoscaler", description=__doc__)
     rpc.add_server_flags(ap, "AUTOSCALER_PORT", grace_s=1.0, default_port=DEFAULT_PORT)
     ap.add_argument("--scaled-pools", default=os.environ.get("AUTOSCALER_POOLS", "decode"),
-                    help="comma-separated pools to scale: prefill, decode, unified")
-    ap.add_argument("--actuator", choices=("local", "compose"), default=os.environ.get("AUTOSCALER_ACTUATOR", "local"))
+                    help="comma-separated pools to scale: prefill, decode, unified, or named groups of workers "
+                         "(mesh.worker_pools, or autoscaler.pools.NAME.role)")
+    ap.add_argument("--actuator", choices=("local", "compose", "kubernetes"),
+                    default=os.environ.get("AUTOSCALER_ACTUATOR", "local"))
     ap.add_argument("--supervisor", default=os.environ.get("MESHSERVE_SUPERVISOR", "127.0.0.1:50055"),
                     help="local actuator: the Supervisor address `meshserve up` printed")
     ap.add_argument("--compose-file", default="deploy/docker-compose.yml")
     ap.add_argument("--compose-project", default="meshserve")
     ap.add_argument("--compose-services", default="", help="pool=service pairs, e.g. decode=decode,prefill=prefill")
+    ap.add_argument("--k8s-namespace", default=os.environ.get("AUTOSCALER_K8S_NAMESPACE", "meshserve"))
+    ap.add_argument("--k8s-workloads", default=os.environ.get("AUTOSCALER_K8S_WORKLOADS", ""),
+                    help="pool=Kind/name pairs, e.g. decode=Deployment/decode,prefill=Deployment/prefill")
     add_config_flag(ap)
     add_section_flags(ap, "autoscaler")
     add_metrics_flag(ap)
     args = ap.parse_args()
-    section = config_from_args(ap, args, "autoscaler").autoscaler
+    cfg = config_from_args(ap, args, "autoscaler")
+    section = cfg.autoscaler
+    try:
+        roles = {pool: cfg.pool_role(pool) for pool in args.scaled_pools.split(",")}
+    except ValueError as e:
+        raise SystemExit(f"autoscaler: {e}") from None
     if os.environ.get(METRICS_ENDPOINT_ENV, "").endswith(f":{args.port}"):
         del os.environ[METRICS_ENDPOINT_ENV]  # the mesh's services export here; the autoscaler itself does not
     setup_telemetry("autoscaler", args.metrics_port, args.host)
-    asyncio.run(serve(args, section))
+    asyncio.run(serve(args, section, roles))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """From OTLP metrics to PoolSamples: what the workers export, turned into one observation per pool.
 
-Workers export cumulative OpenTelemetry metrics (services/worker/metrics.py) with resource attribute
-`service.name` = their role (the pool) and data-point attribute `worker_id`. ingest() keeps, per worker,
+Workers export cumulative OpenTelemetry metrics (services/worker/metrics.py) with resource attributes
+`meshserve.pool` = their pool (a role, or a named group of workers such as one adapter group's; without it
+`service.name`, their role, is the pool) and data-point attribute `worker_id`. ingest() keeps, per worker,
 the latest value of each metric the policies read; sample() turns the change since the previous sample
 into rates and interval percentiles:
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.autoscaler.policy import PoolSample
+from services.common.telemetry import POOL_ATTRIBUTE
 
 COUNTERS = {"vllm.prompt_tokens": "prompt", "vllm.generation_tokens": "output", "meshserve.worker.cpu_seconds": "cpu"}
 GAUGES = {"meshserve.worker.queued_prefill_tokens": "queued", "vllm.kv_cache_usage_perc": "kv",
@@ -60,7 +62,7 @@ class PoolSignals:
         """Record an ExportMetricsServiceRequest; returns how many data points were used."""
         used = 0
         for rm in request.resource_metrics:
-            pool = _attr(rm.resource.attributes, "service.name")
+            pool = _attr(rm.resource.attributes, POOL_ATTRIBUTE) or _attr(rm.resource.attributes, "service.name")
             for sm in rm.scope_metrics:
                 for m in sm.metrics:
                     kind = m.WhichOneof("data")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import types
 import typing
 from pathlib import Path
@@ -32,6 +33,27 @@ ENV_PREFIX = "MESHSERVE_"
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+ROLES = ("prefill", "decode", "unified")
+POOL_NAME = re.compile(r"[a-z][a-z0-9-]{0,38}[a-z]")  # a DNS label: also a Compose service or Deployment name
+
+
+def _pool_names(names, where: str) -> None:
+    for name in names:
+        if name not in ROLES and not POOL_NAME.fullmatch(name):
+            raise ValueError(f"{where} {name!r}: a pool is a role ({', '.join(ROLES)}) or a name of lowercase letters, "
+                             f"digits and dashes (2-40, starting and ending with a letter)")
+
+
+class WorkerPoolSection(Section):
+    """A named group of workers beside the role's own, e.g. one adapter group's (its adapters in `args`): the
+    autoscaler scales it as a pool of its own (its workers' metrics carry meshserve.pool)."""
+
+    role: Literal["prefill", "decode", "unified"] = Field(description="what its workers do")
+    replicas: NonNegativeInt = Field(1, description="workers at start")
+    args: list[str] = Field(default_factory=list, description="flags for its workers, e.g. [--lora-modules, "
+                                                              "'{\"sql\": \"adapters/sql\"}']")
 
 
 class MeshSection(Section):
@@ -55,10 +77,26 @@ class MeshSection(Section):
                                                 "mesh CA's gateway certificate (clients trust ca.pem of the mesh's "
                                                 "certificate folder); needs tls")
 
+    worker_pools: dict[str, WorkerPoolSection] = Field(
+        default_factory=dict, description="named groups of workers beside the role's own (name -> role, replicas, "
+                                          "args), e.g. one per adapter group; `meshserve scale NAME N` scales one")
+
     @model_validator(mode="after")
     def _public_tls_needs_tls(self):
         if self.public_tls and not self.tls:
             raise ValueError("public_tls needs tls: the public certificate comes from the mesh's CA")
+        return self
+
+    @model_validator(mode="after")
+    def _pools_fit_the_mode(self):
+        _pool_names(self.worker_pools, "worker pool")
+        roles = ("unified",) if self.mode == "unified" else ("prefill", "decode")
+        for name, pool in self.worker_pools.items():
+            if name in ROLES:
+                raise ValueError(f"worker pool {name!r}: the role's own pool is sized by mesh.{name}; name the group")
+            if pool.role not in roles:
+                raise ValueError(f"worker pool {name!r}: a {pool.role} pool in {self.mode} mode (its roles: "
+                                 f"{', '.join(roles)})")
         return self
 
 
@@ -113,6 +151,9 @@ class KVSection(Section):
 class PoolSection(Section):
     """One pool's scaling bounds, capacity and SLOs (services/autoscaler/policy.py PoolConfig)."""
 
+    role: Literal["prefill", "decode", "unified"] | None = Field(
+        None, description="what its workers do: the pool's name when that is a role, else from mesh.worker_pools "
+                          "or given here (a pool only a deployment defines)")
     min_replicas: NonNegativeInt = Field(1, description="fewest workers, also at zero traffic")
     max_replicas: PositiveInt = Field(4, description="most workers")
     startup_s: PositiveFloat = Field(30.0, description="a worker's start-up time until one is measured (the forecast "
@@ -153,9 +194,10 @@ class AutoscalerSection(Section):
     @field_validator("pools")
     @classmethod
     def _known_pools(cls, pools: dict) -> dict:
-        unknown = set(pools) - {"prefill", "decode", "unified"}
-        if unknown:
-            raise ValueError(f"unknown pool(s) {sorted(unknown)}; pools are prefill, decode, unified")
+        _pool_names(pools, "pool")
+        for name, pool in pools.items():
+            if name in ROLES and pool.role not in (None, name):
+                raise ValueError(f"pool {name!r} is the {name} role's: its role cannot be {pool.role}")
         return pools
 
 
@@ -188,6 +230,25 @@ class MeshConfig(Section):
 
         parse_tenants(entries)  # ValueError naming the tenant and key
         return entries or []
+
+    @model_validator(mode="after")
+    def _autoscaled_pools_have_roles(self):
+        for name in self.autoscaler.pools:
+            self.pool_role(name)
+        return self
+
+    def pool_role(self, name: str) -> str:
+        """What a pool's workers do: a role's own pool, a mesh.worker_pools entry, or autoscaler.pools.NAME.role;
+        ValueError for a name none of them defines (or where two disagree)."""
+        given = self.autoscaler.pools[name].role if name in self.autoscaler.pools else None
+        group = self.mesh.worker_pools.get(name)
+        role = name if name in ROLES else group.role if group else given
+        if role is None:
+            raise ValueError(f"pool {name!r} is neither a role ({', '.join(ROLES)}) nor in mesh.worker_pools: give "
+                             f"autoscaler.pools.{name}.role")
+        if given not in (None, role):
+            raise ValueError(f"pool {name!r}: autoscaler.pools.{name}.role {given} but its workers are {role}")
+        return role
 
     def tenant_objects(self) -> list:
         from services.common.tenants import parse_tenants
@@ -267,6 +328,9 @@ def describe(e: ValidationError, source: str) -> str:
                          + (f" (known: {known})" if known else ""))
         else:
             msg = err["msg"].removeprefix("Value error, ")
+            if not where:  # a check across sections: the message names the keys
+                lines.append(f"{source}: {msg}")
+                continue
             lines.append(f"{source}: {where}: {msg[:1].lower() + msg[1:]} (got {err.get('input')!r})")
     return "\n".join(lines)
 

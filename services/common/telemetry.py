@@ -32,9 +32,10 @@ PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 UNIT_SUFFIX = {"ms": "_milliseconds", "s": "_seconds", "By": "_bytes"}
 _reader = None  # the pull reader behind /metrics, once setup_metrics ran
 METRICS_ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"  # the SDK's variable for a metrics-only endpoint
+POOL_ATTRIBUTE = "meshserve.pool"  # a worker's resource attribute: the pool the autoscaler counts it in
 
 
-def setup_tracing(service_name: str) -> None:
+def setup_tracing(service_name: str, attributes: dict | None = None) -> None:
     if not os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
         return
     from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
@@ -43,18 +44,19 @@ def setup_tracing(service_name: str) -> None:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+    provider = TracerProvider(resource=Resource.create({"service.name": service_name, **(attributes or {})}))
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(insecure=True), schedule_delay_millis=200))
     trace.set_tracer_provider(provider)
     GrpcAioInstrumentorServer().instrument()
     GrpcAioInstrumentorClient().instrument()
 
 
-def setup_metrics(service_name: str, interval_ms: int | None = None) -> None:
+def setup_metrics(service_name: str, interval_ms: int | None = None, attributes: dict | None = None) -> None:
     """The process's MeterProvider: a pull reader for /metrics, plus OTLP export when an endpoint is set
     (OTEL_EXPORTER_OTLP_ENDPOINT, or OTEL_EXPORTER_OTLP_METRICS_ENDPOINT for metrics alone: the autoscaler's).
 
-    interval_ms defaults to OTEL_METRIC_EXPORT_INTERVAL (the SDK's variable), else 5000."""
+    interval_ms defaults to OTEL_METRIC_EXPORT_INTERVAL (the SDK's variable), else 5000. attributes: more
+    resource attributes (a worker's `meshserve.pool`)."""
     global _reader
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader, PeriodicExportingMetricReader
@@ -68,17 +70,19 @@ def setup_metrics(service_name: str, interval_ms: int | None = None) -> None:
         interval = interval_ms or int(os.environ.get("OTEL_METRIC_EXPORT_INTERVAL", "5000"))
         readers.append(PeriodicExportingMetricReader(OTLPMetricExporter(insecure=True),
                                                      export_interval_millis=interval))
-    metrics.set_meter_provider(MeterProvider(resource=Resource.create({"service.name": service_name}),
+    metrics.set_meter_provider(MeterProvider(resource=Resource.create({"service.name": service_name,
+                                                                       **(attributes or {})}),
                                              metric_readers=readers))
 
 
 def setup_telemetry(service_name: str, metrics_port: int | None = None, host: str = "127.0.0.1",
-                    log_name: str | None = None) -> int | None:
+                    log_name: str | None = None, attributes: dict | None = None) -> int | None:
     """Logs, traces and metrics for a service; serves /metrics on metrics_port (0 = any free port, None
-    or a negative port = not served). Returns the port /metrics is served on, or None."""
+    or a negative port = not served). Returns the port /metrics is served on, or None. attributes: resource
+    attributes beyond service.name."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {log_name or service_name} %(levelname)s %(message)s")
-    setup_tracing(service_name)
-    setup_metrics(service_name)
+    setup_tracing(service_name, attributes)
+    setup_metrics(service_name, attributes=attributes)
     if metrics_port is None or metrics_port < 0:
         return None
     port = serve_metrics(metrics_port, host)

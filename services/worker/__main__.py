@@ -11,7 +11,7 @@ from services.common import rpc
 from services.common.config import add_config_flag, add_section_flags, config_from_args
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
-from services.common.telemetry import add_metrics_flag, setup_telemetry
+from services.common.telemetry import POOL_ATTRIBUTE, add_metrics_flag, setup_telemetry
 from services.common.errors import ModelLoadError
 from services.worker.metrics import WorkerMetrics
 from services.worker.runner import EngineRunner
@@ -102,6 +102,9 @@ def parser(role: str | None = None) -> argparse.ArgumentParser:
                     default=os.environ.get("KV_POOL", "") in ("1", "true"),
                     help="take a prompt's blocks from the kvstore's pool when it holds more of them than this engine "
                          "caches, and (unified role) push computed prompt blocks there")
+    ap.add_argument("--pool", default=os.environ.get("MESHSERVE_POOL", ""),
+                    help="the pool it belongs to, for the autoscaler (its metrics carry the resource attribute "
+                         "meshserve.pool): a named group of workers such as one adapter group's; default: its role")
     ap.add_argument("--startup-delay-s", type=float, default=float(os.environ.get("MESHSERVE_STARTUP_DELAY_S", "0")),
                     help="wait this long after the model loads before serving: emulates a slow load (benchmarks of "
                          "the autoscaler; env MESHSERVE_STARTUP_DELAY_S)")
@@ -117,7 +120,8 @@ def main(role: str | None = None) -> None:
     if role:
         args.role = role
     args.engine = config_from_args(ap, args, "engine").engine
-    setup_telemetry(args.role, args.metrics_port, args.host, log_name=f"{args.role}-worker")
+    setup_telemetry(args.role, args.metrics_port, args.host, log_name=f"{args.role}-worker",
+                    attributes={POOL_ATTRIBUTE: args.pool or args.role})
     sys.exit(asyncio.run(serve(args)))
 
 

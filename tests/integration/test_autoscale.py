@@ -28,9 +28,15 @@ CONFIG = {
 }
 
 
+# by hand: no autoscaler, and a named group of unified workers (an adapter group's), none at start
+MANUAL = {"mesh": {**CONFIG["mesh"], "worker_pools": {"lora": {"role": "unified", "replicas": 0}}},
+          "engine": CONFIG["engine"]}
+
+
 @pytest.fixture
-def up(tmp_path):
-    (tmp_path / "mesh.yaml").write_text(yaml.safe_dump(CONFIG))
+def up(tmp_path, request):
+    config = getattr(request, "param", CONFIG)
+    (tmp_path / "mesh.yaml").write_text(yaml.safe_dump(config))
     proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--model", "tiny", "--config", "mesh.yaml",
                              "--port", "0", "--http-port", "0", "--router-port", "0", "--kvstore-port", "0",
                              "--supervisor-port", "0", "--autoscaler-port", "0"], cwd=tmp_path,
@@ -115,12 +121,20 @@ def test_a_burst_adds_a_worker_that_takes_traffic_and_drains_it_after(up):
     assert ups and 'pool="unified"' in ups[0] and ups[0].endswith(" 1")
 
 
-def worker_served(lines, name: str) -> int:
-    """Requests the named worker holds now (its Stats, found through the router's list of workers)."""
+def listed(lines) -> list:
+    """The workers the router lists."""
     router = re.search(r"router (127\.0\.0\.1:\d+)", "".join(lines)).group(1)
     with grpc.insecure_channel(router) as ch:
-        workers = pb_grpc.RouterStub(ch).ListWorkers(pb.ListWorkersRequest(), timeout=5).workers
-    address = next((w.address for w in workers if w.worker_id == name), None)
+        return list(pb_grpc.RouterStub(ch).ListWorkers(pb.ListWorkersRequest(), timeout=5).workers)
+
+
+def registered(lines) -> list[str]:
+    return [w.worker_id for w in listed(lines)]
+
+
+def worker_served(lines, name: str) -> int:
+    """Requests the named worker holds now (its Stats, found through the router's list of workers)."""
+    address = next((w.address for w in listed(lines) if w.worker_id == name), None)
     if address is None:
         return 0
     with grpc.insecure_channel(address) as ch:
@@ -128,12 +142,18 @@ def worker_served(lines, name: str) -> int:
     return s.running + s.waiting
 
 
+@pytest.mark.parametrize("up", [MANUAL], indirect=True)
 def test_meshserve_scale_by_hand(up):
     proc, lines = up
     supervisor = re.search(r"--supervisor (127\.0\.0\.1:\d+)", "".join(lines)).group(1)
+    assert "(pools: unified, lora)" in "".join(lines)
     cli = [sys.executable, "-m", "services.cli", "scale", "--supervisor", supervisor]
     bad = subprocess.run(cli + ["decode", "2"], capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr and "unified" in bad.stderr
+    assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr and "unified, lora" in bad.stderr
+    group = subprocess.run(cli + ["lora", "1"], capture_output=True, text=True, timeout=60)
+    assert group.returncode == 0 and "lora: 0 ready, 1 starting, 0 draining (lora-0)" in group.stdout, group.stderr
+    wait_for(lambda: pools(supervisor)["lora"].ready == 1, 120, "the group's worker", lines)
+    wait_for(lambda: "lora-0" in registered(lines), 30, "the group's worker registering", lines)
     bad = subprocess.run(cli + ["unified", "500"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 1 and "OUT_OF_RANGE" in bad.stderr
     ok = subprocess.run(cli + ["unified", "1"], capture_output=True, text=True, timeout=60)

@@ -50,6 +50,33 @@ def test_a_round_scales_up_on_output_tokens_and_says_why():
     assert [(dict(p.attributes)["kind"], p.value) for p in points] == [("up", 1)]
 
 
+def test_an_adapter_groups_pool_scales_on_its_own_workers_traffic():
+    """A named pool (the unified workers of one adapter group, mesh.worker_pools) is sized by its own workers'
+    prompt tokens at the role's rates; the plain unified workers' traffic does not count for it."""
+    from services.common.config import load_mesh_config
+
+    cfg = load_mesh_config(None, {"mesh": {"mode": "unified", "worker_pools": {"lora-a": {"role": "unified"}}},
+                                  "autoscaler": {"interval_s": 1, "pools": {"lora-a": {
+                                      "max_replicas": 4, "prefill_tokens_per_s": 1000, "target_util": 0.5,
+                                      "startup_s": 5, "window_s": 10}}}})
+    now = [0.0]
+    actuator = FakeActuator(ready=1)
+    scaler = Autoscaler(cfg.autoscaler, actuator, ["lora-a"], clock=lambda: now[0], roles={"lora-a": cfg.pool_role(
+        "lora-a")}, meter=MeterProvider().get_meter("t"))
+    grouped, greader = worker("unified", "lora-a-0", pool="lora-a")
+    plain, preader = worker("unified", "unified-0")
+    for t in range(0, 5):
+        now[0] = float(t)
+        for i in range(10):  # 900 prompt tokens per second on the group's worker: 2 replicas at 500 each
+            step(grouped, f"g{t}-{i}", 1, 90, 0.0, now[0])
+            step(plain, f"p{t}-{i}", 1, 900, 0.0, now[0])
+        for reader in (greader, preader):
+            asyncio.run(scaler.Export(encode_metrics(reader.get_metrics_data()), None))
+        asyncio.run(scaler.tick())
+    assert actuator.calls and actuator.calls[0][:2] == ("lora-a", 2), actuator.calls
+    assert "prompt 900 tok/s" in actuator.calls[0][2]
+
+
 def test_compose_actuator_makes_the_exact_calls():
     calls = []
 
@@ -131,3 +158,15 @@ def test_kubernetes_actuator_against_a_fake_api_server():
     assert (method, path, body) == ("PATCH", "/apis/apps/v1/namespaces/serving/deployments/decode/scale",
                                     {"spec": {"replicas": 5}})
     assert "patch" in content_type and api.replicas == 5
+
+
+def test_the_autoscaler_command_parses_kubernetes_workloads_and_names_a_bad_pair():
+    import pytest
+
+    from services.autoscaler.__main__ import parse_workloads
+
+    assert parse_workloads("decode=Deployment/meshserve-decode,sql=StatefulSet/sql") == {
+        "decode": ("Deployment", "meshserve-decode"), "sql": ("StatefulSet", "sql")}
+    for bad in ("decode=Pod/x", "decode", "=Deployment/x", "decode=Deployment/"):
+        with pytest.raises(SystemExit, match="--k8s-workloads"):
+            parse_workloads(bad)

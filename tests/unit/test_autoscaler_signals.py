@@ -14,9 +14,10 @@ from services.worker.core import StepOutput
 from services.worker.metrics import WorkerMetrics
 
 
-def worker(role: str, worker_id: str):
+def worker(role: str, worker_id: str, pool: str = ""):
     reader = InMemoryMetricReader()
-    provider = MeterProvider(metric_readers=[reader], resource=Resource.create({"service.name": role}))
+    attrs = {"service.name": role, **({"meshserve.pool": pool} if pool else {})}
+    provider = MeterProvider(metric_readers=[reader], resource=Resource.create(attrs))
     return WorkerMetrics(role, worker_id, provider.get_meter("t")), reader
 
 
@@ -73,3 +74,21 @@ def test_pools_by_role_and_stale_workers_drop_out():
     export(signals, r0, 20.0)
     assert signals.live("decode", 20.0) == ["d0"]  # d1 silent for 20 s
     assert signals.sample("decode", 20.0, starting=2).starting == 2
+
+
+def test_a_named_pool_is_counted_apart_from_its_role():
+    """An adapter group's workers (unified, pool lora-a) are their own pool: their tokens are not the role's."""
+    signals = PoolSignals()
+    plain, rp = worker("unified", "u0")
+    grouped, rg = worker("unified", "la0", pool="lora-a")
+    for m, r in ((plain, rp), (grouped, rg)):
+        step(m, "first", 1, 100, 0.0, 0.1)
+        export(signals, r, 0.0)
+    signals.sample("unified", 0.0)
+    signals.sample("lora-a", 0.0)
+    step(grouped, "x", 1, 300, 0.0, 0.1)
+    for r in (rp, rg):
+        export(signals, r, 10.0)
+    assert signals.live("unified", 10.0) == ["u0"] and signals.live("lora-a", 10.0) == ["la0"]
+    assert signals.sample("lora-a", 10.0).prompt_tokens_per_s == 30.0
+    assert signals.sample("unified", 10.0).prompt_tokens_per_s == 0.0

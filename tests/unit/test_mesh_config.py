@@ -23,7 +23,7 @@ def test_yaml_and_toml(tmp_path):
 @pytest.mark.parametrize("text,fragment", [
     # unknown key or section
     ("autoscaler2: {}\n", "autoscaler2: unknown section"),
-    ("mesh: {workers: 3}\n", "mesh.workers: unknown key (known: model, served_model_name, mode, prefill, decode, unified, router, tls, public_tls)"),
+    ("mesh: {workers: 3}\n", "mesh.workers: unknown key (known: model, served_model_name, mode, prefill, decode, unified, router, tls, public_tls, worker_pools)"),
     ("engine: {blocksize: 8}\n", "engine.blocksize: unknown key"),
     ("routing: {guard: {absolute: 1}}\n", "routing.guard.absolute: unknown key (known: abs, rel)"),
     # wrong type
@@ -43,6 +43,13 @@ def test_yaml_and_toml(tmp_path):
     ("mesh: {policy: prefix-aware}\n", "mesh.policy is now routing.policy"),
     ("engine: {policy: fcfs}\n", "engine.policy is now engine.slot_policy"),
     ("mesh: {mode: [\n", "cannot parse"),
+    # named pools of workers (an adapter group's): a name, a role that fits the mode, a role the autoscaler knows
+    ("mesh: {worker_pools: {Lora_A: {role: decode}}}\n", "worker pool 'Lora_A': a pool is a role"),
+    ("mesh: {worker_pools: {lora-a: {role: unified}}}\n", "a unified pool in disaggregated mode"),
+    ("mesh: {worker_pools: {decode: {role: decode}}}\n", "the role's own pool is sized by mesh.decode"),
+    ("autoscaler: {pools: {lora-a: {}}}\n", "give autoscaler.pools.lora-a.role"),
+    ("mesh: {worker_pools: {lora-a: {role: decode}}}\nautoscaler: {pools: {lora-a: {role: prefill}}}\n",
+     "autoscaler.pools.lora-a.role prefill but its workers are decode"),
 ])
 def test_errors_name_the_file_section_and_key(tmp_path, text, fragment):
     f = tmp_path / "mesh.yaml"
@@ -117,6 +124,11 @@ def test_up_gives_each_worker_a_small_pool_unless_the_config_sizes_it(tmp_path):
     assert (pooled.kv_pool, pooled.kv_transport, pooled.kvstore_budget_gb) == (True, "grpc", 2.0)
     with pytest.raises(ConfigError, match="kv.transport"):
         load_mesh_config(None, {"kv": {"transport": "rdma"}}, env={})
+    grouped = load_mesh_config(None, {"mesh": {"worker_pools": {"sql": {"role": "decode", "replicas": 0, "args": [
+        "--lora-modules", '{"sql": "adapters/sql"}']}}}}, env={})
+    assert mesh_spec(grouped, tmp_path, args).worker_pools == {
+        "sql": {"role": "decode", "replicas": 0, "args": ["--lora-modules", '{"sql": "adapters/sql"}']}}
+    assert grouped.pool_role("sql") == "decode" and grouped.pool_role("prefill") == "prefill"
 
 
 def test_wire_salts_are_keyed_by_the_secret_not_the_tenant_name():
