@@ -36,6 +36,35 @@ def cmd_model_fetch(args) -> int:
     return 0
 
 
+def cmd_health(args) -> int:
+    """grpc_health_probe's job without the extra binary: 0 when ADDR's health service says SERVING."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from services.launcher import client_channel
+
+    try:
+        with client_channel(args.address, args.tls_dir or "") as ch:
+            reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=args.service),
+                                                         timeout=args.timeout)
+    except grpc.RpcError as e:
+        print(f"{args.address}: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    print(f"{args.address}: {status}")
+    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
+def add_health_parser(sub) -> None:
+    health = sub.add_parser("health", help="exit 0 when a service's gRPC health check says SERVING (container "
+                                           "health checks and probes; no grpc_health_probe binary needed)")
+    health.add_argument("address", help="HOST:PORT")
+    health.add_argument("--service", default="", help="the health service name to ask about (default: the server)")
+    health.add_argument("--timeout", type=float, default=2.0, help="seconds")
+    health.add_argument("--tls-dir", help="a mesh certificate folder (`meshserve certs`): speak mutual TLS")
+    health.set_defaults(func=cmd_health)
+
+
 def cmd_generate(args) -> int:
     from services.engine.engine import LLMEngine
     from services.engine.jsonl import generate_file
@@ -104,6 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_section_flags(gen, "engine")
     gen.set_defaults(func=cmd_generate, config_sections=("engine",), parser=gen)
 
+    add_health_parser(sub)
+
     tenant = sub.add_parser("tenant", help="tenant helpers").add_subparsers(dest="tenant_command", required=True)
     tenant.add_parser("key", help="make a new API key and the salted hash the config file stores").set_defaults(
         func=cmd_tenant_key)
@@ -127,6 +158,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["health"]:  # probed every few seconds: without the whole parser (the benchmarks import torch)
+        ap = argparse.ArgumentParser(prog="meshserve")
+        add_health_parser(ap.add_subparsers(dest="command", required=True))
+        args = ap.parse_args(argv)
+        return args.func(args)
     args = build_parser().parse_args(argv)
     if getattr(args, "config_sections", None):
         args.config_model = config_from_args(args.parser, args, *args.config_sections)

@@ -17,6 +17,7 @@ import functools
 import logging
 import os
 import signal
+import socket
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -139,8 +140,21 @@ async def finish_client_stream(call, peer: str):
         raise
 
 
+ANY_HOST = ("0.0.0.0", "::", "[::]", "")
+ADVERTISE_ENV = "MESHSERVE_ADVERTISE_HOST"
+
+
+def advertised_host(host: str) -> str:
+    """The host others reach a server on: the bound one, or for a server on every interface (containers)
+    MESHSERVE_ADVERTISE_HOST, else this machine's hostname (a Compose service's container, a pod)."""
+    if host not in ANY_HOST:
+        return host
+    return os.environ.get(ADVERTISE_ENV) or socket.gethostname()
+
+
 class Server:
-    """A grpc.aio server with health, reflection, explicit message sizes and graceful SIGTERM."""
+    """A grpc.aio server with health, reflection, explicit message sizes and graceful SIGTERM. Its address is
+    what it advertises (advertised_host): a worker registers with the router under it."""
 
     def __init__(self, service_names: list[str], port: int, host: str = "127.0.0.1", public: bool = False,
                  public_tls: tuple[bytes, bytes] | None = None):
@@ -160,7 +174,7 @@ class Server:
             ca, key, cert = files
             self.port = self.server.add_secure_port(f"{host}:{port}", grpc.ssl_server_credentials(
                 [(key, cert)], root_certificates=ca, require_client_auth=True))
-        self.address = f"{host}:{self.port}"
+        self.address = f"{advertised_host(host)}:{self.port}"
         self.stopping = asyncio.Event()
 
     async def set_serving(self, serving: bool) -> None:

@@ -30,7 +30,9 @@ async def serve(args) -> int:
         raise SystemExit(f"{args.role} worker: {e}") from None
     loop = asyncio.get_running_loop()
     server = rpc.Server(["Worker"], args.port, args.host)
-    worker_id = args.worker_id or f"{args.role}-{server.port}"
+    # unique per replica: on every interface (a container) its hostname names it, replicas sharing a port
+    worker_id = args.worker_id or (f"{args.role}-{server.address.replace(':', '-')}" if args.host in rpc.ANY_HOST
+                                   else f"{args.role}-{server.port}")
     died: list = []
 
     def on_dead(why: str) -> None:
