@@ -47,11 +47,12 @@ def topology() -> str:
 
 
 def distance(a: str, b: str) -> int:
-    """0 same domain, 1 same node, 2 same rack, FAR otherwise (or when either place is unknown: "")."""
-    if not a or not b:
+    """0 same domain, 1 same node, 2 same rack, FAR otherwise (or when either place is unknown: "", or not a
+    rack/node/domain path: a heartbeat is outside input)."""
+    pa, pb = a.split("/"), b.split("/")
+    if len(pa) != 3 or len(pb) != 3:
         return FAR
-    ra, na, da = a.split("/")
-    rb, nb, db = b.split("/")
+    (ra, na, da), (rb, nb, db) = pa, pb
     if ra != rb:
         return FAR
     if na != nb:

@@ -236,4 +236,5 @@ def test_topology_paths_and_their_distance(monkeypatch):
             host.topology()
     monkeypatch.delenv(host.TOPOLOGY_ENV)
     assert host.topology() == f"/{host.host_id()}/"  # on one machine: every worker on the same node
-    assert [host.distance("r/n/d", other) for other in ("r/n/d", "r/n/e", "r/m/d", "s/n/d", "")] == [0, 1, 2, 3, 3]
+    assert [host.distance("r/n/d", other) for other in ("r/n/d", "r/n/e", "r/m/d", "s/n/d", "", "junk", "a/b/c/d")] == [
+        0, 1, 2, 3, 3, 3, 3]
