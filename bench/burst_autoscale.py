@@ -41,6 +41,7 @@ from services.launcher import Mesh, MeshSpec, free_port
 POLICIES = ("token-policy", "cpu-utilisation", "request-rate")
 MAX_WORKERS = max(2, min(4, os.cpu_count() or 2))
 SHAPES = ("ramp", "step")
+ENGINE = ["--max-num-batched-tokens", "512", "--max-num-seqs", "32", "--kv-cache-gb", "0.25"]  # every worker's
 SOLO = 32  # requests one at a time for the solo TTFT (the p90 of 8 moved 18 -> 28 ms between runs here)
 
 
@@ -179,10 +180,9 @@ def measure(gateway: str, reqs: list, arrivals: list, slo_ms: float) -> dict:
 def run(args) -> int:
     model_dir = Path(args.model) if args.model else default_model("bench")
     delay = args.startup_delay
-    engine = ["--max-num-batched-tokens", "512", "--max-num-seqs", "32", "--kv-cache-gb", "0.25"]
-    slow = engine + ["--startup-delay-s", str(delay)]
+    slow = ENGINE + ["--startup-delay-s", str(delay)]
     scale = 0.5 if args.quick else 1.0
-    with Run(model_dir, 1, engine, None) as r:
+    with Run(model_dir, 1, ENGINE, None) as r:
         warm(r.mesh)
         solo, _ = run_online(r.mesh.gateway, requests(SOLO, args.seed + 1), None)
         solo_ms = [(t.first_s - t.arrival_s) * 1e3 for t in solo]
@@ -223,7 +223,7 @@ def run(args) -> int:
                            "timeline": r.timeline}
         log(f"{policy}: {systems[policy]}")
     for n in range(1, MAX_WORKERS + 1):
-        with Run(model_dir, n, engine, None) as r:
+        with Run(model_dir, n, ENGINE, None) as r:
             warm(r.mesh)
             r.begin()
             out = measure(r.mesh.gateway, reqs, arrivals, slo_ms)

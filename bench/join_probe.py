@@ -18,16 +18,13 @@ from bench.common import default_model
 from bench.latency import percentile, poisson_arrivals
 from bench.online import run_online, warm
 
-ENGINE = ["--max-num-batched-tokens", "512", "--max-num-seqs", "32", "--kv-cache-gb", "0.25"]
-
-
 def main() -> None:
     if len(sys.argv) != 3 or sys.argv[1] not in ("join", "none"):
         raise SystemExit(__doc__)
     join, rate, duration = sys.argv[1] == "join", float(sys.argv[2]), 60.0
     arrivals = [a for a in poisson_arrivals(int(rate * duration * 1.2), rate, 5) if a < duration]
     reqs = burst_autoscale.requests(len(arrivals), 7)
-    with burst_autoscale.Run(default_model("bench"), 1, ENGINE, None) as r:
+    with burst_autoscale.Run(default_model("bench"), 1, burst_autoscale.ENGINE, None) as r:
         warm(r.mesh)
         if join:
             def later():
