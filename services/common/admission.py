@@ -9,17 +9,24 @@ capacity frees. The queue adds what only it can know:
   requests served at once, a request starts no later than (remaining predicted work of the
   running requests + predicted work of those dispatched before it) / slots from now. Whenever
   dispatching the policy's choice out of arrival order would push some request past its
-  start-by time (arrival + bound), the oldest goes next instead. When the work queued would
-  make a newcomer wait past the bound, the policy's victim is rejected with RESOURCE_EXHAUSTED
-  and a retry-after hint: the newcomer itself under FCFS, the newest request of the most
-  over-served tenant under the fair policies (push-out); so is a request that would overflow
-  its tenant's queue.
-- deadlines: with a deadline-aware policy, a request whose slack (deadline - now - predicted
-  service time) is negative is rejected at arrival with DEADLINE_EXCEEDED rather than served
-  late, and one whose slack runs out while queued is dropped the same way (expired()), but only
-  once the predictions are trusted (`trust_predictions`: the cost model has measured enough
-  completed requests itself); until then a prediction alone never rejects work. Under any
-  policy a request whose own deadline has passed is dropped.
+  start-by time (arrival + bound), the oldest goes next instead. Under the fair policies a
+  tenant's queue is bounded first, by its own share: a newcomer whose tenant's queued work would
+  take longer than the bound at the tenant's weighted share of the slots (among the tenants with
+  work) is rejected with RESOURCE_EXHAUSTED and a retry-after hint, so a tenant offering more
+  than its share is turned away at its own door and the others' requests never queue behind its
+  backlog. When the work queued would still make a newcomer wait past the bound in arrival
+  order, the policy's victim is rejected: the newcomer itself under FCFS, the newest request of
+  the most over-served tenant under the fair policies (push-out); so is a request that would
+  overflow its tenant's queue.
+- deadlines: with a deadline-aware policy, a request is rejected at arrival with
+  DEADLINE_EXCEEDED and its predicted finish in the message, rather than served late, when it
+  cannot finish in time even served as soon as its place in the policy's order allows: its
+  predicted finish (predicted_finish(): the wait for its tenant's queued requests with less
+  slack, at the tenant's share, then its service time scaled by what deadline requests have
+  actually taken) is past its deadline. One whose slack runs out while queued is dropped the
+  same way (expired()). Predictions reject only once they are trusted (`trust_predictions`:
+  the cost model has measured enough completed requests itself). Under any policy a request
+  whose own deadline has passed is dropped.
 - service accounting: a dispatch charges the tenant's counter prompt x 1 + max_tokens x 2
   (the reservation), finished() refunds output tokens not generated.
 """
@@ -29,7 +36,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from services.common.arbitration import ArbitrationPolicy, FairPolicy, slack
+from services.common.arbitration import ArbitrationPolicy, FairPolicy, slack, weighted_shares
 from services.common.errors import CapacityExhausted, DeadlineExceeded
 
 
@@ -49,6 +56,8 @@ class Pending:
     predicted_s: float = 0.0
     max_queued: int | None = None  # the tenant's queue limit
     dispatched_s: float | None = None
+    routed: bool = False  # sent to a worker (the gateway uses a credit of its then)
+    predicted_first_s: float = 0.0  # of predicted_s, the part until the first token (the prompt)
 
 
 PREFILL_S_PER_TOKEN_RANGE = (1e-6, 1e-2)  # what a prompt token can plausibly cost, from a GPU to a slow CPU
@@ -79,6 +88,7 @@ class CostModel:
 
     prefill_s_per_token: float = 2e-4  # the reported (or default) costs
     decode_s_per_step: float = 0.02
+    floor_step_s: float = 0.0  # reported: a decode step at deadline-aware batching's smallest batch (0 = unknown)
     measured_prefill_s_per_token: float = 0.0  # this gateway's own fit (0 = none yet)
     measured_decode_s_per_step: float = 0.0
     measured: int = 0  # completions measured so far
@@ -93,14 +103,30 @@ class CostModel:
             return prompt_tokens * self.measured_prefill_s_per_token + max_tokens * self.measured_decode_s_per_step
         return prompt_tokens * self.prefill_s_per_token + max_tokens * self.decode_s_per_step
 
-    def update(self, prefill_s_per_token: list | float, decode_s_per_step: list | float) -> None:
+    def predict_first(self, prompt_tokens: int) -> float:
+        """The part of a prioritized prediction until the first token (the prompt, at the workers' reported cost)."""
+        return prompt_tokens * self.prefill_s_per_token
+
+    def predict_prioritized(self, prompt_tokens: int, max_tokens: int) -> float:
+        """Service time of a request with a deadline, which deadline-aware batching runs in a batch no larger than
+        needed: the workers' reported prompt cost and their decode step at the smallest batch, once trusted no more
+        than this gateway's own fit predicts (reports alone cannot inflate it: issue 19); the queue scales it by
+        what such requests actually took."""
+        step = self.floor_step_s or self.decode_s_per_step
+        reported = prompt_tokens * self.prefill_s_per_token + max_tokens * step
+        return min(reported, self.predict(prompt_tokens, max_tokens)) if self.trusted else reported
+
+    def update(self, prefill_s_per_token: list | float, decode_s_per_step: list | float,
+               floor_step_s: list | float = ()) -> None:
         """Workers' reports (one value or one per worker; 0 or less = not reported)."""
-        prefill = [x for x in _listed(prefill_s_per_token) if x > 0 and math.isfinite(x)]
-        decode = [x for x in _listed(decode_s_per_step) if x > 0 and math.isfinite(x)]
+        prefill, decode, floor = ([x for x in _listed(v) if x > 0 and math.isfinite(x)]
+                                  for v in (prefill_s_per_token, decode_s_per_step, floor_step_s))
         if prefill:
             self.prefill_s_per_token = _clamp(_median(prefill), PREFILL_S_PER_TOKEN_RANGE)
         if decode:
             self.decode_s_per_step = _clamp(_median(decode), DECODE_S_PER_STEP_RANGE)
+        if floor:
+            self.floor_step_s = _clamp(_median(floor), DECODE_S_PER_STEP_RANGE)
 
     def observe(self, prompt_tokens: int, output_tokens: int, first_token_s: float, decode_s: float) -> None:
         """A served request: seconds from dispatch to its first token, and from there to its last."""
@@ -131,6 +157,9 @@ class AdmissionQueue:
     queue: list = field(default_factory=list)
     running: dict = field(default_factory=dict)  # dispatched, not finished: id(p) -> p
     calibration: float = 1.0  # EWMA of actual / predicted service time of finished requests
+    deadline_calibration: float = 1.0  # of requests with a deadline: actual / predicted time after the first token
+    deadline_first_extra_s: float = 0.0  # ... and how much later than predicted their first token came (EWMA)
+    deadline_margin: float = 0.9  # a deadline request is admitted when predicted to finish within this much of it
     trust_predictions: bool = True  # may a predicted service time alone reject a request with a deadline?
     _seq: int = 0
 
@@ -148,12 +177,26 @@ class AdmissionQueue:
         tenant with the most queued work per unit of weight (push-out from the longest weighted
         queue, as fair queueing manages its buffer), which is the newcomer only if its own tenant
         is that one. Returns the requests pushed out, for the caller to reject."""
-        if p.deadline_s is not None and (p.deadline_s <= now or self._late(p, now)):
-            raise DeadlineExceeded(f"the deadline cannot be met: {max(p.deadline_s - now, 0) * 1e3:.0f} ms left, "
-                                   f"predicted service {p.predicted_s * 1e3:.0f} ms")
+        if p.deadline_s is not None:
+            if p.deadline_s <= now:
+                raise DeadlineExceeded("the deadline has already passed")
+            if self._predicts_deadlines():
+                finish = self.predicted_finish(p, now)
+                if finish > now + (p.deadline_s - now) * self.deadline_margin:
+                    raise DeadlineExceeded(
+                        f"the deadline cannot be met: predicted to finish in {(finish - now) * 1e3:.0f} ms "
+                        f"(service {self.deadline_service_s(p) * 1e3:.0f} ms), deadline in "
+                        f"{(p.deadline_s - now) * 1e3:.0f} ms")
         if p.max_queued is not None and self.queued(p.tenant) >= p.max_queued:
             raise CapacityExhausted(f"tenant {p.tenant!r} already has {p.max_queued} requests queued (its limit)",
                                     retry_after_ms=math.ceil(self.predicted_wait(now, self.queue) * 1000) or 100)
+        if isinstance(self.policy, FairPolicy):
+            wait = self.tenant_wait(p.tenant, [q for q in self.queue if q.tenant == p.tenant], p.weight)
+            if wait > self.starvation_s:
+                raise CapacityExhausted(
+                    f"tenant {p.tenant!r} is over its share of the mesh: its queued work would wait {wait:.1f} s at "
+                    f"its weighted share, over the {self.starvation_s:g} s bound",
+                    retry_after_ms=math.ceil((wait - self.starvation_s) * 1000))
         backlogged = self.backlogged()
         if p.tenant not in backlogged:
             self.policy.activate(p.tenant, backlogged)
@@ -172,6 +215,34 @@ class AdmissionQueue:
             pushed.append(victim)
         self.queue.append(p)
         return pushed
+
+    def _predicts_deadlines(self) -> bool:
+        return self.policy.uses_deadlines and self.trust_predictions
+
+    def tenant_share(self, tenant: str, weight: float) -> float:
+        """The slots a tenant is owed now: its weighted share among the tenants with queued or running requests."""
+        weights = {q.tenant: q.weight for q in (*self.queue, *self.running.values())}
+        weights[tenant] = weight
+        return weighted_shares(max(self.slots, 1), weights)[tenant]
+
+    def tenant_wait(self, tenant: str, ahead: list, weight: float) -> float:
+        """How long `ahead` (requests of `tenant`) take at the tenant's share of the slots."""
+        return sum(q.predicted_s for q in ahead) * self.calibration / self.tenant_share(tenant, weight)
+
+    def deadline_service_s(self, p: Pending) -> float:
+        """p's service time as deadline requests have actually been served: until the first token as predicted plus
+        how much later they came, then the rest scaled by how far it was off."""
+        return (p.predicted_first_s + self.deadline_first_extra_s
+                + (p.predicted_s - p.predicted_first_s) * self.deadline_calibration)
+
+    def predicted_finish(self, p: Pending, now: float) -> float:
+        """When p would finish served as early as the policy's order lets it (module docstring)."""
+        service = self.deadline_service_s(p)
+        if isinstance(self.policy, FairPolicy):
+            ahead = [q for q in self.queue if q.tenant == p.tenant and slack(q, now) <= slack(p, now)]
+            return now + (self.tenant_wait(p.tenant, ahead, p.weight) if ahead else 0.0) + service
+        ahead = [q for q in self.queue if self.policy.rank(q, now) < self.policy.rank(p, now)]
+        return now + (self.predicted_wait(now, ahead) if ahead else 0.0) + service
 
     def _push_out_victim(self, p: Pending, now: float) -> Pending:
         if not isinstance(self.policy, FairPolicy):
@@ -227,19 +298,27 @@ class AdmissionQueue:
 
     def _late(self, p: Pending, now: float) -> bool:
         """Predicted to miss its deadline (deadline-aware policies, trusted predictions only)."""
-        return self.policy.uses_deadlines and self.trust_predictions and slack(p, now) < 0
+        return self._predicts_deadlines() and p.deadline_s - now < self.deadline_service_s(p)
 
     def cancel(self, p: Pending) -> None:
         if p in self.queue:
             self.queue.remove(p)
 
-    def finished(self, p: Pending, output_tokens: int, now: float | None = None) -> None:
-        """A dispatched request ended: refund the reserved output tokens it did not generate; with `now`,
-        learn how far its predicted service time was off (for a request that ran to its max_tokens)."""
+    def finished(self, p: Pending, output_tokens: int, now: float | None = None, first_s: float | None = None) -> None:
+        """A dispatched request ended: refund the reserved output tokens it did not generate; with `now`, learn how
+        far its predicted service time was off (from a request that ran to its max_tokens). A request with a
+        deadline teaches the deadline figures instead (deadline-aware batching serves those faster), with the time
+        of its first token (`first_s`) splitting the start from the rest."""
         self.running.pop(id(p), None)
         if now is not None and p.predicted_s > 0 and p.dispatched_s is not None and output_tokens >= p.max_tokens:
-            ratio = min(max((now - p.dispatched_s) / p.predicted_s, 0.1), 10.0)
-            self.calibration = 0.9 * self.calibration + 0.1 * ratio
+            if p.deadline_s is None:
+                ratio = min(max((now - p.dispatched_s) / p.predicted_s, 0.1), 10.0)
+                self.calibration = 0.9 * self.calibration + 0.1 * ratio
+            elif first_s is not None and p.predicted_s > p.predicted_first_s:
+                extra = (first_s - p.dispatched_s) - p.predicted_first_s
+                self.deadline_first_extra_s = 0.8 * self.deadline_first_extra_s + 0.2 * max(extra, 0.0)
+                ratio = (now - first_s) / (p.predicted_s - p.predicted_first_s)
+                self.deadline_calibration = 0.8 * self.deadline_calibration + 0.2 * min(max(ratio, 0.25), 4.0)
         unused = p.max_tokens - output_tokens
         if unused > 0:
             self.policy.charge(p.tenant, p.weight, 0, -unused)

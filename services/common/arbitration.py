@@ -6,7 +6,8 @@ scheduler (who gets the next batch slot; the last in serving order is the preemp
 A claim carries its tenant, the tenant's weight, its deadline and its predicted service time
 from the gateway through prefill and decode.
 
-- fcfs: arrival order (ties by sequence number).
+- fcfs: arrival order (ties by sequence number), and nothing else: the baseline (its engines do not
+  cap batches for deadlines either).
 - priority: the claim's priority class first (0 is most urgent), then arrival.
 - deadline: least slack first; slack = deadline - now - predicted service time (no deadline:
   infinite slack, arrival order among those).
@@ -21,6 +22,13 @@ from the gateway through prefill and decode.
 
 Policies with state (the fair ones) learn of service through charge() and of a tenant
 becoming backlogged through activate(); the others ignore both.
+
+Slots by weighted share (the fair ones): when every batch slot is taken, slot_preemption()
+gives a waiting claim of a tenant holding fewer slots than its weighted share of them (among
+the tenants with work there) the slot of the tenant furthest over its share, provided that
+tenant stays at or above its share after losing it, so the preempted claim is never under
+share in turn and the two cannot swap back and forth. The other policies preempt for slots
+only for a more urgent priority class.
 """
 
 from __future__ import annotations
@@ -52,6 +60,20 @@ def slack(claim: SlotClaim, now: float) -> float:
     return claim.deadline_s - now - claim.predicted_s
 
 
+def weighted_shares(slots: float, weights: dict) -> dict:
+    """Each tenant's share of `slots` in proportion to its weight ({tenant: weight} of the tenants with work)."""
+    total = sum(weights.values())
+    return {t: slots * w / total for t, w in weights.items()} if total > 0 else {}
+
+
+def held(claims: Iterable[SlotClaim]) -> dict:
+    """Claims per tenant."""
+    out: dict = {}
+    for c in claims:
+        out[c.tenant] = out.get(c.tenant, 0) + 1
+    return out
+
+
 def cost(input_tokens: int, output_tokens: int, weight: float) -> float:
     """Weighted service of tokens to a tenant of this weight (the counters' unit)."""
     return (INPUT_WEIGHT * input_tokens + OUTPUT_WEIGHT * output_tokens) / weight
@@ -62,6 +84,7 @@ class ArbitrationPolicy:
 
     name = "base"
     uses_deadlines = False  # rejects claims that can no longer meet their deadline
+    deadline_batching = True  # engines cap their batch for running claims with deadlines (scheduler.py)
 
     def rank(self, claim: SlotClaim, now: float) -> tuple:
         raise TypeError(f"{type(self).__name__} must define rank()")
@@ -78,11 +101,22 @@ class ArbitrationPolicy:
         """The claim to preempt first: the last one in serving order (None when empty)."""
         return max(claims, key=lambda c: self.rank(c, now), default=None)
 
-    def should_preempt(self, waiting: SlotClaim, running: SlotClaim, now: float, margin: float) -> bool:
-        """Every slot is taken: should `running` yield its slot to `waiting`? `margin` is the waiting claim's
-        own weighted cost, the hysteresis that keeps two claims from taking the slot from each other in turn.
-        By default never (FCFS and deadline order do not preempt for slots)."""
+    def should_preempt(self, waiting: SlotClaim, running: SlotClaim, now: float) -> bool:
+        """Every slot is taken: should `running` yield its slot to `waiting`? By default never (FCFS and deadline
+        order do not preempt for slots)."""
         return False
+
+    def admission_order(self, waiting: list, running: list, slots: int, now: float) -> list:
+        """Waiting claims in the order they take free slots (by default the serving order)."""
+        return self.order(waiting, now)
+
+    def slot_preemption(self, waiting: list, running: list, slots: int, now: float):
+        """Every slot is taken: (the waiting claim to admit, the running claim to preempt for it), or None. By
+        default the policy's best waiting claim takes its victim's slot when should_preempt() says so."""
+        if not waiting or not running:
+            return None
+        best, victim = self.pick(waiting, now), self.victim(running, now)
+        return (best, victim) if self.should_preempt(best, victim, now) else None
 
     def activate(self, tenant: str, backlogged: Iterable[str]) -> None:
         """tenant had nothing queued and now has; `backlogged` are the tenants with queued claims."""
@@ -93,6 +127,7 @@ class ArbitrationPolicy:
 
 class FcfsPolicy(ArbitrationPolicy):
     name = "fcfs"
+    deadline_batching = False  # the baseline: arrival order and nothing else
 
     def rank(self, claim: SlotClaim, now: float) -> tuple:
         return (claim.arrival_s, claim.seq_no)
@@ -104,7 +139,7 @@ class PriorityPolicy(ArbitrationPolicy):
     def rank(self, claim: SlotClaim, now: float) -> tuple:
         return (claim.priority, claim.arrival_s, claim.seq_no)
 
-    def should_preempt(self, waiting: SlotClaim, running: SlotClaim, now: float, margin: float) -> bool:
+    def should_preempt(self, waiting: SlotClaim, running: SlotClaim, now: float) -> bool:
         return waiting.priority < running.priority
 
 
@@ -131,8 +166,25 @@ class FairPolicy(ArbitrationPolicy):
     def rank(self, claim: SlotClaim, now: float) -> tuple:
         return (self.counter(claim.tenant), claim.arrival_s, claim.seq_no)
 
-    def should_preempt(self, waiting: SlotClaim, running: SlotClaim, now: float, margin: float) -> bool:
-        return self.counter(running.tenant) - self.counter(waiting.tenant) > margin
+    def admission_order(self, waiting: list, running: list, slots: int, now: float) -> list:
+        """Claims of tenants under their weighted share of the slots first (so a freed slot goes where a
+        preemption would otherwise send it), each part in serving order."""
+        share, have = weighted_shares(slots, {c.tenant: c.weight for c in (*running, *waiting)}), held(running)
+        return sorted(self.order(waiting, now), key=lambda c: have.get(c.tenant, 0) >= share[c.tenant])
+
+    def slot_preemption(self, waiting: list, running: list, slots: int, now: float):
+        """Slots by weighted share (module docstring): the best waiting claim of an under-share tenant, and the
+        policy's victim among the claims of the tenant furthest over its share (one that keeps its share)."""
+        if not waiting or not running:
+            return None
+        weights = {c.tenant: c.weight for c in (*running, *waiting)}
+        share, have = weighted_shares(slots, weights), held(running)
+        under = [c for c in waiting if have.get(c.tenant, 0) < share[c.tenant]]
+        over = [t for t in have if have[t] - 1 >= share[t]]
+        if not under or not over:
+            return None
+        donor = max(over, key=lambda t: ((have[t] - share[t]) / weights[t], t))
+        return self.pick(under, now), self.victim([c for c in running if c.tenant == donor], now)
 
     def activate(self, tenant: str, backlogged: Iterable[str]) -> None:
         others = [self.counter(t) for t in set(backlogged) if t != tenant]

@@ -65,6 +65,7 @@ class SchedulerConfig:
     max_num_seqs: int = 256  # sequences in one batch
     max_num_batched_tokens: int = 2048  # token budget per iteration; also the prefill chunk size
     policy: str = "fair-deadline"  # slot arbitration policy name (services.common.arbitration)
+    deadline_min_batch: int = 4  # deadline-aware batching never steps fewer sequences than this (when it has them)
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,9 @@ class EngineSection(BaseModel):
     prefix_caching: bool = Field(True, description="reuse cached full blocks across requests")
     slot_policy: ArbitrationPolicyName = Field("fair-deadline", description="slot arbitration: fcfs | priority | "
                                                                             "deadline | fair | fair-deadline")
+    deadline_min_batch: PositiveInt = Field(
+        4, description="deadline-aware batching (deadline-aware slot policies): the fewest sequences a step carries "
+                       "when it caps the batch for requests with deadlines; the throughput floor of the others")
     threads: PositiveInt | None = Field(None, description="torch threads (default: torch's choice)")
     omp_wait_policy: Literal["passive", "active"] = Field(
         "passive", description="a worker's engine core: OpenMP threads sleep (passive) or spin (active) between "
@@ -122,7 +126,7 @@ class EngineSection(BaseModel):
             cache=CacheConfig(block_size=self.block_size, num_blocks=self.num_blocks,
                               kv_cache_bytes=int(self.kv_cache_gb * 1024**3), enable_prefix_caching=self.prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-                                      policy=self.slot_policy),
+                                      policy=self.slot_policy, deadline_min_batch=self.deadline_min_batch),
             lora=LoRAConfig(max_loras=self.max_loras, max_cpu_loras=self.max_cpu_loras,
                             max_lora_rank=self.max_lora_rank, lora_dir=self.lora_dir,
                             modules=tuple(sorted(self.lora_modules.items()))))

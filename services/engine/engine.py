@@ -36,6 +36,7 @@ from services.engine.model import LlamaModel
 from services.engine.request import Request, SamplingParams, Status
 from services.engine.sampler import Sampler
 from services.engine.scheduler import Scheduler, SchedulerOutput
+from services.engine.step_cost import StepCostFit
 from services.common.tokenizer import Tokenizer, cut_at_stop
 
 log = logging.getLogger("meshserve.engine")
@@ -78,6 +79,7 @@ class EngineLoad:
     lora: LoRASnapshot | None = None  # adapters and their residency (None: no LoRA slots)
     running_adapters: tuple = ()  # adapters of the running batch
     waiting_adapters: tuple = ()  # adapters of waiting requests
+    slot_preemptions: int = 0  # running requests that yielded their slot to another's, since start
 
     @property
     def kv_usage(self) -> float:
@@ -128,8 +130,10 @@ class LLMEngine:
         self.lora = AdapterResidency(mc, self.model.dtype, lc.max_loras, lc.max_cpu_loras, lc.max_lora_rank,
                                      in_use=self._adapter_in_use, clock=clock) if lc.max_loras else None
         self._lora_kernel = None
+        self.step_cost = StepCostFit()  # what its steps take: heartbeats report it, the scheduler caps batches by it
         self.scheduler = Scheduler(self.kv, make_policy(sc.policy), sc.max_num_seqs, sc.max_num_batched_tokens,
-                                   clock=clock, lora=self.lora)
+                                   clock=clock, lora=self.lora, step_cost=self.step_cost,
+                                   deadline_min_batch=sc.deadline_min_batch)
         self.scheduler.before_admit = self._admit_pooled
         self.pooled_blocks = 0  # blocks imported from the mesh's KV pool, since start
         kernel = paged_attention() if self.model.dtype in (torch.float32, torch.bfloat16) else None
@@ -308,6 +312,7 @@ class LLMEngine:
             num_running=len(out.seqs), num_tokens=out.num_tokens, forward_s=forward_s, step_s=step_s,
             kv_slots_allocated=sum(len(self.kv.block_table(r)) for r in running) * bs,
             kv_slots_filled=sum(r.num_computed for r in running))
+        self.step_cost.update(len(out.seqs), out.num_tokens, step_s)
 
     # ---- KV transfer ------------------------------------------------------------------------
 
@@ -517,7 +522,8 @@ class LLMEngine:
                           queued_prefill_tokens=prefill, max_num_seqs=self.scheduler.max_num_seqs,
                           lora=self.lora.snapshot() if self.lora is not None else None,
                           running_adapters=_adapters_of(self.scheduler.running) if self.lora is not None else (),
-                          waiting_adapters=_adapters_of(self.scheduler.waiting) if self.lora is not None else ())
+                          waiting_adapters=_adapters_of(self.scheduler.waiting) if self.lora is not None else (),
+                          slot_preemptions=self.scheduler.slot_preemptions)
 
     # ---- LoRA adapters ------------------------------------------------------------------------
 

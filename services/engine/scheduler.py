@@ -6,11 +6,26 @@ Running requests come first (decodes take one token, partial prefills the rest o
 then waiting requests in the arbitration policy's order, their prompts chunked to the budget
 left and reusing cached prefix blocks. When blocks run out, the policy's victim among the
 requests not yet scheduled this step is preempted: its blocks are freed and it recomputes
-later (its sampled tokens are kept, so its output is unchanged). When every slot is taken and a
-waiting request ranks before the policy's victim among the running, the victim yields its slot
-the same way. A step that preempted admits nobody new. The policy learns of service through charge(): prompt tokens computed when a
-request is first admitted (the engine charges output tokens as they are sampled), and of a
-tenant becoming backlogged through activate().
+later (its sampled tokens are kept, so its output is unchanged). When every slot is taken and the
+policy gives a waiting request a running one's slot (services.common.arbitration
+slot_preemption: under the fair policies, an under-share tenant takes the slot of the tenant
+furthest over its weighted share), the running one yields it the same way and the waiting one is
+admitted in the same step. A step that preempted for blocks admits nobody new. The policy learns
+of service through charge(): prompt tokens computed when a request is first admitted (the engine
+charges output tokens as they are sampled), and of a tenant becoming backlogged through activate().
+
+Deadline-aware batching (every policy but FCFS, the baseline; BatchCap): a running request with a
+deadline needs a step at least every (deadline - now) x SAFETY / steps it has left. While one
+does, the step carries at most `cap` sequences: deadline requests first, earliest deadline first,
+then the others in the policy's order; those left out keep their blocks and run again when the
+cap lifts. Waiting requests still join (their prompts go in, their first tokens come out), but a
+capped step carries only as many prompt tokens as the step time left over allows (by the
+engine's step-time fit, step_cost; at least an eighth of the budget). The cap starts at the floor
+when a deadline request arrives, then follows the step times measured (which carry what a fit
+cannot: the CPU the servicer and the other processes take): a step slower than needed cuts the
+cap in proportion, one well within it raises the cap by one. Never below
+deadline_min_batch (the floor: the others' throughput is never squeezed below it), and a request
+clearly lost (it needs steps in under half the floor's measured step time) does not shrink it.
 
 With LoRA (lora: services.engine.lora.AdapterResidency), a request is admitted only with a slot pinned
 for its adapter, held until it leaves the batch, so a batch never has more adapters than slots. Waiting
@@ -21,13 +36,16 @@ it takes one this step), and a request whose adapter is still being read is pass
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
-from services.common.arbitration import ArbitrationPolicy, cost
+from services.common.arbitration import ArbitrationPolicy
 from services.engine.kv_manager import KVCacheManager
 from services.engine.request import Request, Status
 
+SAFETY = 0.85  # deadline-aware batching aims to finish with this fraction of the time left
+LOST = 0.5  # a deadline request needing steps faster than this fraction of a step at the floor is given up
 ADAPTER_BYPASS_S = 1.0  # how long a request needing an adapter slot may be overtaken by ones whose adapter sits in one
 
 
@@ -52,9 +70,14 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, policy: ArbitrationPolicy, max_num_seqs: int,
-                 max_num_batched_tokens: int, clock=time.monotonic, lora=None):
+                 max_num_batched_tokens: int, clock=time.monotonic, lora=None, step_cost=None,
+                 deadline_min_batch: int = 4):
         self.kv, self.policy, self.clock, self.lora = kv, policy, clock, lora
         self.max_num_seqs, self.budget = max_num_seqs, max_num_batched_tokens
+        self.deadline_min_batch = deadline_min_batch
+        self.cap = BatchCap(max_num_seqs, deadline_min_batch, step_cost, max_num_batched_tokens)
+        self.slot_preemptions = 0  # since start
+        self.last_cap = max_num_seqs  # the latest step's batch cap
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.before_admit = None  # called with a waiting request that carries pooled blocks, before admitting it
@@ -76,28 +99,45 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         now = self.clock()
-        self._preempt_for_slot(out, now)
-        budget = self._schedule_running(out, self.budget, now)
-        if not out.preempted:
-            self._schedule_waiting(out, budget, now)
+        promoted = self._preempt_for_slot(out, now)
+        cap = self.last_cap = self.batch_cap(now)
+        self.cap.stepped(now)
+        capped = cap < self.max_num_seqs
+        joining = min(sum(r.deadline_s is not None for r in self.waiting), self.max_num_seqs - len(self.running))
+        budget = self.cap.token_budget(cap) if capped else self.budget
+        budget = self._schedule_running(out, budget, now, cap - joining if capped else cap)
+        if promoted is not None and out.preempted == [promoted[1]]:
+            self._schedule_waiting(out, budget, now, cap, [promoted[0]])  # the slot it was given
+        elif not out.preempted:
+            self._schedule_waiting(out, budget, now, cap, self.policy.admission_order(
+                self.waiting, self.running, self.max_num_seqs, now))
         out.num_tokens = sum(s.num_new for s in out.seqs)
+        self.cap.size = len(out.seqs)
         return out
 
-    def _preempt_for_slot(self, out: SchedulerOutput, now: float) -> None:
-        """Every slot is taken and the policy says the best waiting request should have the victim's slot
-        (a more urgent class; a tenant further below the victim's counter than the waiting request's own
-        whole cost, so that serving it cannot lift it past the victim and the two never swap back and
-        forth): the victim yields it and recomputes later. FCFS and deadline order never preempt for slots."""
+    def _preempt_for_slot(self, out: SchedulerOutput, now: float):
+        """Every slot is taken and the policy gives a waiting request a running one's slot: the running one yields
+        it and recomputes later. Returns (waiting, preempted) or None."""
         if len(self.running) < self.max_num_seqs or not self.waiting:
-            return
-        best, victim = self.policy.pick(self.waiting, now), self.policy.victim(self.running, now)
-        margin = cost(best.num_prompt, best.params.max_tokens, best.weight)
-        if self.policy.should_preempt(best, victim, now, margin):
-            self._preempt(victim, out)
+            return None
+        chosen = self.policy.slot_preemption(self.waiting, self.running, self.max_num_seqs, now)
+        if chosen is not None:
+            self._preempt(chosen[1], out)
+            self.slot_preemptions += 1
+        return chosen
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int, now: float) -> int:
+    def batch_cap(self, now: float) -> int:
+        """The most sequences this step may carry (module docstring: deadline-aware batching)."""
+        if not self.policy.deadline_batching:
+            return self.max_num_seqs
+        joining = self.waiting if len(self.running) < self.max_num_seqs else []  # deadline requests join at once
+        return self.cap.update(now, [r for r in (*self.running, *joining) if r.deadline_s is not None])
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int, now: float, cap: int) -> int:
         queue = self.policy.order(self.running, now)
-        while queue and budget > 0:
+        if cap < len(queue):  # deadline requests first, by slack; the others keep the policy's order
+            queue.sort(key=lambda r: (r.deadline_s is None, r.deadline_s or 0.0))
+        while queue and budget > 0 and len(out.seqs) < cap:
             req = queue.pop(0)
             num_new = min(req.num_tokens - req.num_computed, budget)
             while not self.kv.allocate(req, req.num_computed + num_new):
@@ -111,8 +151,7 @@ class Scheduler:
                 budget -= num_new
         return budget
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int, now: float) -> None:
-        order = self.policy.order(self.waiting, now)
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, now: float, cap: int, order: list) -> None:
         if self.lora is not None:
             order = self._resident_first(order, now)
         slots_open = True
@@ -180,3 +219,64 @@ class Scheduler:
         self.unpin(req)
         req.status, req.finish_reason = Status.FINISHED, reason
         self.kv.forget(req)
+
+
+class BatchCap:
+    """Deadline-aware batching's cap on the sequences in a step (module docstring), pure: the clock is passed in."""
+
+    def __init__(self, max_num_seqs: int, floor: int, step_cost=None, budget: int = 1):
+        self.max, self.floor, self.step_cost, self.budget = max_num_seqs, min(floor, max_num_seqs), step_cost, budget
+        self.cap = float(max_num_seqs)
+        self.need = math.inf  # the step time the tightest deadline request needs
+        self.size = 0  # sequences in the latest step
+        self.interval = 0.0  # measured: time from one step to the next while busy (EWMA)
+        self.floor_interval = 0.0  # ... of steps that carried at most the floor
+        self._last = None  # when the latest step was scheduled
+
+    def stepped(self, now: float) -> None:
+        """A step is being scheduled now: learn the time since the previous one (when that one ran something and
+        the engine did not idle in between)."""
+        if self._last is not None and self.size and now - self._last < 1.0:
+            dt = now - self._last
+            self.interval = dt if not self.interval else 0.7 * self.interval + 0.3 * dt
+            if self.size <= self.floor:
+                self.floor_interval = dt if not self.floor_interval else 0.9 * self.floor_interval + 0.1 * dt
+        self._last = now
+
+    @property
+    def floor_step_s(self) -> float:
+        """A step at the floor: measured, or else the fit's prediction (0 = unknown)."""
+        if self.floor_interval:
+            return self.floor_interval
+        return self.step_cost.step_s(self.floor) if self.step_cost is not None else 0.0
+
+    def needed_step_s(self, r, now: float) -> float:
+        """The step time request r needs from now on to finish SAFETY-early (inf when it has no steps left)."""
+        steps = r.params.max_tokens - r.num_output + math.ceil(max(r.num_prompt - r.num_computed, 0) / self.budget)
+        return (r.deadline_s - now) * SAFETY / steps if steps > 0 else math.inf
+
+    def update(self, now: float, deadline_requests: list) -> int:
+        floor_step = self.floor_step_s
+        needs = [n for n in (self.needed_step_s(r, now) for r in deadline_requests)
+                 if n >= floor_step * LOST and math.isfinite(n)]  # those not clearly lost
+        if not needs:
+            self.cap = float(self.max)
+            return self.max
+        need = self.need = min(needs)
+        if self.cap >= self.max:  # a deadline request arrived: start at the floor, safe, and widen while ahead
+            self.cap = float(self.floor)
+        elif self.interval > need:
+            self.cap = min(self.cap, self.size or self.cap) * need / self.interval
+        elif self.interval < 0.8 * need:
+            self.cap += 1
+        self.cap = min(max(self.cap, float(self.floor)), float(self.max))
+        return int(self.cap)
+
+    def token_budget(self, cap: int) -> int:
+        """Tokens a capped step may carry: its sequences' decode tokens and the prompt tokens that fit in the step
+        time left over (by the fit; at least an eighth of the budget, so prompts still go in)."""
+        prompt = self.budget // 8
+        fit = self.step_cost
+        if fit is not None and fit.prefill_s_per_token > 0 and math.isfinite(self.need):
+            prompt = max(prompt, int((self.need - fit.step_s(cap)) / fit.prefill_s_per_token))
+        return min(cap + prompt, self.budget)

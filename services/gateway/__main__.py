@@ -18,6 +18,7 @@ from services.common.config import MeshConfig, add_config_flag, add_section_flag
 from services.common.tenants import CACHE_SECRET_ENV, Authenticator, cache_secret
 from services.common.tokenizer import Tokenizer
 from services.gateway.admission import Admission
+from services.gateway.credits import CreditPool
 from services.gateway.server import GatewayServicer, ModelInfo, SizeBounds, add_to_server
 
 log = logging.getLogger("meshserve.gateway")
@@ -54,6 +55,7 @@ async def serve(args, config: MeshConfig) -> None:
     routers = args.router.split(",")
     servicer = GatewayServicer(model, Tokenizer(args.model), routers, args.kvstore, Authenticator(tenants),
                                admission, SizeBounds.for_model(model.max_model_len, adm.max_prompt_bytes), secret)
+    admission.credits = CreditPool(servicer.channels, admission.pump)  # follows the workers watch_mesh finds
     tls = (args.tls_key, args.tls_cert) if args.tls_cert else None
     public_tls = tuple(Path(f).read_bytes() for f in tls) if tls else None
     server = rpc.Server(["Generation"], args.port, args.host, public=True, public_tls=public_tls)

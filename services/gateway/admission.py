@@ -1,12 +1,16 @@
 """The gateway's admission control: tenants' limits, then the admission queue when the mesh is full.
 
 Thin and asyncio-bound; the decisions are the pure objects' (services.common.tenants,
-services.common.admission, services.common.arbitration). The mesh's capacity comes from the
-router's view of the workers (update_view(), fed by the gateway's poll of ListWorkers): the
-serving workers' batch slots (max_num_seqs) and KV token capacity, and their fitted step costs
-for predicted service times. What this gateway has dispatched and not yet seen finish is
-counted locally (no heartbeat lag); the workers' own outstanding tokens count too, for load
-from elsewhere. A request waits in the queue only while the mesh is at capacity.
+services.common.admission, services.common.arbitration). The mesh's capacity is the credits the
+serving workers grant this gateway (services/gateway/credits.py: pushed the moment a slot
+frees): a request is dispatched only while an unused credit is held that no dispatched request
+has yet been routed against, and is then routed to a worker holding one (the router is asked to
+avoid the others) and uses it up. Until the first credit stream is open, capacity comes from the
+router's view of the workers (update_view(), fed by the gateway's poll of ListWorkers): their
+batch slots and KV token capacity, against what this gateway has dispatched. The view also
+gives the workers' fitted step costs, for predicted service times. A request waits in the queue
+only while the mesh is at capacity; an under-share tenant's request may go past it (see
+_under_share).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from dataclasses import dataclass
 from opentelemetry import metrics
 
 from services.common.admission import AdmissionQueue, CostModel, Pending
-from services.common.arbitration import make_policy
+from services.common.arbitration import make_policy, weighted_shares
 from services.common.errors import CapacityExhausted, DeadlineExceeded, MeshError
 from services.common.tenants import Tenant, TenantState
 
@@ -63,6 +67,8 @@ class Admission:
         self.waiters: dict[int, asyncio.Future] = {}
         self.running_requests = 0
         self.running_tokens = 0
+        self.unrouted = 0  # dispatched, not yet routed against a credit
+        self.credits = None  # CreditPool, once the gateway follows the workers' credit streams
         self.metrics = GatewayMetrics(meter)
 
     def state(self, tenant: Tenant, now: float) -> TenantState:
@@ -79,15 +85,33 @@ class Admission:
         self.queue.slots = max(self.view.slots, 1)
         # Each cost from the role that measures it (decode workers never prefill a prompt: in disaggregated mode
         # the prefill cost comes from the prefill workers); the model takes medians and clamps them.
+        decoders = [w for w in workers if w.role in ("decode", "unified")]
         self.cost.update([w.prefill_s_per_token for w in workers if w.role in ("prefill", "unified")],
-                         [w.decode_s_per_step for w in workers if w.role in ("decode", "unified")])
+                         [w.decode_s_per_step for w in decoders], [w.decode_s_floor for w in decoders])
+        if self.credits is not None:
+            self.credits.sync(w.address for w in serving)
         self.pump()
+
+    def routed(self, p: Pending, worker: str) -> str:
+        """A dispatched request was routed to `worker` (again, for a resume): use a credit of that worker's; returns
+        the subscription to name in the request ("" = none held)."""
+        if not p.routed:
+            p.routed = True
+            self.unrouted -= 1
+        return self.credits.take(worker) if self.credits is not None else ""
+
+    def avoid(self) -> list[str]:
+        """Serving workers that hold no unused credit of this gateway's."""
+        return self.credits.without() if self.credits is not None and self.credits.known else []
 
     def _has_room(self, p: Pending) -> bool:
         v = self.view
-        if self.running_requests == 0:
+        if self.credits is not None and self.credits.known:
+            if self.credits.total() - self.unrouted <= 0:
+                return False
+        elif self.running_requests == 0:
             return True  # never stall an idle mesh on a stale or empty view
-        if v.slots and self.running_requests >= v.slots:
+        elif v.slots and self.running_requests >= v.slots:
             return False
         load = max(self.running_tokens, v.outstanding_tokens)
         return not v.kv_tokens or load + p.input_tokens + p.max_tokens <= v.kv_tokens
@@ -99,9 +123,11 @@ class Admission:
         st = self.state(tenant, now)
         try:
             st.admit_rates(prompt_tokens + max_tokens, now)
+            predicted = (self.cost.predict(prompt_tokens, max_tokens) if deadline_s is None
+                         else self.cost.predict_prioritized(prompt_tokens, max_tokens))
             p = Pending(req_id, tenant.name, tenant.weight, now, 0, prompt_tokens, max_tokens, priority=priority,
-                        deadline_s=deadline_s, predicted_s=self.cost.predict(prompt_tokens, max_tokens),
-                        max_queued=tenant.limits.max_queued)
+                        deadline_s=deadline_s, predicted_s=predicted, max_queued=tenant.limits.max_queued,
+                        predicted_first_s=min(self.cost.predict_first(prompt_tokens), predicted))
             pushed = self.queue.offer(p, now)
         except MeshError as e:
             self.metrics.outcome(tenant.name, "rejected", _reason(e))
@@ -141,18 +167,20 @@ class Admission:
             self.cost.observe(p.input_tokens, output_tokens, first_token_s - p.dispatched_s,
                               last_token_s - first_token_s)
             self.queue.trust_predictions = self.cost.trusted
-        self._release(p, output_tokens)
+        self._release(p, output_tokens, first_token_s)
         self.metrics.tokens.add(p.input_tokens, {"tenant": p.tenant, "kind": "prompt"})
         self.metrics.tokens.add(output_tokens, {"tenant": p.tenant, "kind": "output"})
         self.pump()
 
-    def _release(self, p: Pending, output_tokens: int) -> None:
+    def _release(self, p: Pending, output_tokens: int, first_token_s: float | None = None) -> None:
         if id(p) not in self.queue.running:
             return  # never dispatched, or released already
         self.running_requests -= 1
         self.running_tokens -= p.input_tokens + p.max_tokens
+        if not p.routed:
+            self.unrouted -= 1
         self.states[p.tenant].running -= 1
-        self.queue.finished(p, output_tokens, self.clock())
+        self.queue.finished(p, output_tokens, self.clock(), first_token_s)
 
     def pump(self) -> None:
         """Drop what can no longer meet its deadline; dispatch while there is room."""
@@ -168,6 +196,7 @@ class Admission:
                 return
             self.running_requests += 1
             self.running_tokens += p.input_tokens + p.max_tokens
+            self.unrouted += 1
             self.states[p.tenant].running += 1
             _settle(self.waiters.get(id(p)), None)
 
@@ -180,17 +209,19 @@ class Admission:
 
     def _under_share(self, st: TenantState) -> bool:
         """A tenant holding fewer slots than its weighted share (among tenants with work) may go in even when
-        the mesh is full: the engines' schedulers then preempt the most over-served tenant's request for it
-        (same policy), instead of the newcomer waiting for a long request to finish. Suspended while any
-        queued request has waited half the starvation bound, so the bypass cannot starve the queue."""
+        the mesh is full, while another tenant holds more than its own: the engines' schedulers then preempt the
+        most over-share tenant's request for it (same policy), instead of the newcomer waiting for a long
+        request to finish. Suspended while any queued request has waited half the starvation bound, so the
+        bypass cannot starve the queue."""
         if not self.queue.policy.name.startswith("fair") or not self.view.slots:
             return False
         now = self.clock()
         if any(now - q.arrival_s >= self.queue.starvation_s / 2 for q in self.queue.queue):
             return False  # someone has waited half the bound: freed room goes to the queue, in its order
-        active = [x for x in self.states.values() if x.running or x.queued]
-        total = sum(x.tenant.weight for x in active) or st.tenant.weight
-        return st.running < self.view.slots * st.tenant.weight / total
+        active = {x.tenant.name: x for x in self.states.values() if x.running or x.queued}
+        active[st.tenant.name] = st
+        share = weighted_shares(self.view.slots, {t: x.tenant.weight for t, x in active.items()})
+        return st.running < share[st.tenant.name] and any(x.running > share[t] for t, x in active.items())
 
     async def tick(self, period_s: float = 0.05) -> None:
         """Expire and dispatch on a clock too (deadlines pass without any event)."""

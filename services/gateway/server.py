@@ -246,7 +246,7 @@ class GatewayServicer(pb_grpc.GenerationServicer):
         try:
             text = _TextStream(self.tokenizer, params.stop)
             queue_ms = (ticket.dispatched_s - ticket.arrival_s) * 1e3
-            async for ev in self._resumable(spec, streamed):
+            async for ev in self._resumable(spec, streamed, ticket):
                 if ev.token_ids:
                     last_s = time.monotonic()
                     if not streamed:
@@ -265,11 +265,13 @@ class GatewayServicer(pb_grpc.GenerationServicer):
         finally:  # a completed request's times teach the admission cost model (a cut-short one's would not)
             self.admission.done(ticket, len(streamed), *((first_s, last_s) if finished else ()))
 
-    async def _resumable(self, spec: RequestSpec, streamed: list):
+    async def _resumable(self, spec: RequestSpec, streamed: list, ticket=None):
         """The request's token events, resumed on another worker when a worker, the kvstore or the router fails
         it (UNAVAILABLE): the next attempt prefills the prompt and the tokens already streamed (`streamed`, kept by
         the caller) with sampling counting them as outputs, so greedy and seeded requests continue exactly and the
-        client sees no duplicated and no missing token. Bounded by MAX_ATTEMPTS and the deadline."""
+        client sees no duplicated and no missing token. Bounded by MAX_ATTEMPTS and the deadline. Each attempt goes
+        to a worker holding one of this gateway's credits when one does (the router avoids the others), and uses
+        it up (the admission ticket's)."""
         avoid: set = set()
         for attempt in range(MAX_ATTEMPTS):
             done = len(streamed)
@@ -282,7 +284,9 @@ class GatewayServicer(pb_grpc.GenerationServicer):
                 decision = await self._route(pb.RouteRequest(
                     request_id=now.request_id, prompt_tokens=len(now.prompt_token_ids), max_tokens=now.sampling.max_tokens,
                     prompt_u32=pack_tokens(now.prompt_token_ids), adapter=work.adapter, cache_salt=work.cache_salt,
-                    avoid=sorted(avoid)), _left(spec.deadline_s, "in the admission queue"))
+                    avoid=sorted(avoid.union(self.admission.avoid()))), _left(spec.deadline_s, "in the admission queue"))
+                if ticket is not None:
+                    work.credit_from = self.admission.routed(ticket, decision.decode_worker)
                 async for ev in self._events(decision, work, _left(spec.deadline_s, "while routing")):
                     yield ev
                     if ev.finish_reason:

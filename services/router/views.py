@@ -41,6 +41,7 @@ class WorkerView:
     max_num_seqs: int = 0  # sequences it batches at once (0 = not reported)
     prefill_s_per_token: float = 0.0  # its fitted step costs (0 = not yet known)
     decode_s_per_step: float = 0.0
+    decode_s_floor: float = 0.0  # its decode step at deadline-aware batching's smallest batch (0 = not known)
     host: str = ""  # its host identity (the kvstore pool of that host serves it)
     kv_pool: bool = False  # it takes prompts' blocks from the pool
     topology: str = ""  # rack/node/domain (services.common.host.topology; "" = unknown)

@@ -118,6 +118,7 @@ class CoreStats:
     decode_s_per_step: float
     load: object  # EngineLoad after the step
     lora_load_s: tuple = ()  # seconds of each adapter read finished since the previous stats
+    floor_step_s: float = 0.0  # predicted decode step at the smallest batch deadline-aware batching runs
 
 
 class KVExport:
@@ -190,15 +191,13 @@ class EngineCore:
     """The loop of the core process (also usable in-process for tests: send is any callable)."""
 
     def __init__(self, engine, send):
-        from services.worker.measure import StepCostFit
-
         self.engine, self.send = engine, send
         self.live: set = set()  # requests whose outputs the servicer wants
         self.exports: dict[str, KVExport] = {}
         self.arenas: dict = {}  # generation -> MappedArena of the kvstore
         self.failed_imports: set = set()  # requests one of whose KV imports failed (until aborted)
         self.busy_s, self.tokens_out, self.aborted = 0.0, 0, 0
-        self.cost = StepCostFit()
+        self.cost = engine.step_cost  # the engine fits its step costs (its scheduler caps batches by them)
         self.running = True
 
     def handle(self, msg: tuple) -> None:
@@ -318,7 +317,6 @@ class EngineCore:
         last = engine.last_step
         if last is not None:
             self.busy_s += last.step_s
-            self.cost.update(last.num_running, last.num_tokens, last.step_s)
         outs = []
         for out in outputs:
             self.tokens_out += len(out.new_token_ids)
@@ -362,7 +360,8 @@ class EngineCore:
         lora = self.engine.lora if drain else None
         return CoreStats(self.busy_s, self.tokens_out, self.aborted, self.cost.prefill_s_per_token,
                          self.cost.decode_s_per_step, self.engine.load(),
-                         tuple(lora.drain_load_seconds()) if lora is not None else ())
+                         tuple(lora.drain_load_seconds()) if lora is not None else (),
+                         self.engine.scheduler.cap.floor_step_s)
 
     def run(self, conn, idle_poll_s: float = 0.05) -> None:
         """Serve commands and step until the pipe closes."""

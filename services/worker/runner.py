@@ -32,6 +32,7 @@ log = logging.getLogger("meshserve.runner")
 class _Cost:
     prefill_s_per_token = 0.0
     decode_s_per_step = 0.0
+    floor_step_s = 0.0  # a decode step at deadline-aware batching's smallest batch
 
 
 class EngineRunner:
@@ -192,6 +193,7 @@ class EngineRunner:
     def _on_step(self, outputs: list, stats: CoreStats) -> None:
         self.busy_s, self.tokens_out, self.aborted = stats.busy_s, stats.tokens_out, stats.aborted
         self.cost.prefill_s_per_token, self.cost.decode_s_per_step = stats.prefill_s_per_token, stats.decode_s_per_step
+        self.cost.floor_step_s = stats.floor_step_s
         self.load = stats.load
         if self.metrics is not None:  # first: forget() below drops a finished request's last token time
             self.metrics.on_step(outputs, stats.load, self.clock())

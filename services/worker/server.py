@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 
 import grpc
 
 from services.common import rpc
 from services.common.convert import spec_from_work
+from services.common.credits import CreditLedger
 from services.common.errors import CapacityExhausted, InvalidRequest, MeshError, NotFound
 from services.common.host import host_id
 from services.common.pb import meshserve_pb2 as pb
@@ -79,6 +81,21 @@ async def kv_chunks(kv: asyncio.Queue, transfer_id: str):
         index += 1
 
 
+def credited(handler):
+    """A request served by the handler holds one of the worker's slots (services.common.credits) until its stream
+    ends, and uses up the credit it names."""
+    @functools.wraps(handler)
+    async def serve(self, request, context):
+        self.credits.accept(request.credit_from)
+        try:
+            async for ev in handler(self, request, context):
+                yield ev
+        finally:
+            self.credits.release()
+            self._grant()
+    return serve
+
+
 class WorkerServicer(pb_grpc.WorkerServicer):
     def __init__(self, runner: EngineRunner, role: str, worker_id: str, kv_transport: str = "auto",
                  kv_pool: bool = False, metrics=None):
@@ -88,6 +105,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self.channels = rpc.ChannelPool()
         self.kv_transport, self.kv_pool, self.metrics = kv_transport, kv_pool, metrics
         self.links: KVLinks | None = None  # once the engine's block geometry is known (start())
+        self.credits = CreditLedger(runner.config.scheduler.max_num_seqs)
+        self.credit_events: dict[str, asyncio.Event] = {}  # per credit subscription: its grant grew
 
     async def start(self) -> "WorkerServicer":
         block_size, block_bytes = await self.runner.call("kv_geometry")
@@ -108,7 +127,32 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             self.runner.abort(req_id)
             raise
 
+    def _grant(self) -> None:
+        for sub in self.credits.grant():
+            self.credit_events[sub].set()
+
     @rpc.mapped
+    async def Credits(self, request, context):
+        rpc.require_peer(context, "gateway")
+        sub = request.subscriber
+        if not sub or sub in self.credit_events:
+            raise InvalidRequest("a credit subscription needs a fresh, non-empty subscriber id")
+        event = self.credit_events[sub] = asyncio.Event()
+        self.credits.subscribe(sub)
+        self._grant()
+        try:
+            while True:
+                event.clear()
+                yield pb.CreditGrant(granted=self.credits.granted[sub], slots=self.credits.slots,
+                                     live=self.credits.live)
+                await event.wait()
+        finally:
+            self.credits.unsubscribe(sub)
+            del self.credit_events[sub]
+            self._grant()
+
+    @rpc.mapped
+    @credited
     async def Generate(self, request, context):
         rpc.require_peer(context, "gateway")
         self._check_role("unified")
@@ -173,6 +217,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             return None
 
     @rpc.mapped
+    @credited
     async def Prefill(self, request, context):
         rpc.require_peer(context, "gateway")
         self._check_role("prefill", "unified")
@@ -207,6 +252,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 put.cancel()
 
     @rpc.mapped
+    @credited
     async def Decode(self, request, context):
         """Import the prefilled KV and decode; when the transfer fails (the kvstore died, the prefill side gave up,
         a block failed its checksum), compute the prompt here instead: the first token, already streamed by the
@@ -297,7 +343,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                               blocks_free=load.blocks_total - load.blocks_used - load.blocks_cached,
                               blocks_total=load.blocks_total, running=load.running, waiting=load.waiting,
                               outstanding_tokens=load.outstanding_tokens, aborted=stats.aborted,
-                              **lora_stats(load.lora))
+                              slot_preemptions=load.slot_preemptions, uncredited=self.credits.uncredited,
+                              max_live=self.credits.max_live, **lora_stats(load.lora))
 
 
     # ---- LoRA adapters (the gateway's admin calls, the router's placement) ----------------------------
@@ -370,7 +417,8 @@ async def heartbeat_loop(runner: EngineRunner, router: str, worker_id: str, addr
                 decode_tokens_per_s=rate.update(runner.busy_s, runner.tokens_out),
                 max_num_seqs=load.max_num_seqs,
                 prefill_s_per_token=runner.cost.prefill_s_per_token,
-                decode_s_per_step=runner.cost.decode_s_per_step, **lora_fields(load)), timeout=2.0)
+                decode_s_per_step=runner.cost.decode_s_per_step, decode_s_floor=runner.cost.floor_step_s,
+                **lora_fields(load)), timeout=2.0)
             interval = max(reply.interval_ms, 50) / 1000
             if first and on_first:
                 await on_first()

@@ -1,6 +1,7 @@
 """The engine scheduler's use of the arbitration policies (the policies themselves: test_admission.py)."""
 
 from services.common.sampling import SamplingParams
+from tests.support.fakes import Clock
 from tests.support.reference import make_engine
 
 
@@ -44,19 +45,100 @@ def test_deadline_policy_in_the_engine_serves_least_slack_first(tiny_model):
     assert finished == ["tight", "lax", "none"]
 
 
-def test_a_backlogged_light_tenant_preempts_once_the_heavy_one_is_a_whole_request_ahead(tiny_model):
-    engine = make_engine(tiny_model, num_blocks=64, block_size=16, budget=64, max_seqs=1, policy="fair")
-    heavy = engine.add_request("heavy", list(range(3, 40)), SamplingParams(max_tokens=120, ignore_eos=True),
-                               tenant="heavy")
-    engine.step()
+def test_an_under_share_tenant_takes_slots_up_to_its_weighted_share_and_none_swap_back(tiny_model):
+    engine = make_engine(tiny_model, num_blocks=128, block_size=16, budget=256, max_seqs=4, policy="fair")
+    heavy = [engine.add_request(f"heavy-{i}", list(range(3 + i, 40 + i)),
+                                SamplingParams(max_tokens=60, ignore_eos=True), tenant="heavy") for i in range(4)]
+    engine.step()  # heavy holds every slot
     light = [engine.add_request(f"light-{i}", list(range(50 + i, 60 + i)),
-                                SamplingParams(max_tokens=4, ignore_eos=True), tenant="light") for i in range(2)]
-    policy, finished, order = engine.scheduler.policy, [], []
+                                SamplingParams(max_tokens=30, ignore_eos=True), tenant="light", weight=1.0)
+             for i in range(3)]
+    engine.step()
+    engine.step()  # one preemption per step
+    sched = engine.scheduler
+    held = lambda t: sum(r.tenant == t for r in sched.running)  # noqa: E731
+    # equal weights: 2 slots each; light took exactly its share, by preempting two heavy requests
+    assert (held("light"), held("heavy")) == (2, 2)
+    assert sum(r.num_preemptions for r in heavy) == 2 and sched.slot_preemptions == 2
+    finished = []
     while engine.has_unfinished():
         finished += [o.req_id for o in engine.step() if o.finished]
-        order.append(policy.counter("heavy") - policy.counter("light"))
+        assert held("light") <= 2 or not any(r.tenant == "heavy" for r in sched.waiting)
         engine.kv.check_integrity()
-    # light waited until heavy was more than a whole light request (10 + 2 x 4 = 18) ahead, then both light
-    # requests ran before heavy finished; heavy was preempted once and never took the slot back early
-    assert finished == ["light-0", "light-1", "heavy"]
-    assert heavy.num_preemptions == 1 and all(r.num_preemptions == 0 for r in light)
+    # the preempted heavy requests waited for a slot to free; nobody was preempted twice (no ping-pong)
+    assert sched.slot_preemptions == 2 and all(r.num_preemptions <= 1 for r in heavy + light)
+    assert finished.index("light-0") < finished.index("light-2")
+
+
+def test_a_heavier_weight_gets_a_larger_share_of_the_slots(tiny_model):
+    engine = make_engine(tiny_model, num_blocks=128, block_size=16, budget=256, max_seqs=6, policy="fair-deadline")
+    for i in range(6):
+        engine.add_request(f"a-{i}", list(range(3 + i, 30 + i)), SamplingParams(max_tokens=40, ignore_eos=True),
+                           tenant="a", weight=1.0)
+    engine.step()
+    for i in range(6):
+        engine.add_request(f"c-{i}", list(range(60 + i, 80 + i)), SamplingParams(max_tokens=40, ignore_eos=True),
+                           tenant="c", weight=2.0)
+    for _ in range(8):  # one preemption per step; then it holds
+        engine.step()
+    held = {t: sum(r.tenant == t for r in engine.scheduler.running) for t in ("a", "c")}
+    assert held == {"a": 2, "c": 4}  # weights 1 : 2 of 6 slots
+
+
+class FixedSteps:
+    """A step-time model: 1 ms + 1 ms per sequence."""
+    line = (0.001, 0.001)
+    prefill_s_per_token = 0.0
+
+    def step_s(self, seqs: int) -> float:
+        return 0.001 + 0.001 * seqs
+
+
+def test_deadline_aware_batching_caps_the_batch_while_a_deadline_request_runs(tiny_model):
+    engine = make_engine(tiny_model, num_blocks=128, block_size=16, budget=256, max_seqs=8, policy="fair-deadline")
+    clock = engine.scheduler.clock = Clock(0.0)  # steps take what the model says they do
+    engine.scheduler.cap.step_cost = FixedSteps()
+    others = [engine.add_request(f"bg-{i}", list(range(3 + i, 20 + i)), SamplingParams(max_tokens=40, ignore_eos=True))
+              for i in range(7)]
+    engine.step()
+    assert engine.last_step.num_running == 7
+    # 21 steps (a prompt chunk, 20 tokens) in 0.12 s, aiming 15% early: 4.9 ms a step, so 1 + b <= 4.9 ms: the floor
+    urgent = engine.add_request("urgent", list(range(60, 70)), SamplingParams(max_tokens=20, ignore_eos=True),
+                                deadline_s=0.12)
+    sizes, urgent_in = [], []
+    while urgent.status.value != "finished":
+        outs = engine.step()
+        clock.now += 0.001 + 0.001 * engine.last_step.num_running
+        sizes.append(engine.last_step.num_running)
+        urgent_in.append(any(o.req_id == "urgent" for o in outs))
+    # capped to 4 at first, then raised a sequence at a time while the steps measured were well within what it
+    # needed; never the whole batch; the deadline request ran in every step and finished in time
+    assert sizes[0] == 4 and max(sizes) < 8 and all(urgent_in) and clock.now <= 0.12
+    while engine.has_unfinished():
+        engine.step()
+        engine.kv.check_integrity()
+    assert all(r.num_output == 40 for r in others)  # those left out kept their blocks and finished in full
+
+
+def test_a_deadline_already_lost_does_not_shrink_the_batch_below_the_floor(tiny_model):
+    engine = make_engine(tiny_model, num_blocks=128, block_size=16, budget=256, max_seqs=8, policy="fair-deadline")
+    engine.scheduler.cap.step_cost = FixedSteps()
+    for i in range(7):
+        engine.add_request(f"bg-{i}", list(range(3 + i, 20 + i)), SamplingParams(max_tokens=40, ignore_eos=True))
+    engine.step()
+    engine.add_request("lost", list(range(60, 70)), SamplingParams(max_tokens=30, ignore_eos=True),
+                       deadline_s=engine.clock() + 0.002)  # under 1 ms a step: not even one sequence fits
+    engine.step()
+    assert engine.last_step.num_running == 8 and engine.scheduler.last_cap == 8
+
+
+def test_fcfs_never_caps_the_batch(tiny_model):
+    engine = make_engine(tiny_model, num_blocks=128, block_size=16, budget=256, max_seqs=8, policy="fcfs")
+    engine.scheduler.cap.step_cost = FixedSteps()
+    for i in range(7):
+        engine.add_request(f"bg-{i}", list(range(3 + i, 20 + i)), SamplingParams(max_tokens=40, ignore_eos=True))
+    engine.add_request("urgent", list(range(60, 70)), SamplingParams(max_tokens=20, ignore_eos=True),
+                       deadline_s=engine.clock() + 0.1)
+    engine.step()
+    engine.step()
+    assert engine.last_step.num_running == 8

@@ -3,7 +3,8 @@
 import pytest
 
 from services.router.recent import RecentRoutes
-from services.worker.measure import DecodeRate, StepCostFit
+from services.engine.step_cost import StepCostFit
+from services.worker.measure import DecodeRate
 from tests.support.fakes import Clock
 
 
@@ -50,5 +51,20 @@ def test_step_cost_fit():
     assert fit.prefill_s_per_token == 0.0
     fit.update(8, 8, 0.02)  # decode only
     assert fit.decode_s_per_step == 0.02
-    fit.update(2, 102, 0.12)  # 100 prefill tokens took 0.1 s beyond the step
-    assert fit.prefill_s_per_token == pytest.approx(0.001)
+    fit.update(2, 102, 0.12)  # 100 prefill tokens took what the step took beyond a decode step of 2 sequences
+    assert fit.prefill_s_per_token == pytest.approx((0.12 - fit.step_s(2)) / 100)
+    assert 0.01 < fit.step_s(2) < 0.02
+
+
+def test_step_cost_fit_learns_the_cost_of_a_sequence_from_varied_batches():
+    fit = StepCostFit(alpha=1.0, forget=0.0)
+    for b in (1, 2, 4, 8, 16) * 4:
+        fit.update(b, b, 0.002 + 0.0003 * b)  # decode-only steps
+    base, per_seq = fit.line
+    assert base == pytest.approx(0.002) and per_seq == pytest.approx(0.0003)
+    assert fit.step_s(4, 100) == pytest.approx(0.0032 + 100 * fit.prefill_s_per_token)
+    same = StepCostFit(forget=0.0)
+    for _ in range(10):
+        same.update(16, 16, 0.006)  # one batch size only: the prior splits the time (a sequence = 1/8 of the base)
+    base, per_seq = same.line
+    assert base + 16 * per_seq == pytest.approx(0.006) and per_seq == pytest.approx(base / 8)

@@ -160,8 +160,24 @@ class TokenizeResponse(_message.Message):
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class CreditsRequest(_message.Message):
+    __slots__ = ("subscriber",)
+    SUBSCRIBER_FIELD_NUMBER: _ClassVar[int]
+    subscriber: str
+    def __init__(self, subscriber: _Optional[str] = ...) -> None: ...
+
+class CreditGrant(_message.Message):
+    __slots__ = ("granted", "slots", "live")
+    GRANTED_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    LIVE_FIELD_NUMBER: _ClassVar[int]
+    granted: int
+    slots: int
+    live: int
+    def __init__(self, granted: _Optional[int] = ..., slots: _Optional[int] = ..., live: _Optional[int] = ...) -> None: ...
+
 class WorkRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "adapter", "cache_salt", "transfer_id", "kvstore", "tenant", "weight", "deadline_unix_ms", "predicted_s", "resumed_outputs")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "adapter", "cache_salt", "transfer_id", "kvstore", "tenant", "weight", "deadline_unix_ms", "predicted_s", "resumed_outputs", "credit_from")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -175,6 +191,7 @@ class WorkRequest(_message.Message):
     DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_S_FIELD_NUMBER: _ClassVar[int]
     RESUMED_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    CREDIT_FROM_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: Sampling
@@ -188,7 +205,8 @@ class WorkRequest(_message.Message):
     deadline_unix_ms: int
     predicted_s: float
     resumed_outputs: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., priority: _Optional[int] = ..., adapter: _Optional[str] = ..., cache_salt: _Optional[str] = ..., transfer_id: _Optional[str] = ..., kvstore: _Optional[str] = ..., tenant: _Optional[str] = ..., weight: _Optional[float] = ..., deadline_unix_ms: _Optional[int] = ..., predicted_s: _Optional[float] = ..., resumed_outputs: _Optional[int] = ...) -> None: ...
+    credit_from: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., priority: _Optional[int] = ..., adapter: _Optional[str] = ..., cache_salt: _Optional[str] = ..., transfer_id: _Optional[str] = ..., kvstore: _Optional[str] = ..., tenant: _Optional[str] = ..., weight: _Optional[float] = ..., deadline_unix_ms: _Optional[int] = ..., predicted_s: _Optional[float] = ..., resumed_outputs: _Optional[int] = ..., credit_from: _Optional[str] = ...) -> None: ...
 
 class TokenEvent(_message.Message):
     __slots__ = ("token_ids", "logprobs", "finish_reason", "prompt_tokens", "cached_prompt_tokens")
@@ -209,7 +227,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "role", "blocks_used", "blocks_cached", "blocks_free", "blocks_total", "running", "waiting", "outstanding_tokens", "aborted", "lora_loads", "lora_load_s", "lora_slot_loads", "lora_hits", "lora_misses")
+    __slots__ = ("worker_id", "role", "blocks_used", "blocks_cached", "blocks_free", "blocks_total", "running", "waiting", "outstanding_tokens", "aborted", "lora_loads", "lora_load_s", "lora_slot_loads", "lora_hits", "lora_misses", "slot_preemptions", "uncredited", "max_live")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
@@ -225,6 +243,9 @@ class WorkerStats(_message.Message):
     LORA_SLOT_LOADS_FIELD_NUMBER: _ClassVar[int]
     LORA_HITS_FIELD_NUMBER: _ClassVar[int]
     LORA_MISSES_FIELD_NUMBER: _ClassVar[int]
+    SLOT_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    UNCREDITED_FIELD_NUMBER: _ClassVar[int]
+    MAX_LIVE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     blocks_used: int
@@ -240,7 +261,10 @@ class WorkerStats(_message.Message):
     lora_slot_loads: int
     lora_hits: int
     lora_misses: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., blocks_used: _Optional[int] = ..., blocks_cached: _Optional[int] = ..., blocks_free: _Optional[int] = ..., blocks_total: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., aborted: _Optional[int] = ..., lora_loads: _Optional[int] = ..., lora_load_s: _Optional[float] = ..., lora_slot_loads: _Optional[int] = ..., lora_hits: _Optional[int] = ..., lora_misses: _Optional[int] = ...) -> None: ...
+    slot_preemptions: int
+    uncredited: int
+    max_live: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., blocks_used: _Optional[int] = ..., blocks_cached: _Optional[int] = ..., blocks_free: _Optional[int] = ..., blocks_total: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., aborted: _Optional[int] = ..., lora_loads: _Optional[int] = ..., lora_load_s: _Optional[float] = ..., lora_slot_loads: _Optional[int] = ..., lora_hits: _Optional[int] = ..., lora_misses: _Optional[int] = ..., slot_preemptions: _Optional[int] = ..., uncredited: _Optional[int] = ..., max_live: _Optional[int] = ...) -> None: ...
 
 class WorkerId(_message.Message):
     __slots__ = ("worker_id",)
@@ -249,7 +273,7 @@ class WorkerId(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("worker_id", "address", "role", "outstanding_tokens", "kv_capacity_tokens", "kv_used_tokens", "running", "waiting", "adapters", "block_size", "index_member", "decode_tokens_per_s", "max_num_seqs", "prefill_s_per_token", "decode_s_per_step", "host", "kv_pool", "host_adapters", "lora_slots", "free_lora_slots", "known_adapters", "pinned_adapters", "topology")
+    __slots__ = ("worker_id", "address", "role", "outstanding_tokens", "kv_capacity_tokens", "kv_used_tokens", "running", "waiting", "adapters", "block_size", "index_member", "decode_tokens_per_s", "max_num_seqs", "prefill_s_per_token", "decode_s_per_step", "host", "kv_pool", "host_adapters", "lora_slots", "free_lora_slots", "known_adapters", "pinned_adapters", "topology", "decode_s_floor")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -273,6 +297,7 @@ class WorkerLoad(_message.Message):
     KNOWN_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     PINNED_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
+    DECODE_S_FLOOR_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     role: str
@@ -296,7 +321,8 @@ class WorkerLoad(_message.Message):
     known_adapters: _containers.RepeatedScalarFieldContainer[str]
     pinned_adapters: _containers.RepeatedScalarFieldContainer[str]
     topology: str
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[str] = ..., outstanding_tokens: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., adapters: _Optional[_Iterable[str]] = ..., block_size: _Optional[int] = ..., index_member: _Optional[str] = ..., decode_tokens_per_s: _Optional[float] = ..., max_num_seqs: _Optional[int] = ..., prefill_s_per_token: _Optional[float] = ..., decode_s_per_step: _Optional[float] = ..., host: _Optional[str] = ..., kv_pool: _Optional[bool] = ..., host_adapters: _Optional[_Iterable[str]] = ..., lora_slots: _Optional[int] = ..., free_lora_slots: _Optional[int] = ..., known_adapters: _Optional[_Iterable[str]] = ..., pinned_adapters: _Optional[_Iterable[str]] = ..., topology: _Optional[str] = ...) -> None: ...
+    decode_s_floor: float
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[str] = ..., outstanding_tokens: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., adapters: _Optional[_Iterable[str]] = ..., block_size: _Optional[int] = ..., index_member: _Optional[str] = ..., decode_tokens_per_s: _Optional[float] = ..., max_num_seqs: _Optional[int] = ..., prefill_s_per_token: _Optional[float] = ..., decode_s_per_step: _Optional[float] = ..., host: _Optional[str] = ..., kv_pool: _Optional[bool] = ..., host_adapters: _Optional[_Iterable[str]] = ..., lora_slots: _Optional[int] = ..., free_lora_slots: _Optional[int] = ..., known_adapters: _Optional[_Iterable[str]] = ..., pinned_adapters: _Optional[_Iterable[str]] = ..., topology: _Optional[str] = ..., decode_s_floor: _Optional[float] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("interval_ms",)

@@ -367,6 +367,11 @@ class WorkerStub:
                 request_serializer=meshserve__pb2.ListAdaptersRequest.SerializeToString,
                 response_deserializer=meshserve__pb2.AdapterList.FromString,
                 _registered_method=True)
+        self.Credits = channel.unary_stream(
+                '/meshserve.v1.Worker/Credits',
+                request_serializer=meshserve__pb2.CreditsRequest.SerializeToString,
+                response_deserializer=meshserve__pb2.CreditGrant.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -419,6 +424,14 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Credits(self, request, context):
+        """A gateway's credits: the batch slots this worker grants it, pushed the moment a slot frees. A request sent
+        with one (WorkRequest.credit_from) uses it up; the worker never grants more than its free slots.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -456,6 +469,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.ListAdapters,
                     request_deserializer=meshserve__pb2.ListAdaptersRequest.FromString,
                     response_serializer=meshserve__pb2.AdapterList.SerializeToString,
+            ),
+            'Credits': grpc.unary_stream_rpc_method_handler(
+                    servicer.Credits,
+                    request_deserializer=meshserve__pb2.CreditsRequest.FromString,
+                    response_serializer=meshserve__pb2.CreditGrant.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -649,6 +667,33 @@ class Worker:
             '/meshserve.v1.Worker/ListAdapters',
             meshserve__pb2.ListAdaptersRequest.SerializeToString,
             meshserve__pb2.AdapterList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Credits(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/meshserve.v1.Worker/Credits',
+            meshserve__pb2.CreditsRequest.SerializeToString,
+            meshserve__pb2.CreditGrant.FromString,
             options,
             channel_credentials,
             insecure,

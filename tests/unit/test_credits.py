@@ -1,0 +1,45 @@
+"""The worker's credit ledger (services/common/credits.py): never more credits out than free slots."""
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from services.common.credits import CreditLedger
+
+
+def test_free_slots_are_granted_to_the_subscription_holding_fewest_and_used_up_by_requests():
+    ledger = CreditLedger(slots=3)
+    ledger.subscribe("g1")
+    assert ledger.grant() == {"g1"} and ledger.unused("g1") == 3
+    ledger.subscribe("g2")
+    assert ledger.grant() == set()  # g1 holds every free slot until it uses one
+    assert ledger.accept("g1") and ledger.unused("g1") == 2
+    ledger.release()  # that request ended: its slot is free again, and g2 holds none
+    assert ledger.grant() == {"g2"} and (ledger.unused("g1"), ledger.unused("g2")) == (2, 1)
+    assert not ledger.accept("g2-gone") and ledger.uncredited == 1  # served anyway, without a credit
+    ledger.unsubscribe("g1")  # its unused credits return to the free slots
+    assert ledger.free == 3 - 1 - 1 and ledger.grant() == {"g2"}
+
+
+ops = st.lists(st.tuples(st.sampled_from(["accept", "release", "subscribe", "unsubscribe", "grant"]),
+                         st.sampled_from(["a", "b", "c", ""])), max_size=60)
+
+
+@settings(max_examples=200)
+@given(st.integers(1, 6), ops)
+def test_credited_work_never_exceeds_the_slots(slots, steps):
+    ledger, live = CreditLedger(slots), 0
+    for op, sub in steps:
+        if op == "accept" and sub and ledger.unused(sub) > 0:  # a gateway sends only against a credit it holds
+            assert ledger.accept(sub)
+            live += 1
+        elif op == "release" and live:
+            ledger.release()
+            live -= 1
+        elif op == "subscribe" and sub:
+            ledger.subscribe(sub)
+        elif op == "unsubscribe":
+            ledger.unsubscribe(sub)
+        elif op == "grant":
+            ledger.grant()
+        outstanding = sum(ledger.unused(s) for s in ledger.granted)
+        assert live + outstanding <= slots and ledger.max_live <= slots
