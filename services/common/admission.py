@@ -11,8 +11,9 @@ capacity frees. The queue adds what only it can know:
   dispatching the policy's choice out of arrival order would push some request past its
   start-by time (arrival + bound), the oldest goes next instead. Under the fair policies a
   tenant's queue is bounded first, by its own share: a newcomer whose tenant's queued work would
-  take longer than the bound at the tenant's weighted share of the slots (among the tenants with
-  work) is rejected with RESOURCE_EXHAUSTED and a retry-after hint, so a tenant offering more
+  take longer than half the bound at the tenant's weighted share of the slots (among the tenants
+  with work; the other half is headroom, so the oldest-first rule seldom overrides the fair
+  order) is rejected with RESOURCE_EXHAUSTED and a retry-after hint, so a tenant offering more
   than its share is turned away at its own door and the others' requests never queue behind its
   backlog. When the work queued would still make a newcomer wait past the bound in arrival
   order, the policy's victim is rejected: the newcomer itself under FCFS, the newest request of
@@ -60,6 +61,8 @@ class Pending:
     predicted_first_s: float = 0.0  # of predicted_s, the part until the first token (the prompt)
 
 
+TENANT_HEADROOM = 0.5  # a tenant's queue holds at most this fraction of the starvation bound at its share: its
+# requests start well before the bound, so the bound's oldest-first rule seldom overrides the fair order
 PREFILL_S_PER_TOKEN_RANGE = (1e-6, 1e-2)  # what a prompt token can plausibly cost, from a GPU to a slow CPU
 DECODE_S_PER_STEP_RANGE = (1e-4, 2.0)  # and a decode step
 MIN_MEASURED = 8  # completions measured before the model trusts its own fit (and predictions may reject)
@@ -191,12 +194,13 @@ class AdmissionQueue:
             raise CapacityExhausted(f"tenant {p.tenant!r} already has {p.max_queued} requests queued (its limit)",
                                     retry_after_ms=math.ceil(self.predicted_wait(now, self.queue) * 1000) or 100)
         if isinstance(self.policy, FairPolicy):
-            wait = self.tenant_wait(p.tenant, [q for q in self.queue if q.tenant == p.tenant], p.weight)
-            if wait > self.starvation_s:
+            wait, limit = self.tenant_wait(p.tenant, [q for q in self.queue if q.tenant == p.tenant], p.weight), \
+                self.starvation_s * TENANT_HEADROOM
+            if wait > limit:
                 raise CapacityExhausted(
                     f"tenant {p.tenant!r} is over its share of the mesh: its queued work would wait {wait:.1f} s at "
-                    f"its weighted share, over the {self.starvation_s:g} s bound",
-                    retry_after_ms=math.ceil((wait - self.starvation_s) * 1000))
+                    f"its weighted share, over {limit:g} s (half the {self.starvation_s:g} s bound)",
+                    retry_after_ms=math.ceil((wait - limit) * 1000))
         backlogged = self.backlogged()
         if p.tenant not in backlogged:
             self.policy.activate(p.tenant, backlogged)

@@ -6,8 +6,7 @@ scheduler (who gets the next batch slot; the last in serving order is the preemp
 A claim carries its tenant, the tenant's weight, its deadline and its predicted service time
 from the gateway through prefill and decode.
 
-- fcfs: arrival order (ties by sequence number), and nothing else: the baseline (its engines do not
-  cap batches for deadlines either).
+- fcfs: arrival order (ties by sequence number).
 - priority: the claim's priority class first (0 is most urgent), then arrival.
 - deadline: least slack first; slack = deadline - now - predicted service time (no deadline:
   infinite slack, arrival order among those).
@@ -83,8 +82,7 @@ class ArbitrationPolicy:
     """Base: subclasses define rank(); selection helpers and no-op hooks are shared."""
 
     name = "base"
-    uses_deadlines = False  # rejects claims that can no longer meet their deadline
-    deadline_batching = True  # engines cap their batch for running claims with deadlines (scheduler.py)
+    uses_deadlines = False  # rejects claims that can no longer meet their deadline; engines cap their batch for them
 
     def rank(self, claim: SlotClaim, now: float) -> tuple:
         raise TypeError(f"{type(self).__name__} must define rank()")
@@ -127,7 +125,6 @@ class ArbitrationPolicy:
 
 class FcfsPolicy(ArbitrationPolicy):
     name = "fcfs"
-    deadline_batching = False  # the baseline: arrival order and nothing else
 
     def rank(self, claim: SlotClaim, now: float) -> tuple:
         return (claim.arrival_s, claim.seq_no)

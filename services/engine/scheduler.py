@@ -14,7 +14,7 @@ admitted in the same step. A step that preempted for blocks admits nobody new. T
 of service through charge(): prompt tokens computed when a request is first admitted (the engine
 charges output tokens as they are sampled), and of a tenant becoming backlogged through activate().
 
-Deadline-aware batching (every policy but FCFS, the baseline; BatchCap): a running request with a
+Deadline-aware batching (the deadline-aware policies, deadline and fair-deadline; BatchCap): a running request with a
 deadline needs a step at least every (deadline - now) x SAFETY / steps it has left. While one
 does, the step carries at most `cap` sequences: deadline requests first, earliest deadline first,
 then the others in the policy's order; those left out keep their blocks and run again when the
@@ -74,7 +74,6 @@ class Scheduler:
                  deadline_min_batch: int = 4):
         self.kv, self.policy, self.clock, self.lora = kv, policy, clock, lora
         self.max_num_seqs, self.budget = max_num_seqs, max_num_batched_tokens
-        self.deadline_min_batch = deadline_min_batch
         self.cap = BatchCap(max_num_seqs, deadline_min_batch, step_cost, max_num_batched_tokens)
         self.slot_preemptions = 0  # since start
         self.last_cap = max_num_seqs  # the latest step's batch cap
@@ -107,9 +106,9 @@ class Scheduler:
         budget = self.cap.token_budget(cap) if capped else self.budget
         budget = self._schedule_running(out, budget, now, cap - joining if capped else cap)
         if promoted is not None and out.preempted == [promoted[1]]:
-            self._schedule_waiting(out, budget, now, cap, [promoted[0]])  # the slot it was given
+            self._schedule_waiting(out, budget, now, [promoted[0]])  # the slot it was given
         elif not out.preempted:
-            self._schedule_waiting(out, budget, now, cap, self.policy.admission_order(
+            self._schedule_waiting(out, budget, now, self.policy.admission_order(
                 self.waiting, self.running, self.max_num_seqs, now))
         out.num_tokens = sum(s.num_new for s in out.seqs)
         self.cap.size = len(out.seqs)
@@ -128,14 +127,14 @@ class Scheduler:
 
     def batch_cap(self, now: float) -> int:
         """The most sequences this step may carry (module docstring: deadline-aware batching)."""
-        if not self.policy.deadline_batching:
+        if not self.policy.uses_deadlines:
             return self.max_num_seqs
         joining = self.waiting if len(self.running) < self.max_num_seqs else []  # deadline requests join at once
         return self.cap.update(now, [r for r in (*self.running, *joining) if r.deadline_s is not None])
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, now: float, cap: int) -> int:
         queue = self.policy.order(self.running, now)
-        if cap < len(queue):  # deadline requests first, by slack; the others keep the policy's order
+        if cap < len(queue):  # deadline requests first, earliest deadline first; the others in the policy's order
             queue.sort(key=lambda r: (r.deadline_s is None, r.deadline_s or 0.0))
         while queue and budget > 0 and len(out.seqs) < cap:
             req = queue.pop(0)
@@ -151,7 +150,7 @@ class Scheduler:
                 budget -= num_new
         return budget
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int, now: float, cap: int, order: list) -> None:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, now: float, order: list) -> None:
         if self.lora is not None:
             order = self._resident_first(order, now)
         slots_open = True

@@ -87,9 +87,9 @@ def test_queue_rejects_what_it_cannot_serve_in_time():
     with pytest.raises(CapacityExhausted, match="1 requests queued") as e:
         q.offer(pending("over-tenant", 0.0, max_queued=1), 0.0)
     assert e.value.retry_after_ms > 0
-    # B's share of the 2 slots is 1 (A and B have work, equal weights): B's 16th request would start after
-    # 15 x 2 = 30 s of B's own work, the last within the bound; the 17th is turned away at B's door
-    for i in range(16):
+    # B's share of the 2 slots is 1 (A and B have work, equal weights): B's 8th request would start after
+    # 7 x 2 = 14 s of B's own work, within half the bound; the 9th (16 s) is turned away at B's door
+    for i in range(8):
         q.offer(pending(f"b{i}", 0.0, tenant="B", predicted_s=2.0), 0.0)
     with pytest.raises(CapacityExhausted, match="tenant 'B' is over its share") as e:
         q.offer(pending("too-many", 0.0, tenant="B", predicted_s=2.0), 0.0)
@@ -218,16 +218,17 @@ def test_no_admitted_request_waits_past_the_starvation_bound(specs, slots, bound
     assert waits and max(waits) <= bound
 
 
-def test_push_out_takes_from_the_longest_weighted_queue_not_the_newcomer():
+def test_fair_turns_the_over_share_tenant_away_where_fcfs_turns_away_the_newcomer():
     q = AdmissionQueue(FairPolicy(), starvation_s=10.0, slots=1)
-    for i in range(6):
-        q.offer(pending(f"a{i}", 0.0, tenant="A", predicted_s=2.0), 0.0)  # 12 s of A's work queued
-    pushed = q.offer(pending("b0", 0.1, tenant="B", predicted_s=2.0), 0.1)
-    assert [p.req_id for p in pushed] == ["a5"] and [p.req_id for p in q.queue][-1] == "b0"
+    for i in range(3):
+        q.offer(pending(f"a{i}", 0.0, tenant="A", predicted_s=2.0), 0.0)  # A's share is the whole slot: 4 s ahead
+    with pytest.raises(CapacityExhausted, match="tenant 'A' is over its share"):
+        q.offer(pending("a3", 0.0, tenant="A", predicted_s=2.0), 0.0)  # 6 s: over half the bound
+    assert q.offer(pending("b0", 0.1, tenant="B", predicted_s=2.0), 0.1) == []  # B still gets in, nobody pushed
     fcfs = AdmissionQueue(make_policy("fcfs"), starvation_s=10.0, slots=1)
     for i in range(6):
         fcfs.offer(pending(f"a{i}", 0.0, tenant="A", predicted_s=2.0), 0.0)
-    with pytest.raises(CapacityExhausted):  # FCFS: the newcomer is the one turned away
+    with pytest.raises(CapacityExhausted, match="predicted queue wait"):  # FCFS: the newcomer is the one turned away
         fcfs.offer(pending("b0", 0.1, tenant="B", predicted_s=2.0), 0.1)
 
 
