@@ -133,7 +133,7 @@ def run(args) -> int:
                          "solo_latency_ms_model": [round(float(c), 4) for c in coef],
                          "alone_ttft_ms_p99": alone, "starvation_s": 30.0, "model": str(model_dir)},
               "systems": systems,
-              "ratios": {f"{s}/fcfs:{k}": round(systems[s][k] / max(systems["fcfs"][k], 1e-9), 3)
+              "ratios": {f"{s}/fcfs:{k}": round(systems[s][k] / systems["fcfs"][k], 3) if systems["fcfs"][k] else None
                          for s in systems if s != "fcfs" and "fcfs" in systems
                          for k in ("deadline_goodput_req_per_s", "throughput_tokens_per_s")}}
     write_result(result, args.out)

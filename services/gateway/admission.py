@@ -123,8 +123,9 @@ class Admission:
         st = self.state(tenant, now)
         try:
             st.admit_rates(prompt_tokens + max_tokens, now)
-            predicted = (self.cost.predict(prompt_tokens, max_tokens) if deadline_s is None
-                         else self.cost.predict_prioritized(prompt_tokens, max_tokens))
+            prioritized = deadline_s is not None and self.queue.policy.uses_deadlines  # deadline-aware batching's
+            predicted = (self.cost.predict_prioritized(prompt_tokens, max_tokens) if prioritized
+                         else self.cost.predict(prompt_tokens, max_tokens))
             p = Pending(req_id, tenant.name, tenant.weight, now, 0, prompt_tokens, max_tokens, priority=priority,
                         deadline_s=deadline_s, predicted_s=predicted, max_queued=tenant.limits.max_queued,
                         predicted_first_s=min(self.cost.predict_first(prompt_tokens), predicted))

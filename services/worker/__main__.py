@@ -69,6 +69,7 @@ async def serve(args) -> int:
             pass  # the router drops silent workers anyway
 
     async def on_stop():
+        servicer.close_credits()
         for beat in beats:
             beat.cancel()
         if publishing is not None:

@@ -12,6 +12,8 @@ multiprocessing pipe in pickled tuples:
                                                      one of the core's own (CORE_METHODS: its counters, the
                                                      kvstore's arena, imports that verify checksums)
                      ("abort", req_id)
+                     ("stop",)                       exit the loop (closing the pipe alone does not reach a
+                                                     core whose reader thread is blocked on it)
   core -> servicer   ("ready", None)                 the engine is built
                      ("reply", seq, result, error)   a command's result or exception
                      ("step", outputs, stats)        ONE message per step: every request's new tokens
@@ -202,6 +204,9 @@ class EngineCore:
 
     def handle(self, msg: tuple) -> None:
         kind = msg[0]
+        if kind == "stop":
+            self.running = False
+            return
         if kind == "abort":
             self.failed_imports.discard(msg[1])
             self._forget(msg[1])

@@ -124,6 +124,7 @@ class EngineRunner:
     def stop(self, timeout_s: float = 10.0) -> None:
         """Close the pipe (the core exits when it sees that) and wait for the process."""
         self.dead = self.dead or "the worker is stopping"
+        self.outbox.put(("stop",))  # the pipe's close does not reach the core while our reader blocks on it
         self.outbox.put(None)
         self.process.join(timeout_s)
         if self.process.is_alive():

@@ -24,7 +24,7 @@ import grpc
 from services.common import rpc
 from services.common.convert import spec_from_work
 from services.common.credits import CreditLedger
-from services.common.errors import CapacityExhausted, InvalidRequest, MeshError, NotFound
+from services.common.errors import CapacityExhausted, InvalidRequest, MeshError, NotFound, Unavailable
 from services.common.host import host_id
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
@@ -107,6 +107,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self.links: KVLinks | None = None  # once the engine's block geometry is known (start())
         self.credits = CreditLedger(runner.config.scheduler.max_num_seqs)
         self.credit_events: dict[str, asyncio.Event] = {}  # per credit subscription: its grant grew
+        self.credits_closed = False  # draining: no more credits, and the streams end
 
     async def start(self) -> "WorkerServicer":
         block_size, block_bytes = await self.runner.call("kv_geometry")
@@ -128,8 +129,17 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             raise
 
     def _grant(self) -> None:
+        if self.credits_closed:
+            return
         for sub in self.credits.grant():
             self.credit_events[sub].set()
+
+    def close_credits(self) -> None:
+        """The worker is stopping: grant nothing more and end every credit stream (a server's graceful stop would
+        otherwise wait its whole grace for these never-ending calls)."""
+        self.credits_closed = True
+        for event in self.credit_events.values():
+            event.set()
 
     @rpc.mapped
     async def Credits(self, request, context):
@@ -137,11 +147,13 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         sub = request.subscriber
         if not sub or sub in self.credit_events:
             raise InvalidRequest("a credit subscription needs a fresh, non-empty subscriber id")
+        if self.credits_closed:
+            raise Unavailable("this worker is stopping: it grants no credits")
         event = self.credit_events[sub] = asyncio.Event()
         self.credits.subscribe(sub)
         self._grant()
         try:
-            while True:
+            while not self.credits_closed:
                 event.clear()
                 yield pb.CreditGrant(granted=self.credits.granted[sub], slots=self.credits.slots,
                                      live=self.credits.live)

@@ -28,8 +28,7 @@ def mesh(tiny_model, tmp_path_factory):
     path = tmp_path_factory.mktemp("arbitration") / "mesh.yaml"
     path.write_text(yaml.safe_dump(cfg))
     m = start_mesh(tiny_model, tmp_path_factory, "unified", config_file=str(path),
-                   engine_args=["--kv-cache-gb", "0.05", "--max-num-batched-tokens", "64", "--max-num-seqs", str(SLOTS),
-                                "--slot-policy", "fair-deadline"])
+                   worker_args={"unified-0": ["--max-num-seqs", str(SLOTS), "--slot-policy", "fair-deadline"]})
     yield m
     m.stop()
 
