@@ -36,8 +36,8 @@ async def watch_mesh(server: rpc.Server, routers: list, mode: str, admission: Ad
                 workers = (await stub.ListWorkers(pb.ListWorkersRequest(), timeout=1)).workers
             except grpc.aio.AioRpcError:
                 continue
+            admission.update_view(workers, "unified" if mode == "unified" else "decode")  # a view before SERVING
             await server.set_serving(need <= {w.role for w in workers})
-            admission.update_view(workers, "unified" if mode == "unified" else "decode")
             break
         else:
             await server.set_serving(False)

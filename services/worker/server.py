@@ -356,7 +356,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                               blocks_total=load.blocks_total, running=load.running, waiting=load.waiting,
                               outstanding_tokens=load.outstanding_tokens, aborted=stats.aborted,
                               slot_preemptions=load.slot_preemptions, uncredited=self.credits.uncredited,
-                              max_live=self.credits.max_live, **lora_stats(load.lora))
+                              max_live=self.credits.max_live, credit_subscribers=len(self.credit_events),
+                              **lora_stats(load.lora))
 
 
     # ---- LoRA adapters (the gateway's admin calls, the router's placement) ----------------------------

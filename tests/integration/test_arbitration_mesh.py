@@ -6,6 +6,7 @@ One mesh for the module: one unified worker with 4 slots, the fair-deadline poli
 engine, tenants heavy and light of equal weight."""
 
 import threading
+import time
 
 import grpc
 import pytest
@@ -67,6 +68,10 @@ def in_threads(calls) -> list:
 
 
 def test_a_burst_never_puts_more_work_on_a_worker_than_its_credits(mesh):
+    deadline = time.monotonic() + 30
+    while stats(mesh).credit_subscribers < 1:  # the gateway follows the worker's credits (it found it at start)
+        assert time.monotonic() < deadline, "the gateway never opened a credit stream to the worker"
+        time.sleep(0.05)
     before = stats(mesh)
     reqs = [generate_request(list(range(3 + i, 40 + i)), max_tokens=24) for i in range(3 * SLOTS)]
     outs = in_threads([(generate, (mesh, "heavy", r)) for r in reqs])

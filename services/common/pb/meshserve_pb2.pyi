@@ -227,7 +227,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "role", "blocks_used", "blocks_cached", "blocks_free", "blocks_total", "running", "waiting", "outstanding_tokens", "aborted", "lora_loads", "lora_load_s", "lora_slot_loads", "lora_hits", "lora_misses", "slot_preemptions", "uncredited", "max_live")
+    __slots__ = ("worker_id", "role", "blocks_used", "blocks_cached", "blocks_free", "blocks_total", "running", "waiting", "outstanding_tokens", "aborted", "lora_loads", "lora_load_s", "lora_slot_loads", "lora_hits", "lora_misses", "slot_preemptions", "uncredited", "max_live", "credit_subscribers")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
@@ -246,6 +246,7 @@ class WorkerStats(_message.Message):
     SLOT_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     UNCREDITED_FIELD_NUMBER: _ClassVar[int]
     MAX_LIVE_FIELD_NUMBER: _ClassVar[int]
+    CREDIT_SUBSCRIBERS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     blocks_used: int
@@ -264,7 +265,8 @@ class WorkerStats(_message.Message):
     slot_preemptions: int
     uncredited: int
     max_live: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., blocks_used: _Optional[int] = ..., blocks_cached: _Optional[int] = ..., blocks_free: _Optional[int] = ..., blocks_total: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., aborted: _Optional[int] = ..., lora_loads: _Optional[int] = ..., lora_load_s: _Optional[float] = ..., lora_slot_loads: _Optional[int] = ..., lora_hits: _Optional[int] = ..., lora_misses: _Optional[int] = ..., slot_preemptions: _Optional[int] = ..., uncredited: _Optional[int] = ..., max_live: _Optional[int] = ...) -> None: ...
+    credit_subscribers: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., blocks_used: _Optional[int] = ..., blocks_cached: _Optional[int] = ..., blocks_free: _Optional[int] = ..., blocks_total: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., aborted: _Optional[int] = ..., lora_loads: _Optional[int] = ..., lora_load_s: _Optional[float] = ..., lora_slot_loads: _Optional[int] = ..., lora_hits: _Optional[int] = ..., lora_misses: _Optional[int] = ..., slot_preemptions: _Optional[int] = ..., uncredited: _Optional[int] = ..., max_live: _Optional[int] = ..., credit_subscribers: _Optional[int] = ...) -> None: ...
 
 class WorkerId(_message.Message):
     __slots__ = ("worker_id",)
