@@ -9,9 +9,19 @@ used, and a freed slot goes to the subscription holding the fewest unused credit
 sent without a credit (a direct client, or a gateway's under-share bypass that the engine
 answers by preemption) is served all the same and counts as live; no credit is granted until
 live work drops below the slots again.
+
+A credit named by a request that never reached the worker (the gateway's call was cancelled or failed
+in flight: gRPC then never calls the handler) would stay unused here and used at the gateway, a slot lost
+for good; so a gateway gives back the credit of every request of its that ended early (give_back), which
+counts it used unless that request already used it, and a request arriving after its credit was given
+back uses none. Both sides key on (subscription, request id), remembered for the last REMEMBERED requests.
 """
 
 from __future__ import annotations
+
+from collections import OrderedDict
+
+REMEMBERED = 65536  # (subscription, request id) pairs kept to tell a given-back credit from a used one
 
 
 class CreditLedger:
@@ -22,6 +32,9 @@ class CreditLedger:
         self.uncredited = 0  # requests that came without a credit to use, since start
         self.granted: dict[str, int] = {}  # per subscription, cumulative
         self.used: dict[str, int] = {}
+        self.spent: OrderedDict = OrderedDict()  # (sub, request id) that used a credit
+        self.given_back: OrderedDict = OrderedDict()  # (sub, request id) whose credit was given back first
+        self.lost = 0  # credits given back by a gateway whose request never used them, since start
 
     def unused(self, sub: str) -> int:
         return self.granted.get(sub, 0) - self.used.get(sub, 0)
@@ -40,15 +53,30 @@ class CreditLedger:
         self.granted.pop(sub, None)
         self.used.pop(sub, None)
 
-    def accept(self, sub: str = "") -> bool:
+    def accept(self, sub: str = "", request_id: str = "") -> bool:
         """A request arrived, naming the subscription whose credit it uses; False when it had none to use."""
         self.live += 1
         self.max_live = max(self.max_live, self.live)
+        key = (sub, request_id)
+        if sub and self.given_back.pop(key, None) is not None:
+            return True  # its credit was counted used when the gateway gave it back
         if self.unused(sub) > 0:
             self.used[sub] += 1
+            _remember(self.spent, key)
             return True
         self.uncredited += 1
         return False
+
+    def give_back(self, sub: str, request_id: str) -> bool:
+        """The gateway's request `request_id`, sent with a credit of `sub`, ended early: if it never used the
+        credit here, count it used now (its slot is granted again); True when it did so."""
+        key = (sub, request_id)
+        if key in self.spent or key in self.given_back or self.unused(sub) <= 0:
+            return False
+        self.used[sub] += 1
+        self.lost += 1
+        _remember(self.given_back, key)
+        return True
 
     def release(self) -> None:
         """A request ended."""
@@ -64,3 +92,9 @@ class CreditLedger:
             changed.add(sub)
             free -= 1
         return changed
+
+
+def _remember(keys: OrderedDict, key) -> None:
+    keys[key] = True
+    if len(keys) > REMEMBERED:
+        keys.popitem(last=False)

@@ -100,6 +100,11 @@ class Admission:
             self.unrouted -= 1
         return self.credits.take(worker) if self.credits is not None else ""
 
+    def give_back(self, worker: str, credit: str, request_id: str) -> None:
+        """A request routed to `worker` with `credit` (routed()'s) ended early: the credit may be unused there."""
+        if self.credits is not None and credit:
+            self.credits.give_back(worker, credit, request_id)
+
     def avoid(self) -> list[str]:
         """Serving workers that hold no unused credit of this gateway's."""
         return self.credits.without() if self.credits is not None and self.credits.known else []

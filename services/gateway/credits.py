@@ -4,7 +4,8 @@ Each worker pushes the credits it grants this gateway the moment a slot frees (s
 the gateway dispatches from its admission queue only while it holds an unused credit, sends each request
 to a worker it holds one of, and names the credit in the request. Streams follow the workers the router
 lists (sync()); a broken stream is opened again (a fresh subscription: the worker dropped the old one's
-unused credits) after a short backoff, and its worker counts as holding none meanwhile.
+unused credits) after a short backoff, and its worker counts as holding none meanwhile. A request that
+named a credit and ended early gives the credit back (give_back): it may never have reached the worker.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
 
 log = logging.getLogger("meshserve.gateway.credits")
+
+GIVE_BACK_TIMEOUT_S = 5.0
 
 
 @dataclass
@@ -40,6 +43,7 @@ class CreditPool:
         """channels: the gateway's ChannelPool; on_grant(): called whenever a worker grants credits."""
         self.channels, self.on_grant, self.retry_s = channels, on_grant, retry_s
         self.subs: dict[str, Subscription] = {}
+        self.giving_back: set[asyncio.Task] = set()
 
     @property
     def known(self) -> bool:
@@ -61,6 +65,25 @@ class CreditPool:
             return ""
         s.used += 1
         return s.id
+
+    def give_back(self, address: str, sub_id: str, request_id: str) -> None:
+        """The request `request_id`, sent to the worker at address with a credit of subscription sub_id, ended
+        early (cancelled, failed): tell the worker, which counts the credit used unless the request used it (a
+        call cancelled in flight never reaches the worker's handler, and its credit would be lost for good).
+        Fire and forget: a worker that cannot be told has ended the subscription, or soon will."""
+        s = self.subs.get(address)
+        if not sub_id or s is None or s.id != sub_id:
+            return  # that subscription ended: the worker dropped its credits with it
+        task = asyncio.ensure_future(self._give_back(address, sub_id, request_id))
+        self.giving_back.add(task)
+        task.add_done_callback(self.giving_back.discard)
+
+    async def _give_back(self, address: str, sub_id: str, request_id: str) -> None:
+        try:
+            await pb_grpc.WorkerStub(self.channels.get(address)).GiveBackCredit(
+                pb.GiveBackCreditRequest(subscriber=sub_id, request_id=request_id), timeout=GIVE_BACK_TIMEOUT_S)
+        except grpc.aio.AioRpcError as e:
+            log.info("could not give a credit back to %s: %s", address, e.code().name)
 
     def sync(self, addresses) -> None:
         """Follow exactly these workers."""

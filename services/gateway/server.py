@@ -287,11 +287,15 @@ class GatewayServicer(pb_grpc.GenerationServicer):
                     avoid=sorted(avoid.union(self.admission.avoid()))), _left(spec.deadline_s, "in the admission queue"))
                 if ticket is not None:
                     work.credit_from = self.admission.routed(ticket, decision.decode_worker)
-                async for ev in self._events(decision, work, _left(spec.deadline_s, "while routing")):
-                    yield ev
-                    if ev.finish_reason:
-                        return
-                raise Unavailable("a worker's stream ended before the request finished")
+                try:
+                    async for ev in self._events(decision, work, _left(spec.deadline_s, "while routing")):
+                        yield ev
+                        if ev.finish_reason:
+                            return
+                    raise Unavailable("a worker's stream ended before the request finished")
+                except BaseException:  # cancelled too: the call may have ended before the worker saw it
+                    self.admission.give_back(decision.decode_worker, work.credit_from, work.request_id)
+                    raise
             except MeshError as e:
                 delay = min(RESUME_BACKOFF_S * 2 ** attempt, MAX_BACKOFF_S)
                 if (e.code != "UNAVAILABLE" or attempt + 1 == MAX_ATTEMPTS

@@ -86,7 +86,7 @@ def credited(handler):
     ends, and uses up the credit it names."""
     @functools.wraps(handler)
     async def serve(self, request, context):
-        self.credits.accept(request.credit_from)
+        self.credits.accept(request.credit_from, request.request_id)
         try:
             async for ev in handler(self, request, context):
                 yield ev
@@ -162,6 +162,14 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             self.credits.unsubscribe(sub)
             del self.credit_events[sub]
             self._grant()
+
+    @rpc.mapped
+    async def GiveBackCredit(self, request, context):
+        rpc.require_peer(context, "gateway")
+        lost = self.credits.give_back(request.subscriber, request.request_id)
+        if lost:
+            self._grant()
+        return pb.GiveBackCreditReply(lost=lost)
 
     @rpc.mapped
     @credited
@@ -357,6 +365,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                               outstanding_tokens=load.outstanding_tokens, aborted=stats.aborted,
                               slot_preemptions=load.slot_preemptions, uncredited=self.credits.uncredited,
                               max_live=self.credits.max_live, credit_subscribers=len(self.credit_events),
+                              credits_out=sum(self.credits.unused(s) for s in self.credits.granted),
+                              credits_lost=self.credits.lost,
                               **lora_stats(load.lora))
 
 

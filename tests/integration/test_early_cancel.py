@@ -1,9 +1,11 @@
 """Requests cancelled within milliseconds of sending leak nothing (issue 19): on a mesh whose workers take 8
 sequences at most, 400 requests each cancelled 0-10 ms after sending leave every worker with no running or
-waiting request and no used block, and the mesh still serves."""
+waiting request, no used block and every slot granted to the gateway as a credit again (a call cancelled in
+flight never reaches the worker: its credit is given back), and the mesh still serves."""
 
 import asyncio
 import random
+import time
 
 import grpc
 import pytest
@@ -14,11 +16,12 @@ from tests.integration.conftest import ENGINE, worker_stats
 from tests.integration.test_mesh import assert_idle, generate_request
 
 ROLES = {"disaggregated": ["prefill", "decode"], "unified": ["unified"]}
+SLOTS = 8
 
 
 @pytest.fixture(scope="module", params=sorted(ROLES))
 def narrow(request, tiny_model, tmp_path_factory):
-    spec = MeshSpec(str(tiny_model), mode=request.param, engine_args=ENGINE + ["--max-num-seqs", "8"])
+    spec = MeshSpec(str(tiny_model), mode=request.param, engine_args=ENGINE + ["--max-num-seqs", str(SLOTS)])
     mesh = Mesh(spec, log_dir=str(tmp_path_factory.mktemp(f"narrow-{request.param}"))).start()
     yield request.param, mesh
     mesh.stop()
@@ -71,4 +74,19 @@ def test_early_cancels_leave_no_slot_or_block(narrow):
         for p in mesh.workers(role):
             stats = worker_stats(p.address)
             assert stats.running == 0 and stats.waiting == 0 and stats.outstanding_tokens == 0, (p.name, stats)
-    assert len(asyncio.run(one_request(mesh.gateway))) == 8  # the 8 slots are free: a new request is served
+    assert_all_credits_out(mesh, ROLES[mode][-1])
+    assert len(asyncio.run(one_request(mesh.gateway))) == 8  # the slots are free: a new request is served
+
+
+def assert_all_credits_out(mesh, role: str) -> None:
+    """Every slot of the workers that grant credits (the role the gateway sends to) is granted to the gateway
+    again (polled: credits are given back by asynchronous calls)."""
+    deadline = time.monotonic() + 15
+    while True:
+        stats = {p.name: worker_stats(p.address) for p in mesh.workers(role)}
+        if all(s.credits_out == SLOTS for s in stats.values()):
+            return
+        if time.monotonic() > deadline:
+            pytest.fail("slots not granted again: " + ", ".join(
+                f"{name}: {s.credits_out} credits out, {s.credits_lost} given back" for name, s in stats.items()))
+        time.sleep(0.1)

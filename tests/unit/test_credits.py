@@ -20,18 +20,32 @@ def test_free_slots_are_granted_to_the_subscription_holding_fewest_and_used_up_b
     assert ledger.free == 3 - 1 - 1 and ledger.grant() == {"g2"}
 
 
-ops = st.lists(st.tuples(st.sampled_from(["accept", "release", "subscribe", "unsubscribe", "grant"]),
+def test_a_credit_given_back_counts_used_once_whether_its_request_came_before_after_or_never():
+    ledger = CreditLedger(slots=2)
+    ledger.subscribe("g")
+    ledger.grant()
+    assert ledger.accept("g", "r1") and not ledger.give_back("g", "r1")  # it reached the worker: nothing lost
+    assert ledger.give_back("g", "r2") and ledger.lost == 1  # cancelled in flight: its credit counts used
+    assert ledger.unused("g") == 0 and ledger.grant() == {"g"}  # and its slot is granted again
+    assert not ledger.give_back("g", "r2")  # once
+    assert ledger.accept("g", "r2") and ledger.unused("g") == 1  # arriving late, it uses no second credit
+    assert not ledger.give_back("g-gone", "r3")  # a subscription that ended holds nothing to give back
+
+
+ops = st.lists(st.tuples(st.sampled_from(["accept", "release", "subscribe", "unsubscribe", "grant", "lose"]),
                          st.sampled_from(["a", "b", "c", ""])), max_size=60)
 
 
 @settings(max_examples=200)
 @given(st.integers(1, 6), ops)
-def test_credited_work_never_exceeds_the_slots(slots, steps):
+def test_credited_work_never_exceeds_the_slots_and_lost_credits_come_back(slots, steps):
     ledger, live = CreditLedger(slots), 0
-    for op, sub in steps:
+    for i, (op, sub) in enumerate(steps):
         if op == "accept" and sub and ledger.unused(sub) > 0:  # a gateway sends only against a credit it holds
-            assert ledger.accept(sub)
+            assert ledger.accept(sub, f"r{i}")
             live += 1
+        elif op == "lose" and sub and ledger.unused(sub) > 0:  # sent, cancelled in flight, given back
+            assert ledger.give_back(sub, f"r{i}")
         elif op == "release" and live:
             ledger.release()
             live -= 1
@@ -43,3 +57,7 @@ def test_credited_work_never_exceeds_the_slots(slots, steps):
             ledger.grant()
         outstanding = sum(ledger.unused(s) for s in ledger.granted)
         assert live + outstanding <= slots and ledger.max_live <= slots
+    for _ in range(live):
+        ledger.release()
+    ledger.grant()
+    assert not ledger.granted or sum(ledger.unused(s) for s in ledger.granted) == slots  # no slot lost for good

@@ -160,6 +160,20 @@ class TokenizeResponse(_message.Message):
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class GiveBackCreditRequest(_message.Message):
+    __slots__ = ("subscriber", "request_id")
+    SUBSCRIBER_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    subscriber: str
+    request_id: str
+    def __init__(self, subscriber: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class GiveBackCreditReply(_message.Message):
+    __slots__ = ("lost",)
+    LOST_FIELD_NUMBER: _ClassVar[int]
+    lost: bool
+    def __init__(self, lost: _Optional[bool] = ...) -> None: ...
+
 class CreditsRequest(_message.Message):
     __slots__ = ("subscriber",)
     SUBSCRIBER_FIELD_NUMBER: _ClassVar[int]
@@ -227,7 +241,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "role", "blocks_used", "blocks_cached", "blocks_free", "blocks_total", "running", "waiting", "outstanding_tokens", "aborted", "lora_loads", "lora_load_s", "lora_slot_loads", "lora_hits", "lora_misses", "slot_preemptions", "uncredited", "max_live", "credit_subscribers")
+    __slots__ = ("worker_id", "role", "blocks_used", "blocks_cached", "blocks_free", "blocks_total", "running", "waiting", "outstanding_tokens", "aborted", "lora_loads", "lora_load_s", "lora_slot_loads", "lora_hits", "lora_misses", "slot_preemptions", "uncredited", "max_live", "credit_subscribers", "credits_out", "credits_lost")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
@@ -247,6 +261,8 @@ class WorkerStats(_message.Message):
     UNCREDITED_FIELD_NUMBER: _ClassVar[int]
     MAX_LIVE_FIELD_NUMBER: _ClassVar[int]
     CREDIT_SUBSCRIBERS_FIELD_NUMBER: _ClassVar[int]
+    CREDITS_OUT_FIELD_NUMBER: _ClassVar[int]
+    CREDITS_LOST_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     blocks_used: int
@@ -266,7 +282,9 @@ class WorkerStats(_message.Message):
     uncredited: int
     max_live: int
     credit_subscribers: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., blocks_used: _Optional[int] = ..., blocks_cached: _Optional[int] = ..., blocks_free: _Optional[int] = ..., blocks_total: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., aborted: _Optional[int] = ..., lora_loads: _Optional[int] = ..., lora_load_s: _Optional[float] = ..., lora_slot_loads: _Optional[int] = ..., lora_hits: _Optional[int] = ..., lora_misses: _Optional[int] = ..., slot_preemptions: _Optional[int] = ..., uncredited: _Optional[int] = ..., max_live: _Optional[int] = ..., credit_subscribers: _Optional[int] = ...) -> None: ...
+    credits_out: int
+    credits_lost: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., blocks_used: _Optional[int] = ..., blocks_cached: _Optional[int] = ..., blocks_free: _Optional[int] = ..., blocks_total: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., aborted: _Optional[int] = ..., lora_loads: _Optional[int] = ..., lora_load_s: _Optional[float] = ..., lora_slot_loads: _Optional[int] = ..., lora_hits: _Optional[int] = ..., lora_misses: _Optional[int] = ..., slot_preemptions: _Optional[int] = ..., uncredited: _Optional[int] = ..., max_live: _Optional[int] = ..., credit_subscribers: _Optional[int] = ..., credits_out: _Optional[int] = ..., credits_lost: _Optional[int] = ...) -> None: ...
 
 class WorkerId(_message.Message):
     __slots__ = ("worker_id",)

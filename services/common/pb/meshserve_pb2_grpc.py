@@ -372,6 +372,11 @@ class WorkerStub:
                 request_serializer=meshserve__pb2.CreditsRequest.SerializeToString,
                 response_deserializer=meshserve__pb2.CreditGrant.FromString,
                 _registered_method=True)
+        self.GiveBackCredit = channel.unary_unary(
+                '/meshserve.v1.Worker/GiveBackCredit',
+                request_serializer=meshserve__pb2.GiveBackCreditRequest.SerializeToString,
+                response_deserializer=meshserve__pb2.GiveBackCreditReply.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -432,6 +437,14 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GiveBackCredit(self, request, context):
+        """A gateway's request that named a credit ended early, maybe before it reached this worker: unless it used
+        the credit here, the credit counts used now (so that its slot is granted again).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -474,6 +487,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Credits,
                     request_deserializer=meshserve__pb2.CreditsRequest.FromString,
                     response_serializer=meshserve__pb2.CreditGrant.SerializeToString,
+            ),
+            'GiveBackCredit': grpc.unary_unary_rpc_method_handler(
+                    servicer.GiveBackCredit,
+                    request_deserializer=meshserve__pb2.GiveBackCreditRequest.FromString,
+                    response_serializer=meshserve__pb2.GiveBackCreditReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -694,6 +712,33 @@ class Worker:
             '/meshserve.v1.Worker/Credits',
             meshserve__pb2.CreditsRequest.SerializeToString,
             meshserve__pb2.CreditGrant.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GiveBackCredit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshserve.v1.Worker/GiveBackCredit',
+            meshserve__pb2.GiveBackCreditRequest.SerializeToString,
+            meshserve__pb2.GiveBackCreditReply.FromString,
             options,
             channel_credentials,
             insecure,
