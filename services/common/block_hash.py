@@ -72,3 +72,9 @@ def hash_packed(packed: bytes, block_size: int, extra: bytes = b"", parent: byte
         parent = h.digest()
         out.append(parent)
     return out
+
+
+def prompt_hashes(packed: bytes, block_size: int, adapter: str = "", salt: str = "") -> list[bytes]:
+    """The block hashes a prompt (packed by pack_tokens) is routed by: every full block of all but its last token
+    (that one is always computed, its logits are needed, as in the engine)."""
+    return hash_packed(packed[:-4], block_size, extra_keys(adapter, salt))

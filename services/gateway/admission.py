@@ -36,6 +36,7 @@ class MeshView:
     slots: int = 0  # batch slots of the serving workers (0 = unknown: admit one at a time)
     kv_tokens: int = 0  # their KV token capacity
     outstanding_tokens: int = 0  # what they report as outstanding
+    block_size: int = 0  # of the workers that compute prompts, when they all agree (0: none or mixed)
 
 
 class GatewayMetrics:
@@ -80,8 +81,9 @@ class Admission:
     def update_view(self, workers: list, role: str) -> None:
         """From the router's ListWorkers: capacity and step costs of the workers of `role`."""
         serving = [w for w in workers if w.role == role]
+        sizes = {w.block_size for w in workers if w.role in ("prefill", "unified")}
         self.view = MeshView(sum(w.max_num_seqs for w in serving), sum(w.kv_capacity_tokens for w in serving),
-                             sum(w.outstanding_tokens for w in serving))
+                             sum(w.outstanding_tokens for w in serving), sizes.pop() if len(sizes) == 1 else 0)
         self.queue.slots = max(self.view.slots, 1)
         # Each cost from the role that measures it (decode workers never prefill a prompt: in disaggregated mode
         # the prefill cost comes from the prefill workers); the model takes medians and clamps them.

@@ -24,7 +24,7 @@ from google.protobuf.message_factory import GetMessageClass
 from opentelemetry import metrics
 
 from services.common import rpc
-from services.common.block_hash import pack_tokens
+from services.common.block_hash import pack_tokens, prompt_hashes
 from services.common.convert import client_request_from_pb, utf8, work_from_spec
 from services.common.errors import DeadlineExceeded, InvalidRequest, MeshError, NotFound, OutOfRange, Unavailable
 from services.common.pb import meshserve_pb2 as pb
@@ -281,9 +281,12 @@ class GatewayServicer(pb_grpc.GenerationServicer):
                           sampling=replace(p, max_tokens=p.max_tokens - done, min_tokens=max(p.min_tokens - done, 0)))
             try:
                 work = work_from_spec(now, uuid.uuid4().hex, self.kvstore)
+                packed, bs = pack_tokens(now.prompt_token_ids), self.admission.view.block_size
+                hashes = prompt_hashes(packed, bs, work.adapter, work.cache_salt) if bs else []
                 decision = await self._route(pb.RouteRequest(
                     request_id=now.request_id, prompt_tokens=len(now.prompt_token_ids), max_tokens=now.sampling.max_tokens,
-                    prompt_u32=pack_tokens(now.prompt_token_ids), adapter=work.adapter, cache_salt=work.cache_salt,
+                    prompt_u32=packed, block_hashes=b"".join(hashes), hash_block_size=bs if hashes else 0,
+                    adapter=work.adapter, cache_salt=work.cache_salt,
                     avoid=sorted(avoid.union(self.admission.avoid()))), _left(spec.deadline_s, "in the admission queue"))
                 if ticket is not None:
                     work.credit_from = self.admission.routed(ticket, decision.decode_worker)

@@ -20,7 +20,7 @@ import grpc
 from opentelemetry import metrics, trace
 
 from services.common import rpc
-from services.common.block_hash import extra_keys, hash_packed, pack_tokens
+from services.common.block_hash import pack_tokens, prompt_hashes
 from services.common.convert import load_from_pb, load_to_pb
 from services.common.errors import InvalidRequest
 from services.common.prefix_index import POOL_MEMBER, worker_of
@@ -115,7 +115,8 @@ class RouterServicer(pb_grpc.RouterServicer):
         policy, workers = self.policies[role], self.registry.live(
             Need(role, block_size, request.adapter, frozenset(request.avoid)))
         hashes, ctx = [], None
-        if policy.uses_prefix and role in PREFIX_ROLES and (request.prompt_u32 or request.prompt_token_ids):
+        if policy.uses_prefix and role in PREFIX_ROLES and (request.prompt_u32 or request.prompt_token_ids
+                                                            or request.block_hashes):
             hashes, ctx = await self._prefix_context(workers, request)
         if request.adapter:  # the LoRA affinity scorer reads the adapter and where placement homed it
             homes = self.placement.home(role, request.adapter) if self.placement is not None else frozenset()
@@ -131,12 +132,17 @@ class RouterServicer(pb_grpc.RouterServicer):
         return worker, why, cached
 
     async def _prefix_context(self, workers, request) -> tuple[list, RouteContext]:
-        packed = request.prompt_u32 or pack_tokens(request.prompt_token_ids)
-        if len(packed) % 4:
-            raise InvalidRequest("prompt_u32 must hold whole uint32 token ids")
         bs = workers[0].block_size
-        # The last prompt token is always computed (its logits are needed), as in the engine.
-        hashes = hash_packed(packed[:-4], bs, extra_keys(request.adapter, request.cache_salt))
+        if request.block_hashes and request.hash_block_size == bs:  # hashed once, by the gateway
+            blob = request.block_hashes
+            if len(blob) % 16:
+                raise InvalidRequest("block_hashes must hold whole 16-byte hashes")
+            hashes = [blob[i:i + 16] for i in range(0, len(blob), 16)]
+        else:
+            packed = request.prompt_u32 or pack_tokens(request.prompt_token_ids)
+            if len(packed) % 4:
+                raise InvalidRequest("prompt_u32 must hold whole uint32 token ids")
+            hashes = prompt_hashes(packed, bs, request.adapter, request.cache_salt)
         found = self.index.longest_prefix(hashes) if self.index is not None else {}
         recent = self.recent.longest(hashes)
         pools: dict[str, int] = {}  # host -> the prefix its kvstore pool holds

@@ -4,6 +4,7 @@ import asyncio
 import re
 import functools
 
+import grpc
 import pytest
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
@@ -81,6 +82,42 @@ def test_prefix_aware_routes_to_the_worker_holding_the_prompt(server):
         assert points["meshserve.router.prefix_hit_tokens"][0].sum == 8 * BS + 2 * BS  # w1 then w0 (2 blocks)
         outstanding = {p.attributes["worker_id"]: p.value for p in points["meshserve.router.worker_outstanding_tokens"]}
         assert outstanding["w1"] == 15_000
+        await client.aclose()
+    asyncio.run(go())
+
+
+class AbortingContext:
+    """Stands in for a servicer context: abort() records the status and raises, as grpc.aio's does."""
+
+    async def abort(self, code, details):
+        self.code, self.details = code, details
+        raise RuntimeError(details)
+
+
+def test_block_hashes_from_the_gateway_route_as_the_prompt_would_and_a_mismatch_falls_back(server):
+    """The gateway hashes a prompt once and sends the hashes: the router uses them when they were hashed with its
+    workers' block size, and hashes the prompt itself otherwise."""
+    from services.common.block_hash import pack_tokens, prompt_hashes
+
+    async def go():
+        client = connect(server.url)
+        router, _, _ = make_router(server.url, recent_ttl=0.0)
+        for w, n in (("w0", 2), ("w1", 8)):
+            await beat(router, w, await publish(client, w, n), outstanding=100)
+        packed = pack_tokens(PROMPT)
+        hashed = b"".join(prompt_hashes(packed, BS))
+        by_hashes = await router.Route(pb.RouteRequest(prompt_tokens=len(PROMPT), max_tokens=8, block_hashes=hashed,
+                                                       hash_block_size=BS), None)
+        assert (by_hashes.decode_worker, by_hashes.cached_prefix_tokens) == ("addr-w1", 8 * BS)
+        wrong_size = b"".join(prompt_hashes(packed, 2 * BS))
+        fallback = await router.Route(pb.RouteRequest(prompt_tokens=len(PROMPT), max_tokens=8, prompt_u32=packed,
+                                                      block_hashes=wrong_size, hash_block_size=2 * BS), None)
+        assert (fallback.decode_worker, fallback.cached_prefix_tokens) == ("addr-w1", 8 * BS)
+        ctx = AbortingContext()
+        with pytest.raises(RuntimeError):
+            await router.Route(pb.RouteRequest(prompt_tokens=len(PROMPT), max_tokens=8, block_hashes=hashed[:-3],
+                                               hash_block_size=BS), ctx)
+        assert ctx.code == grpc.StatusCode.INVALID_ARGUMENT and "16-byte" in ctx.details
         await client.aclose()
     asyncio.run(go())
 

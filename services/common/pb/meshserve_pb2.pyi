@@ -241,7 +241,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "role", "blocks_used", "blocks_cached", "blocks_free", "blocks_total", "running", "waiting", "outstanding_tokens", "aborted", "lora_loads", "lora_load_s", "lora_slot_loads", "lora_hits", "lora_misses", "slot_preemptions", "uncredited", "max_live", "credit_subscribers", "credits_out", "credits_lost")
+    __slots__ = ("worker_id", "role", "blocks_used", "blocks_cached", "blocks_free", "blocks_total", "running", "waiting", "outstanding_tokens", "aborted", "lora_loads", "lora_load_s", "lora_slot_loads", "lora_hits", "lora_misses", "slot_preemptions", "uncredited", "max_live", "credit_subscribers", "credits_out", "credits_lost", "busy_s", "started", "queue_wait_s")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
@@ -263,6 +263,9 @@ class WorkerStats(_message.Message):
     CREDIT_SUBSCRIBERS_FIELD_NUMBER: _ClassVar[int]
     CREDITS_OUT_FIELD_NUMBER: _ClassVar[int]
     CREDITS_LOST_FIELD_NUMBER: _ClassVar[int]
+    BUSY_S_FIELD_NUMBER: _ClassVar[int]
+    STARTED_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     blocks_used: int
@@ -284,7 +287,10 @@ class WorkerStats(_message.Message):
     credit_subscribers: int
     credits_out: int
     credits_lost: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., blocks_used: _Optional[int] = ..., blocks_cached: _Optional[int] = ..., blocks_free: _Optional[int] = ..., blocks_total: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., aborted: _Optional[int] = ..., lora_loads: _Optional[int] = ..., lora_load_s: _Optional[float] = ..., lora_slot_loads: _Optional[int] = ..., lora_hits: _Optional[int] = ..., lora_misses: _Optional[int] = ..., slot_preemptions: _Optional[int] = ..., uncredited: _Optional[int] = ..., max_live: _Optional[int] = ..., credit_subscribers: _Optional[int] = ..., credits_out: _Optional[int] = ..., credits_lost: _Optional[int] = ...) -> None: ...
+    busy_s: float
+    started: int
+    queue_wait_s: float
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., blocks_used: _Optional[int] = ..., blocks_cached: _Optional[int] = ..., blocks_free: _Optional[int] = ..., blocks_total: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., aborted: _Optional[int] = ..., lora_loads: _Optional[int] = ..., lora_load_s: _Optional[float] = ..., lora_slot_loads: _Optional[int] = ..., lora_hits: _Optional[int] = ..., lora_misses: _Optional[int] = ..., slot_preemptions: _Optional[int] = ..., uncredited: _Optional[int] = ..., max_live: _Optional[int] = ..., credit_subscribers: _Optional[int] = ..., credits_out: _Optional[int] = ..., credits_lost: _Optional[int] = ..., busy_s: _Optional[float] = ..., started: _Optional[int] = ..., queue_wait_s: _Optional[float] = ...) -> None: ...
 
 class WorkerId(_message.Message):
     __slots__ = ("worker_id",)
@@ -351,7 +357,7 @@ class HeartbeatReply(_message.Message):
     def __init__(self, interval_ms: _Optional[int] = ...) -> None: ...
 
 class RouteRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_tokens", "max_tokens", "mode", "prompt_token_ids", "adapter", "cache_salt", "prompt_u32", "avoid")
+    __slots__ = ("request_id", "prompt_tokens", "max_tokens", "mode", "prompt_token_ids", "adapter", "cache_salt", "prompt_u32", "avoid", "block_hashes", "hash_block_size")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -361,6 +367,8 @@ class RouteRequest(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_U32_FIELD_NUMBER: _ClassVar[int]
     AVOID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    HASH_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_tokens: int
     max_tokens: int
@@ -370,7 +378,9 @@ class RouteRequest(_message.Message):
     cache_salt: str
     prompt_u32: bytes
     avoid: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., mode: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., adapter: _Optional[str] = ..., cache_salt: _Optional[str] = ..., prompt_u32: _Optional[bytes] = ..., avoid: _Optional[_Iterable[str]] = ...) -> None: ...
+    block_hashes: bytes
+    hash_block_size: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., mode: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., adapter: _Optional[str] = ..., cache_salt: _Optional[str] = ..., prompt_u32: _Optional[bytes] = ..., avoid: _Optional[_Iterable[str]] = ..., block_hashes: _Optional[bytes] = ..., hash_block_size: _Optional[int] = ...) -> None: ...
 
 class RouteDecision(_message.Message):
     __slots__ = ("prefill_worker", "decode_worker", "mode", "reason", "decision_ms", "cached_prefix_tokens")
