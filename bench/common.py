@@ -76,7 +76,7 @@ def write_result(result: dict, out: str | None) -> None:
 
 def print_table(result: dict) -> None:
     systems = result["systems"]
-    metrics = sorted({m for s in systems.values() for m in s})
+    metrics = sorted({m for s in systems.values() for m, v in s.items() if not isinstance(v, (list, dict))})
     width = max(len(m) for m in metrics) + 2
     print(f"{result['workload']}".ljust(width) + "".join(f"{name:>22}" for name in systems))
     for m in metrics:

@@ -15,6 +15,7 @@ class Timing:
     token_ids: list = field(default_factory=list)
     prompt_tokens: int = 0  # as the server reports
     cached_tokens: int = 0  # prompt tokens served from its prefix cache
+    error: str = ""  # the status it failed with ("" = none)
 
     def on_tokens(self, now: float, ids) -> None:
         if ids and self.first_s is None:
@@ -48,6 +49,7 @@ def summarize(timings: list[Timing], wall_s: float) -> dict:
             "tpot_ms_p50": r(percentile(tpot, 0.5)), "tpot_ms_p99": r(percentile(tpot, 0.99)),
             "e2e_ms_p50": r(percentile(e2e, 0.5)), "e2e_ms_p99": r(percentile(e2e, 0.99)),
             "output_tokens_per_s": round(sum(t.tokens for t in timings) / wall_s, 1), "requests": len(timings),
+            "failed_requests": sum(bool(t.error) for t in timings),
             "wall_s": round(wall_s, 2)}
 
 

@@ -9,15 +9,15 @@ import time
 
 import grpc
 
-from bench.common import log
-from bench.latency import Timing, poisson_arrivals
+from bench.latency import Timing
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.up import request_from_line
 
 
 async def drive(gateway: str, reqs: list, arrivals: list | None, timeout_s: float = 900) -> list[Timing]:
-    """Stream every request at its arrival time (None: one at a time); one Timing per request, in order."""
+    """Stream every request at its arrival time (None: one at a time); one Timing per request, in order (a
+    request that fails has its status in Timing.error)."""
     async with grpc.aio.insecure_channel(gateway) as ch:
         stub = pb_grpc.GenerationStub(ch)
         t0 = time.perf_counter()
@@ -25,9 +25,12 @@ async def drive(gateway: str, reqs: list, arrivals: list | None, timeout_s: floa
         async def one(r, at):
             await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
             timing = Timing(arrival_s=time.perf_counter())
-            async for resp in stub.Generate(request_from_line(r), timeout=timeout_s):
-                timing.on_tokens(time.perf_counter(), list(resp.token_ids))
-                timing.prompt_tokens, timing.cached_tokens = resp.prompt_tokens, resp.cached_prompt_tokens
+            try:
+                async for resp in stub.Generate(request_from_line(r), timeout=timeout_s):
+                    timing.on_tokens(time.perf_counter(), list(resp.token_ids))
+                    timing.prompt_tokens, timing.cached_tokens = resp.prompt_tokens, resp.cached_prompt_tokens
+            except grpc.aio.AioRpcError as e:  # counted (failed_requests), not fatal: a rejection is a result
+                timing.error = e.code().name
             return timing
 
         if arrivals is None:
@@ -87,27 +90,3 @@ def warm(mesh) -> None:
     reqs = [{"id": f"warm-{i}", "prompt_token_ids": [5 + i] * 24, "max_tokens": 4, "temperature": 0.0,
              "ignore_eos": True} for i in range(8)]
     run_online(mesh.gateway, reqs, [0.0] * len(reqs))
-
-
-def compare_policies(make_mesh, reqs: list, n_sat: int, load: float, policies, seed: int) -> tuple[dict, dict]:
-    """Saturation first (the first n_sat requests at once, least-outstanding), then each routing policy on a
-    fresh mesh (cold caches) with the same Poisson arrivals at load x saturation.
-
-    Returns ({policy: (timings, wall_s, LoadSampler)}, {"saturation_req_per_s", "offered_req_per_s"})."""
-    with make_mesh("least-outstanding") as m:
-        log(f"saturation: the first {n_sat} requests at once, least-outstanding")
-        warm(m)
-        _, wall = run_online(m.gateway, reqs[:n_sat], [0.0] * n_sat)
-    sat = n_sat / wall
-    rate = load * sat
-    arrivals = poisson_arrivals(len(reqs), rate, seed)
-    log(f"saturation {sat:.2f} req/s; offered {rate:.2f} req/s")
-    runs = {}
-    for policy in policies:
-        with make_mesh(policy) as m:
-            warm(m)
-            log(f"{policy}: {len(reqs)} requests")
-            with LoadSampler([p.address for p in m.workers("unified")]) as sampler:
-                timings, wall = run_online(m.gateway, reqs, arrivals)
-        runs[policy] = (timings, wall, sampler)
-    return runs, {"saturation_req_per_s": round(sat, 3), "offered_req_per_s": round(rate, 3)}

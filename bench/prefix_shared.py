@@ -4,13 +4,14 @@
 system prompt + 32-128 unique tokens, output 32-64 tokens (greedy, EOS ignored). 4 unified
 workers, bench preset, one torch thread each; each worker's KV pool holds about 2 of the 8
 system prompts (2 x their mean length, plus one request's own tail), so no worker can keep them
-all. Saturation is measured first with least-outstanding (a burst of the first 100 requests at
-once); then each policy, on a fresh mesh (cold caches), gets the same Poisson arrivals at 70% of
-it. "+pool": the workers also take a prompt's blocks from the kvstore's content-addressed pool when it holds
-more of them than they cache, and push the blocks they compute there (the prefix-aware router counts a
-pool-resident prefix as a cheaper-than-compute hit). Per policy: prefill tokens actually computed, prefix hit rate (cached ÷ prompt tokens), TTFT,
-output tokens/s, and load imbalance (max/mean of the workers' outstanding tokens, sampled every
-100 ms while the mean is > 0).
+all. A ramp on least-outstanding finds the sustainable rate (bench/sweep.py); then each policy, on a
+fresh mesh (cold caches), gets the same Poisson arrivals at each load of --loads. "+pool" (only
+with --policies): the workers also take a prompt's blocks from the kvstore's content-addressed pool
+when it holds more of them than they cache, and push the blocks they compute there (the prefix-aware
+router counts a pool-resident prefix as a cheaper-than-compute hit). Per policy and load: prefill
+tokens actually computed, prefix hit rate (cached / prompt tokens), TTFT, e2e, output tokens/s, the
+busiest worker's busy time over the mean, per-worker queueing delay, and the old imbalance (max/mean
+of the workers' outstanding tokens, sampled every 100 ms while the mean is > 0).
 """
 
 from __future__ import annotations
@@ -19,20 +20,22 @@ import math
 import random
 from pathlib import Path
 
+from bench import sweep
 from bench.common import default_model, log, machine, print_table, write_result
-from bench.latency import summarize
-from bench.online import compare_policies
+from bench.plot import plot_path, plot_sweep
 from services.launcher import Mesh, MeshSpec
 
 POLICIES = ("round-robin", "least-outstanding", "prefix-aware", "round-robin+pool", "prefix-aware+pool")
+DEFAULT_POLICIES = POLICIES[:3]
 POOL = "+pool"  # the workers take prompts' blocks from the kvstore's pool and push theirs there
 BLOCK = 16
+RAMP_POOL = 600  # requests the ramp draws from (every one's system prompt is one of the 8 all the same)
 
 
 def add_flags(p) -> None:
     g = p.add_argument_group("prefix-shared")
-    g.add_argument("--prefix-load", type=float, default=0.7, help="arrival rate as a fraction of saturation")
-    g.add_argument("--policies", default="", help=f"comma-separated subset of {', '.join(POLICIES)} (default: all)")
+    g.add_argument("--policies", default="", help=f"comma-separated subset of {', '.join(POLICIES)} (default: "
+                                                  f"{', '.join(DEFAULT_POLICIES)})")
 
 
 def workload(n: int, seed: int, vocab: int = 32000) -> tuple[list, list]:
@@ -50,8 +53,8 @@ def workload(n: int, seed: int, vocab: int = 32000) -> tuple[list, list]:
 
 def run(args) -> int:
     model_dir = Path(args.model) if args.model else default_model("bench")
-    n, n_sat = (80, 32) if args.quick else (400, 100)
-    systems, reqs = workload(n, args.seed)
+    loads, seconds = sweep.loads_of(args), sweep.load_seconds(args)
+    systems, _ = workload(RAMP_POOL, args.seed)
     mean_sys = sum(map(len, systems)) / len(systems)
     num_blocks = math.ceil((2 * mean_sys + 128 + 64) / BLOCK)
     engine = ["--num-blocks", str(num_blocks), "--block-size", str(BLOCK), "--max-num-batched-tokens", "512"]
@@ -62,29 +65,33 @@ def run(args) -> int:
         return Mesh(MeshSpec(str(model_dir), mode="unified", unified=4, engine_args=engine,
                              policy=policy.removesuffix(POOL), kv_pool=policy.endswith(POOL)))
 
-    policies = [p for p in POLICIES if not args.policies or p in args.policies.split(",")]
-    runs, rates = compare_policies(mesh, reqs, n_sat, args.prefix_load, policies, args.seed)
+    wanted = args.policies.split(",") if args.policies else DEFAULT_POLICIES
+    policies = [p for p in POLICIES if p in wanted]
+    with mesh("least-outstanding") as m:
+        _, ramp_reqs = workload(RAMP_POOL, args.seed + 1)
+        rate, ramp = sweep.find_sustainable(m, ramp_reqs, args.seed, args.quick)
+    log(f"sustainable: {rate:.2f} req/s")
+    runs = sweep.sweep(mesh, lambda n: workload(n, args.seed)[1], policies, loads, rate, seconds, args.seed)
     systems_out = {}
-    for policy, (timings, wall, sampler) in runs.items():
-        prompt = sum(t.prompt_tokens for t in timings)
-        cached = sum(t.cached_tokens for t in timings)
-        systems_out[policy] = {"prefill_tokens_computed": prompt - cached,
-                               "prefix_hit_rate": round(cached / prompt, 4), **summarize(timings, wall),
-                               "imbalance_max_over_mean": sampler.imbalance(),
-                               "imbalance_busy_max_over_mean": sampler.imbalance(busy=True)}
-        log(f"{policy}: {systems_out[policy]}")
+    for policy, points in runs.items():
+        for point in points:
+            prompt, cached = point["prompt_tokens"], point["cached_prompt_tokens"]
+            point["prefill_tokens_computed"] = prompt - cached
+            point["prefix_hit_rate"] = round(cached / prompt, 4) if prompt else None
+        systems_out[policy] = sweep.system_of(points)
     ratios = {}
-    rr = systems_out.get("round-robin")
-    for name, system in systems_out.items():
-        if rr is not None and name != "round-robin" and name != "least-outstanding":
-            ratios[f"{name}/round-robin:prefill_tokens_computed"] = round(
-                system["prefill_tokens_computed"] / rr["prefill_tokens_computed"], 3)
-            ratios[f"{name}/round-robin:ttft_ms_p50"] = round(system["ttft_ms_p50"] / rr["ttft_ms_p50"], 3)
+    if "round-robin" in systems_out:
+        for name in systems_out:
+            if name not in ("round-robin", "least-outstanding"):
+                ratios.update(sweep.ratios_by_load(systems_out, name, "round-robin",
+                                                   ("prefill_tokens_computed", "ttft_ms_p50")))
     result = {"workload": "prefix-shared", "command": args.command_line, "machine": machine(),
-              "config": {"requests": n, "saturation_requests": n_sat, "load": args.prefix_load, **rates,
-                         "workers": 4, "threads_per_worker": 1, "engine_args": engine,
-                         "system_prompt_tokens": [len(x) for x in systems], "model": str(model_dir)},
+              "config": {"loads": loads, "seconds_per_load": seconds, **ramp, "workers": 4, "threads_per_worker": 1,
+                         "engine_args": engine, "system_prompt_tokens": [len(x) for x in systems],
+                         "model": str(model_dir)},
               "systems": systems_out, "ratios": ratios}
     write_result(result, args.out)
+    if plot := plot_path(args):
+        plot_sweep(result, plot)
     print_table(result)
     return 0

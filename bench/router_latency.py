@@ -1,10 +1,14 @@
 """Workload router-latency: the router and Redis alone (no model), prefix-aware policy.
 
 8 workers registered by heartbeat, each publishing (through the workers' IndexPublisher) its own
-random-depth prefixes of 8 prompts of 4,096 tokens (256 blocks of 16) to the Redis index. Then
-Route requests with 4,096-token prompts (one of the 8 prompts, so every lookup walks deep sets),
-one at a time: `decision_ms` is measured inside the router (prompt hashing, the one Redis round
+random-depth prefixes of 8 prompts of 4,096 tokens (256 blocks of 16) to the Redis index (about 8k
+block entries). Then Route requests with 4,096-token prompts (one of the 8 prompts, so every lookup
+walks deep sets), one at a time, as the gateway sends them: the prompt and its block hashes (the
+gateway hashes each prompt once). `decision_ms` is measured inside the router (the one Redis round
 trip, scoring, commit) and returned in RouteDecision; the client-side RPC time is reported beside it.
+System `router`: that index; `router-index-100k`: the same after the workers publish other blocks
+until the index holds --index-entries block entries (other prompts' chains, as a busy fleet's);
+`router-hashing`: the 8k index, the prompt alone (a client that sends no hashes: the router hashes).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import grpc
 
 from bench.common import log, machine, print_table, write_result
 from bench.latency import percentile
-from services.common.block_hash import extra_keys, hash_blocks, pack_tokens
+from services.common.block_hash import extra_keys, hash_blocks, pack_tokens, prompt_hashes
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.common.prefix_index import IndexPublisher, connect
@@ -29,7 +33,9 @@ WORKERS, PROMPTS, PROMPT_TOKENS, BLOCK = 8, 8, 4096, 16
 
 
 def add_flags(p) -> None:
-    pass
+    g = p.add_argument_group("router-latency")
+    g.add_argument("--index-entries", type=int, default=100_000,
+                   help="block entries in the index for the second measurement")
 
 
 def run(args) -> int:
@@ -46,12 +52,11 @@ def run(args) -> int:
             if time.monotonic() > deadline:
                 raise TimeoutError("router not healthy")
             time.sleep(0.1)
-        figures = asyncio.run(_measure(url, f"127.0.0.1:{router_port}", n, args.seed))
+        systems = asyncio.run(_measure(url, f"127.0.0.1:{router_port}", n, args.seed, args.index_entries))
     finally:
         for p in procs:
             signal_group(p, 15)
             p.wait()
-    systems = {"router": figures}
     result = {"workload": "router-latency", "command": args.command_line, "machine": machine(),
               "config": {"routes": n, "workers": WORKERS, "prompts": PROMPTS, "prompt_tokens": PROMPT_TOKENS,
                          "block_size": BLOCK, "policy": "prefix-aware"},
@@ -61,7 +66,7 @@ def run(args) -> int:
     return 0
 
 
-async def _measure(url: str, router: str, n: int, seed: int) -> dict:
+async def _measure(url: str, router: str, n: int, seed: int, entries: int) -> dict:
     rng = random.Random(seed)
     prompts = [[rng.randrange(3, 32000) for _ in range(PROMPT_TOKENS)] for _ in range(PROMPTS)]
     hashes = [hash_blocks(p, BLOCK, extra_keys()) for p in prompts]
@@ -93,17 +98,40 @@ async def _measure(url: str, router: str, n: int, seed: int) -> dict:
 
         beat = asyncio.create_task(beats())
         await asyncio.sleep(0.5)
-        inside, outside, hit = [], [], []
-        for i in range(n + 50):
-            t = time.perf_counter()
-            d = await stub.Route(pb.RouteRequest(request_id=f"r{i}", prompt_tokens=PROMPT_TOKENS, max_tokens=64,
-                                                 prompt_u32=packed[i % PROMPTS], mode="unified"))
-            if i >= 50:  # warm-up excluded
-                outside.append((time.perf_counter() - t) * 1e3)
-                inside.append(d.decision_ms)
-                hit.append(d.cached_prefix_tokens)
+        hashed = [b"".join(prompt_hashes(p, BLOCK)) for p in packed]  # as the gateway sends them
+        systems = {"router": {**await _routes(stub, packed, hashed, n), "index_entries": blocks}}
+        log(f"router: {systems['router']}")
+        systems["router-hashing"] = {**await _routes(stub, packed, None, n), "index_entries": blocks}
+        log(f"router-hashing: {systems['router-hashing']}")
+        filler = random.Random(seed + 1)
+        while blocks < entries:  # other chains, spread over the workers
+            pub, snapshot = publishers[blocks % WORKERS]
+            chain = [filler.randbytes(16) for _ in range(min(256, entries - blocks))]
+            pub.add([("stored", h) for h in chain])
+            assert await pub.flush(snapshot)
+            blocks += len(chain)
+        systems["router-index-100k"] = {**await _routes(stub, packed, hashed, n), "index_entries": blocks}
+        log(f"router-index-100k: {systems['router-index-100k']}")
         beat.cancel()
     await client.aclose()
+    return systems
+
+
+async def _routes(stub, packed: list, hashed: list | None, n: int) -> dict:
+    """n Route calls (after 50 unmeasured), cycling over the prompts; with their block hashes unless hashed is
+    None."""
+    inside, outside, hit = [], [], []
+    for i in range(n + 50):
+        t = time.perf_counter()
+        k = i % PROMPTS
+        d = await stub.Route(pb.RouteRequest(request_id=f"r{i}", prompt_tokens=PROMPT_TOKENS, max_tokens=64,
+                                             prompt_u32=packed[k], mode="unified",
+                                             block_hashes=hashed[k] if hashed else b"",
+                                             hash_block_size=BLOCK if hashed else 0))
+        if i >= 50:  # warm-up excluded
+            outside.append((time.perf_counter() - t) * 1e3)
+            inside.append(d.decision_ms)
+            hit.append(d.cached_prefix_tokens)
     r = lambda x: round(x, 3)  # noqa: E731
     return {"decision_ms_p50": r(percentile(inside, 0.5)), "decision_ms_p99": r(percentile(inside, 0.99)),
             "rpc_ms_p50": r(percentile(outside, 0.5)), "rpc_ms_p99": r(percentile(outside, 0.99)),

@@ -7,7 +7,7 @@ import shlex
 import sys
 
 from bench import (burst_autoscale, engine_mixed, lora_zipf, mesh_mixed, prefix_shared, router_latency, sampler,
-                   skewed_costs, soak, tenants_overload)
+                   skewed_costs, soak, sweep, tenants_overload)
 
 WORKLOADS = {"engine-mixed": engine_mixed, "mesh-mixed": mesh_mixed, "prefix-shared": prefix_shared,
              "skewed-costs": skewed_costs, "router-latency": router_latency, "tenants-overload": tenants_overload,
@@ -25,6 +25,7 @@ def add_bench_parser(sub, func) -> None:
     p.add_argument("--seed", type=int, default=0)
     for module in WORKLOADS.values():
         module.add_flags(p)
+    sweep.add_flags(p)
     p.set_defaults(func=func)
 
 

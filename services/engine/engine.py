@@ -80,6 +80,8 @@ class EngineLoad:
     running_adapters: tuple = ()  # adapters of the running batch
     waiting_adapters: tuple = ()  # adapters of waiting requests
     slot_preemptions: int = 0  # running requests that yielded their slot to another's, since start
+    started: int = 0  # requests first scheduled, since start
+    queue_wait_s: float = 0.0  # their waits from arrival to first scheduled, summed
 
     @property
     def kv_usage(self) -> float:
@@ -523,7 +525,8 @@ class LLMEngine:
                           lora=self.lora.snapshot() if self.lora is not None else None,
                           running_adapters=_adapters_of(self.scheduler.running) if self.lora is not None else (),
                           waiting_adapters=_adapters_of(self.scheduler.waiting) if self.lora is not None else (),
-                          slot_preemptions=self.scheduler.slot_preemptions)
+                          slot_preemptions=self.scheduler.slot_preemptions, started=self.scheduler.started,
+                          queue_wait_s=self.scheduler.queue_wait_s)
 
     # ---- LoRA adapters ------------------------------------------------------------------------
 

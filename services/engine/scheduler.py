@@ -76,6 +76,8 @@ class Scheduler:
         self.max_num_seqs, self.budget = max_num_seqs, max_num_batched_tokens
         self.cap = BatchCap(max_num_seqs, deadline_min_batch, step_cost, max_num_batched_tokens)
         self.slot_preemptions = 0  # since start
+        self.started = 0  # requests first scheduled, since start
+        self.queue_wait_s = 0.0  # their waits from arrival to first scheduled, summed
         self.last_cap = max_num_seqs  # the latest step's batch cap
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -174,6 +176,8 @@ class Scheduler:
                 break
             if req.num_preemptions == 0:
                 req.num_cached_prompt = num_cached
+                self.started += 1
+                self.queue_wait_s += max(now - req.arrival_s, 0.0)
                 self.policy.charge(req.tenant, req.weight, input_tokens=req.num_prompt - num_cached)
             req.num_computed, req.status = num_cached, Status.RUNNING
             self.waiting.remove(req)

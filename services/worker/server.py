@@ -366,7 +366,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                               slot_preemptions=load.slot_preemptions, uncredited=self.credits.uncredited,
                               max_live=self.credits.max_live, credit_subscribers=len(self.credit_events),
                               credits_out=sum(self.credits.unused(s) for s in self.credits.granted),
-                              credits_lost=self.credits.lost,
+                              credits_lost=self.credits.lost, busy_s=stats.busy_s, started=load.started,
+                              queue_wait_s=load.queue_wait_s,
                               **lora_stats(load.lora))
 
 

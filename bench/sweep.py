@@ -1,0 +1,302 @@
+"""Load sweeps for the routing workloads (skewed-costs, prefix-shared): a sustainable rate found by a ramp,
+then every policy at fractions of it, on the same arrivals per load, each on a fresh mesh.
+
+The sustainable rate is not a burst's throughput (a burst fills every batch at once and overstates what
+a Poisson stream can sustain, by a machine-dependent amount). The ramp streams Poisson arrivals whose
+rate grows by RAMP_FACTOR every step (no pause between steps, so a backlog carries over), from about
+half a request in flight; a step is sustained while its requests' median TTFT stays within KNEE x the
+light-load median (the first step's, or the unloaded one measured a request at a time first, whichever
+is higher). The sustainable rate is the last sustained step's. Past it, requests queue
+faster than they are served and TTFT grows without bound; below it, the mesh keeps up.
+
+Balance, per worker, from each worker's Stats before and after the run: its share of the engines'
+busy time (seconds in steps) and its mean queueing delay (arrival at the engine to first scheduled).
+`busy_share_max_over_mean` is the busiest worker's busy time over the mean: 1.0 is perfectly even, at
+any load (the old max/mean of outstanding tokens is high at low load whatever the policy: one request
+alone on four workers gives 4).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import os
+import random
+import signal
+import threading
+import time
+from dataclasses import asdict, dataclass
+
+import grpc
+
+from bench.common import log
+from bench.latency import Timing, percentile, poisson_arrivals, summarize
+from bench.online import LoadSampler, run_online, warm
+from services.common.pb import meshserve_pb2 as pb
+from services.common.pb import meshserve_pb2_grpc as pb_grpc
+from services.up import request_from_line
+
+LOADS = (0.5, 0.7, 0.85, 0.95)
+RAMP_FACTOR = 1.15  # each ramp step's rate over the previous one's
+RAMP_STEP_S = 8.0  # arrivals per ramp step, seconds
+KNEE = 3.0  # a ramp step is sustained while its median TTFT stays within KNEE x the unloaded median
+UNLOADED_REQUESTS = 6  # sent one at a time before the ramp: the unloaded TTFT and e2e
+MAX_RAMP_STEPS = 30
+
+
+def add_flags(p) -> None:
+    g = p.add_argument_group("load sweeps (skewed-costs, prefix-shared)")
+    g.add_argument("--loads", default=",".join(map(str, LOADS)),
+                   help="offered loads, as fractions of the sustainable rate the ramp finds (comma-separated)")
+    g.add_argument("--load-seconds", type=float, default=0.0,
+                   help="seconds of arrivals at each load (default 60; 15 with --quick)")
+    g.add_argument("--plot", default="", help="write the TTFT/e2e p99 vs load plot here (PNG; default: next to "
+                                              "--out, same name)")
+
+
+def loads_of(args) -> list[float]:
+    loads = sorted(float(x) for x in args.loads.split(",") if x.strip())
+    if not loads or any(not 0 < f <= 2 for f in loads):
+        raise SystemExit(f"--loads wants fractions in (0, 2], got {args.loads!r}")
+    return loads
+
+
+def load_seconds(args) -> float:
+    return args.load_seconds or (15.0 if args.quick else 60.0)
+
+
+# ---- the ramp ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RampStep:
+    offered_req_per_s: float
+    requests: int
+    ttft_ms_p50: float | None  # None: not one first token came in time
+    sustained: bool
+
+
+def sustained(ttfts_ms: list, unloaded_ms: float, knee: float = KNEE) -> tuple[bool, float | None]:
+    """(whether a ramp step kept up, its median TTFT); a request with no first token yet (None) counts as slower
+    than any that has one, and a median that is such a request is past the knee."""
+    if not ttfts_ms:
+        return True, None
+    ordered = sorted(ttfts_ms, key=lambda x: math.inf if x is None else x)
+    p50 = ordered[(len(ordered) - 1) // 2]
+    return p50 is not None and p50 <= knee * unloaded_ms, p50
+
+
+def sustainable_rate(steps: list[RampStep]) -> float | None:
+    """The last sustained step's rate (the ramp stops at the first step that is not)."""
+    ok = [s.offered_req_per_s for s in steps if s.sustained]
+    return ok[-1] if ok else None
+
+
+def find_sustainable(mesh, reqs: list, seed: int, quick: bool) -> tuple[float, dict]:
+    """Ramp on a running mesh; returns (sustainable req/s, the ramp's record for the result's config)."""
+    warm(mesh)
+    unloaded, _ = run_online(mesh.gateway, reqs[:UNLOADED_REQUESTS], None)
+    ttft = percentile([(t.first_s - t.arrival_s) * 1e3 for t in unloaded], 0.5)
+    e2e = percentile([t.last_s - t.arrival_s for t in unloaded], 0.5)
+    start = 0.5 / e2e  # about half a request in flight: light load
+    factor, step_s = (1.3, 4.0) if quick else (RAMP_FACTOR, RAMP_STEP_S)
+    log(f"ramp: unloaded TTFT p50 {ttft:.0f} ms, e2e p50 {e2e * 1e3:.0f} ms; from {start:.2f} req/s, x{factor} "
+        f"every {step_s:.0f} s, until the median TTFT passes {KNEE:g}x the light-load one")
+    steps, reference = asyncio.run(_ramp(mesh.gateway, reqs[UNLOADED_REQUESTS:], start, factor, step_s, ttft, seed))
+    rate = sustainable_rate(steps)
+    if rate is None:
+        raise RuntimeError(f"the ramp's first step ({start:.2f} req/s) was already past the knee: {steps}")
+    return rate, {"ramp_steps": [asdict(s) for s in steps], "unloaded_ttft_ms_p50": round(ttft, 2),
+                  "light_load_ttft_ms_p50": round(reference, 2),
+                  "ramp_factor": factor, "ramp_step_s": step_s, "knee": KNEE,
+                  "sustainable_req_per_s": round(rate, 3)}
+
+
+async def _ramp(gateway: str, reqs: list, rate: float, factor: float, step_s: float, unloaded_ms: float,
+                seed: int) -> tuple[list[RampStep], float]:
+    """The ramp's steps, and the light-load median TTFT they were judged against."""
+    rng, pool, steps, tasks = random.Random(seed), itertools.cycle(enumerate(reqs)), [], []
+    reference = unloaded_ms
+    async with grpc.aio.insecure_channel(gateway) as ch:
+        stub = pb_grpc.GenerationStub(ch)
+
+        async def one(r: dict, at: float, timing: Timing) -> None:
+            await asyncio.sleep(max(0.0, at - time.perf_counter()))
+            timing.arrival_s = time.perf_counter()
+            async for resp in stub.Generate(request_from_line(r), timeout=900):
+                timing.on_tokens(time.perf_counter(), list(resp.token_ids))
+
+        try:
+            t = time.perf_counter()
+            for k in range(MAX_RAMP_STEPS):
+                end, timings = t + step_s, []
+                while (t := t + rng.expovariate(rate)) < end:
+                    i, r = next(pool)
+                    timing = Timing(arrival_s=t)
+                    tasks.append(asyncio.ensure_future(one({**r, "id": f"ramp{k}-{i}"}, t, timing)))
+                    timings.append(timing)
+                t = end
+                # Wait for the step's first tokens, no longer than it takes to know the step is past the knee.
+                give_up = end + max(KNEE * reference / 1e3 * 4, 2.0)
+                while any(x.first_s is None for x in timings) and time.perf_counter() < give_up:
+                    await asyncio.sleep(0.02)
+                ttfts = [None if x.first_s is None else (x.first_s - x.arrival_s) * 1e3 for x in timings]
+                ok, p50 = sustained(ttfts, reference)
+                if k == 0 and p50 is not None:  # the light-load median of this very traffic mix is the reference
+                    reference = max(reference, p50)
+                    ok = True
+                steps.append(RampStep(round(rate, 3), len(timings), None if p50 is None else round(p50, 1), ok))
+                log(f"ramp step {k}: {rate:.2f} req/s, {len(timings)} requests, TTFT p50 "
+                    f"{'-' if p50 is None else f'{p50:.0f} ms'}: {'sustained' if ok else 'past the knee'}")
+                if not ok:
+                    break
+                rate *= factor
+                t = max(t, time.perf_counter())
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+    return steps, reference
+
+
+# ---- balance --------------------------------------------------------------------------------------------------
+
+
+def worker_stats(addresses: list[str]) -> list:
+    out = []
+    for a in addresses:
+        with grpc.insecure_channel(a) as ch:
+            out.append(pb_grpc.WorkerStub(ch).Stats(pb.StatsRequest(), timeout=5))
+    return out
+
+
+def balance(before: list, after: list) -> dict:
+    """Per-worker busy-time shares and queueing delays over a run, from Stats taken before and after it."""
+    busy = [a.busy_s - b.busy_s for b, a in zip(before, after)]
+    started = [a.started - b.started for b, a in zip(before, after)]
+    waits = [(a.queue_wait_s - b.queue_wait_s) * 1e3 / n if n else None
+             for b, a, n in zip(before, after, started)]
+    total, known = sum(busy), [w for w in waits if w is not None]
+    r = lambda x: round(x, 3)  # noqa: E731
+    return {"busy_share": [r(x / total) if total else None for x in busy],
+            "busy_share_max_over_mean": r(max(busy) / (total / len(busy))) if total else None,
+            "started_per_worker": started,
+            "queue_wait_ms_per_worker": [None if w is None else round(w, 2) for w in waits],
+            "queue_wait_ms_spread": round(max(known) - min(known), 2) if known else None}
+
+
+# ---- a worker slowed mid-run -----------------------------------------------------------------------------------
+
+
+class Slowdown:
+    """Another tenant's noise on one worker's host: its process group is stopped for `stopped` of every period_s
+    (SIGSTOP/SIGCONT), from start() until the end, so it runs at 1 - stopped of its speed."""
+
+    def __init__(self, popen, stopped: float = 0.5, period_s: float = 0.02):
+        self.popen, self.stopped, self.period_s = popen, stopped, period_s
+        self.stop_flag = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def close(self) -> None:
+        self.stop_flag.set()
+        if self.thread.is_alive():
+            self.thread.join()
+
+    def _run(self) -> None:
+        try:
+            while not self.stop_flag.is_set():
+                os.killpg(self.popen.pid, signal.SIGSTOP)
+                time.sleep(self.period_s * self.stopped)
+                os.killpg(self.popen.pid, signal.SIGCONT)
+                time.sleep(self.period_s * (1 - self.stopped))
+        except ProcessLookupError:
+            pass
+        finally:
+            try:
+                os.killpg(self.popen.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+
+
+# ---- one point of a sweep -------------------------------------------------------------------------------------
+
+
+def run_point(mesh, reqs: list, arrivals: list, slow_at: float | None = None) -> dict:
+    """The requests at their arrival times on a started mesh; latency figures, the old imbalance and the
+    per-worker balance. slow_at: seconds into the arrivals when unified-0 is slowed to half speed (the share of
+    requests it started before and after is reported)."""
+    warm(mesh)
+    workers = mesh.workers("unified")
+    addresses = [p.address for p in workers]
+    before = worker_stats(addresses)
+    slowdown, at_slow = None, {}
+    if slow_at is not None:
+        slowdown = Slowdown(workers[0].popen)
+
+        def slow() -> None:
+            at_slow["stats"] = worker_stats(addresses)
+            slowdown.start()
+        timer = threading.Timer(slow_at, slow)
+        timer.start()
+    try:
+        with LoadSampler(addresses) as sampler:
+            timings, wall = run_online(mesh.gateway, reqs, arrivals)
+    finally:
+        if slowdown is not None:
+            timer.cancel()
+            slowdown.close()
+    after = worker_stats(addresses)
+    figures = {**summarize(timings, wall), "imbalance_max_over_mean": sampler.imbalance(),
+               "imbalance_busy_max_over_mean": sampler.imbalance(busy=True), **balance(before, after),
+               "prompt_tokens": sum(t.prompt_tokens for t in timings),
+               "cached_prompt_tokens": sum(t.cached_tokens for t in timings)}
+    if "stats" in at_slow:
+        mid = at_slow["stats"]
+        figures["slowed_worker_share_before"] = _first_share(before, mid)
+        figures["slowed_worker_share_after"] = _first_share(mid, after)
+    return figures
+
+
+def _first_share(before: list, after: list) -> float | None:
+    """The first worker's share of the requests the workers started between two Stats snapshots."""
+    started = [a.started - b.started for b, a in zip(before, after)]
+    return round(started[0] / sum(started), 3) if sum(started) else None
+
+
+def sweep(make_mesh, workload, policies, loads: list[float], rate: float, seconds: float, seed: int,
+          point=run_point) -> dict:
+    """Every policy at every load: arrivals at load x rate for `seconds`, the same per load for every policy (the
+    first n requests of workload(n)), each on a fresh mesh. Returns {policy: [figures per load]}."""
+    out: dict = {p: [] for p in policies}
+    for k, load in enumerate(loads):
+        offered = load * rate
+        n = max(8, round(offered * seconds))
+        reqs, arrivals = workload(n), poisson_arrivals(n, offered, seed + 1000 * (k + 1))
+        for policy in policies:
+            log(f"load {load:.2f} ({offered:.2f} req/s, {n} requests): {policy}")
+            with make_mesh(policy) as mesh:
+                figures = point(mesh, reqs, arrivals)
+            out[policy].append({"load": load, "offered_req_per_s": round(offered, 3), **figures})
+            log(f"  TTFT p50/p99 {figures['ttft_ms_p50']}/{figures['ttft_ms_p99']} ms, e2e p99 "
+                f"{figures['e2e_ms_p99']} ms, busy max/mean {figures['busy_share_max_over_mean']}")
+    return out
+
+
+def system_of(loads: list[dict]) -> dict:
+    """A system's result: the figures at its heaviest load at the top level (the names every result keeps), and
+    every load's in `loads`."""
+    return {**loads[-1], "loads": loads}
+
+
+def ratios_by_load(systems: dict, num: str, den: str, metrics) -> dict:
+    """{"num/den:metric@load": ratio} for every load both ran."""
+    out = {}
+    for a, b in zip(systems[num]["loads"], systems[den]["loads"]):
+        for m in metrics:
+            if a.get(m) is not None and b.get(m):
+                out[f"{num}/{den}:{m}@{a['load']:g}"] = round(a[m] / b[m], 3)
+    return out
