@@ -3,19 +3,21 @@
 Output lengths are log-normal with median 32 and p99 1,024 (sigma = ln(32)/2.326), capped at
 2,048; prompts uniform 32-512 tokens (greedy, EOS ignored: max_tokens is the true output length,
 as the router sees it). 2 unified workers, bench preset, one torch thread each, of two instance
-sizes: unified-0 with a 0.128 GB KV pool and 32 sequences, unified-1 with half of both (counting
-requests and counting tokens differ: a request's cost spans 30x).
+sizes: unified-0 with a 0.128 GB KV pool and 32 sequences, unified-1 with half of each and half the
+CPU (a quota: stopped for half of every 20 ms, bench/sweep.py Slowdown), so counting requests and
+counting tokens differ (a request's cost spans 30x, and a worker's speed 2x).
 
 A ramp on least-outstanding finds the sustainable rate (bench/sweep.py); then each policy, on a fresh
 mesh, gets the same Poisson arrivals at each load of --loads. The `+slowed` systems run each policy once
-more at --slow-load with unified-0 slowed to half speed halfway through the arrivals (another tenant's
-noise on its host), and report the share of requests it started before and after.
+more at --slow-load with unified-0 too slowed to half speed halfway through the arrivals (another
+tenant's noise on its host), and report the share of requests it started before and after.
 """
 
 from __future__ import annotations
 
 import math
 import random
+from contextlib import contextmanager
 from pathlib import Path
 
 from bench import sweep
@@ -28,6 +30,7 @@ POLICIES = ("round-robin", "least-outstanding")
 SLOWED = "+slowed"
 BIG = ["--kv-cache-gb", "0.128", "--max-num-seqs", "32"]
 SMALL = ["--kv-cache-gb", "0.064", "--max-num-seqs", "16"]
+SMALL_CPU = 0.5  # the small instance's share of a core
 RAMP_POOL = 2000  # distinct requests the ramp draws from (repeating one would hit the prefix cache)
 
 
@@ -52,9 +55,15 @@ def run(args) -> int:
     model_dir = Path(args.model) if args.model else default_model("bench")
     loads, seconds = sweep.loads_of(args), sweep.load_seconds(args)
 
+    @contextmanager
     def mesh(policy):
-        return Mesh(MeshSpec(str(model_dir), mode="unified", unified=2, engine_args=["--max-num-batched-tokens", "512"],
-                             worker_args={"unified-0": BIG, "unified-1": SMALL}, policy=policy))
+        with Mesh(MeshSpec(str(model_dir), mode="unified", unified=2, engine_args=["--max-num-batched-tokens", "512"],
+                           worker_args={"unified-0": BIG, "unified-1": SMALL}, policy=policy)) as m:
+            quota = sweep.Slowdown(m.workers("unified")[1].popen, stopped=1 - SMALL_CPU).start()
+            try:
+                yield m
+            finally:
+                quota.close()
 
     with mesh("least-outstanding") as m:
         rate, ramp = sweep.find_sustainable(m, workload(RAMP_POOL, args.seed + 1), args.seed, args.quick)
@@ -81,6 +90,7 @@ def run(args) -> int:
     result = {"workload": "skewed-costs", "command": args.command_line, "machine": machine(),
               "config": {"loads": loads, "seconds_per_load": seconds, **ramp, "slow_load": args.slow_load,
                          "workers": {"unified-0": BIG, "unified-1": SMALL}, "threads_per_worker": 1,
+                         "cpu_share": {"unified-0": 1.0, "unified-1": SMALL_CPU},
                          "output_tokens_median": percentile(outs, 0.5), "output_tokens_p99": percentile(outs, 0.99),
                          "model": str(model_dir)},
               "systems": systems, "ratios": ratios}

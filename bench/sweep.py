@@ -24,6 +24,8 @@ import math
 import os
 import random
 import signal
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -190,36 +192,48 @@ def balance(before: list, after: list) -> dict:
 
 
 class Slowdown:
-    """Another tenant's noise on one worker's host: its process group is stopped for `stopped` of every period_s
-    (SIGSTOP/SIGCONT), from start() until the end, so it runs at 1 - stopped of its speed."""
+    """Less CPU for one worker, as a CPU quota does (cgroups' cpu.max throttles a group for part of every
+    period): its process group is stopped for `stopped` of every period_s (SIGSTOP/SIGCONT), from start() until
+    close(). A half-size instance type on a machine of equal cores, or another tenant's noise on its host. The
+    stopping runs in its own small process, so the load generator's GIL does not stretch the periods."""
+
+    SCRIPT = """
+import os, signal, sys, time
+pgid, stopped, period = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
+done = []
+signal.signal(signal.SIGTERM, lambda *_: done.append(1))
+try:
+    while not done:
+        os.killpg(pgid, signal.SIGSTOP)
+        time.sleep(period * stopped)
+        os.killpg(pgid, signal.SIGCONT)
+        time.sleep(period * (1 - stopped))
+except ProcessLookupError:
+    pass
+finally:
+    try:
+        os.killpg(pgid, signal.SIGCONT)
+    except ProcessLookupError:
+        pass
+"""
 
     def __init__(self, popen, stopped: float = 0.5, period_s: float = 0.02):
-        self.popen, self.stopped, self.period_s = popen, stopped, period_s
-        self.stop_flag = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.pgid, self.stopped, self.period_s = popen.pid, stopped, period_s
+        self.proc = None
 
-    def start(self) -> None:
-        self.thread.start()
+    def start(self) -> "Slowdown":
+        self.proc = subprocess.Popen([sys.executable, "-c", self.SCRIPT, str(self.pgid), str(self.stopped),
+                                      str(self.period_s)])
+        return self
 
     def close(self) -> None:
-        self.stop_flag.set()
-        if self.thread.is_alive():
-            self.thread.join()
-
-    def _run(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait()
         try:
-            while not self.stop_flag.is_set():
-                os.killpg(self.popen.pid, signal.SIGSTOP)
-                time.sleep(self.period_s * self.stopped)
-                os.killpg(self.popen.pid, signal.SIGCONT)
-                time.sleep(self.period_s * (1 - self.stopped))
+            os.killpg(self.pgid, signal.SIGCONT)  # whatever happened to the helper
         except ProcessLookupError:
             pass
-        finally:
-            try:
-                os.killpg(self.popen.pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
 
 
 # ---- one point of a sweep -------------------------------------------------------------------------------------
