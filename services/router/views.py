@@ -3,8 +3,11 @@
 A worker's load is the utilisation of its tighter resource, whichever is fuller:
 - tokens: outstanding tokens (remaining prefill + expected decode, from the last heartbeat, plus
   what was routed since: the in-flight correction) over the token capacity of its KV pool,
-  scaled by its measured decode throughput relative to the fastest candidate's when every
-  candidate has reported one (so a worker half as fast counts as half as big);
+  scaled by its speed relative to the fastest candidate's when every candidate has reported
+  one (so a worker half as fast counts as half as big). Speed is the inverse of its fitted
+  decode step at a small fixed batch (decode_s_floor), not its measured throughput: a
+  throughput grows with the batch a worker happens to run, so the busier worker looked faster
+  and drew more (and a slowed worker's throughput window lags);
 - slots: requests it holds (running + waiting, plus those routed since its last heartbeat) over
   the sequences it batches at once (max_num_seqs), when it reports that.
 """
@@ -61,12 +64,12 @@ def charge(worker: WorkerView, cost: int, adapter: str = "") -> None:
 
 def loads(workers: list[WorkerView]) -> list[float]:
     """Each worker's load (see the module docstring): the fuller of its token and slot utilisation."""
-    rates = [w.decode_tps for w in workers]
-    top = max(rates, default=0.0)
-    known = top > 0 and min(rates) > 0
+    steps = [w.decode_s_floor for w in workers]
+    fastest = min(steps, default=0.0)
+    known = fastest > 0
     out = []
     for w in workers:
-        tokens = w.tokens / (max(w.capacity_tokens, 1) * (w.decode_tps / top if known else 1.0))
+        tokens = w.tokens / (max(w.capacity_tokens, 1) * (fastest / w.decode_s_floor if known else 1.0))
         slots = (w.running + w.waiting + w.routed_requests) / w.max_num_seqs if w.max_num_seqs > 0 else 0.0
         out.append(max(tokens, slots))
     return out

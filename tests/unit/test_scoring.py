@@ -63,14 +63,15 @@ def test_weights_change_the_trade_off():
     assert only_load.pick(ws, ctx)[0].worker_id == "w1"
 
 
-@pytest.mark.parametrize("tokens,capacity,tps,expected", [
+@pytest.mark.parametrize("tokens,capacity,floor,expected", [
     ((100, 100), (1000, 500), (0, 0), [0.1, 0.2]),  # KV capacity alone
-    ((100, 100), (1000, 1000), (200, 100), [0.1, 0.2]),  # half as fast: counts as half as big
-    ((100, 100), (1000, 1000), (200, 0), [0.1, 0.1]),  # a rate not known for all: KV alone
+    ((100, 100), (1000, 1000), (0.005, 0.010), [0.1, 0.2]),  # half as fast (its steps twice as long): half as big
+    ((100, 100), (1000, 1000), (0.005, 0), [0.1, 0.1]),  # a speed not known for all: KV alone
 ])
-def test_loads_use_kv_capacity_and_measured_throughput(tokens, capacity, tps, expected):
-    ws = [WorkerView(f"w{i}", "", "unified", outstanding_tokens=t, capacity_tokens=c, decode_tps=r)
-          for i, (t, c, r) in enumerate(zip(tokens, capacity, tps))]
+def test_loads_use_kv_capacity_and_measured_speed(tokens, capacity, floor, expected):
+    ws = [WorkerView(f"w{i}", "", "unified", outstanding_tokens=t, capacity_tokens=c, decode_s_floor=f,
+                     decode_tps=1000.0 * (i + 1))  # throughput (batch-dependent) plays no part
+          for i, (t, c, f) in enumerate(zip(tokens, capacity, floor))]
     assert loads(ws) == pytest.approx(expected)
 
 
