@@ -6,7 +6,8 @@ a Poisson stream can sustain, by a machine-dependent amount). The ramp streams P
 rate grows by RAMP_FACTOR every step (no pause between steps, so a backlog carries over), from about
 half a request in flight; a step is sustained while its requests' median TTFT stays within KNEE x the
 light-load median (the first step's, or the unloaded one measured a request at a time first, whichever
-is higher). The sustainable rate is the last sustained step's. Past it, requests queue
+is higher). Then the backlog is cancelled and the last sustained rate is held three steps long; a hold
+past the knee steps down by RAMP_FACTOR and holds again. The sustainable rate is the held one. Past it, requests queue
 faster than they are served and TTFT grows without bound; below it, the mesh keeps up.
 
 Balance, per worker, from each worker's Stats before and after the run: its share of the engines'
@@ -45,6 +46,8 @@ RAMP_STEP_S = 8.0  # arrivals per ramp step, seconds
 KNEE = 3.0  # a ramp step is sustained while its median TTFT stays within KNEE x the unloaded median
 UNLOADED_REQUESTS = 6  # sent one at a time before the ramp: the unloaded TTFT and e2e
 MAX_RAMP_STEPS = 30
+HOLD_STEPS = 3  # a confirmation holds the rate this many steps long
+MAX_HOLDS = 4
 
 
 def add_flags(p) -> None:
@@ -77,6 +80,7 @@ class RampStep:
     requests: int
     ttft_ms_p50: float | None  # None: not one first token came in time
     sustained: bool
+    hold: bool = False  # a confirmation: held HOLD_STEPS steps long, after the backlog was cancelled
 
 
 def sustained(ttfts_ms: list, unloaded_ms: float, knee: float = KNEE) -> tuple[bool, float | None]:
@@ -90,8 +94,13 @@ def sustained(ttfts_ms: list, unloaded_ms: float, knee: float = KNEE) -> tuple[b
 
 
 def sustainable_rate(steps: list[RampStep]) -> float | None:
-    """The last sustained step's rate (the ramp stops at the first step that is not)."""
-    ok = [s.offered_req_per_s for s in steps if s.sustained]
+    """The rate of the hold that was sustained; the lowest held when none was (unconfirmed); with no hold yet,
+    the last sustained ramp step's."""
+    holds = [s for s in steps if s.hold]
+    if holds:
+        ok = [s.offered_req_per_s for s in holds if s.sustained]
+        return ok[-1] if ok else min(s.offered_req_per_s for s in holds)
+    ok = [s.offered_req_per_s for s in steps if s.sustained and not s.hold]
     return ok[-1] if ok else None
 
 
@@ -117,7 +126,10 @@ def find_sustainable(mesh, reqs: list, seed: int, quick: bool) -> tuple[float, d
 
 async def _ramp(gateway: str, reqs: list, rate: float, factor: float, step_s: float, unloaded_ms: float,
                 seed: int) -> tuple[list[RampStep], float]:
-    """The ramp's steps, and the light-load median TTFT they were judged against."""
+    """The ramp's steps, and the light-load median TTFT they were judged against. After the first step past the
+    knee, the backlog is cancelled and the last sustained rate is held for HOLD_STEPS steps at once; a hold that
+    is past the knee steps the rate down by `factor` and holds again (a short step above capacity can pass before
+    its backlog shows, the more so with heavy-tailed outputs)."""
     rng, pool, steps, tasks = random.Random(seed), itertools.cycle(enumerate(reqs)), [], []
     reference = unloaded_ms
     async with grpc.aio.insecure_channel(gateway) as ch:
@@ -129,36 +141,51 @@ async def _ramp(gateway: str, reqs: list, rate: float, factor: float, step_s: fl
             async for resp in stub.Generate(request_from_line(r), timeout=900):
                 timing.on_tokens(time.perf_counter(), list(resp.token_ids))
 
-        try:
+        async def step(k: int, rate: float, seconds: float, hold: bool) -> RampStep:
             t = time.perf_counter()
-            for k in range(MAX_RAMP_STEPS):
-                end, timings = t + step_s, []
-                while (t := t + rng.expovariate(rate)) < end:
-                    i, r = next(pool)
-                    timing = Timing(arrival_s=t)
-                    tasks.append(asyncio.ensure_future(one({**r, "id": f"ramp{k}-{i}"}, t, timing)))
-                    timings.append(timing)
-                t = end
-                # Wait for the step's first tokens, no longer than it takes to know the step is past the knee.
-                give_up = end + max(KNEE * reference / 1e3 * 4, 2.0)
-                while any(x.first_s is None for x in timings) and time.perf_counter() < give_up:
-                    await asyncio.sleep(0.02)
-                ttfts = [None if x.first_s is None else (x.first_s - x.arrival_s) * 1e3 for x in timings]
-                ok, p50 = sustained(ttfts, reference)
-                if k == 0 and p50 is not None:  # the light-load median of this very traffic mix is the reference
-                    reference = max(reference, p50)
-                    ok = True
-                steps.append(RampStep(round(rate, 3), len(timings), None if p50 is None else round(p50, 1), ok))
-                log(f"ramp step {k}: {rate:.2f} req/s, {len(timings)} requests, TTFT p50 "
-                    f"{'-' if p50 is None else f'{p50:.0f} ms'}: {'sustained' if ok else 'past the knee'}")
-                if not ok:
-                    break
-                rate *= factor
-                t = max(t, time.perf_counter())
-        finally:
+            end, timings = t + seconds, []
+            while (t := t + rng.expovariate(rate)) < end:
+                i, r = next(pool)
+                timing = Timing(arrival_s=t)
+                tasks.append(asyncio.ensure_future(one({**r, "id": f"ramp{k}-{i}"}, t, timing)))
+                timings.append(timing)
+            await asyncio.sleep(max(0.0, end - time.perf_counter()))
+            # Wait for the step's first tokens, no longer than it takes to know the step is past the knee.
+            give_up = end + max(KNEE * reference / 1e3 * 4, 2.0)
+            while any(x.first_s is None for x in timings) and time.perf_counter() < give_up:
+                await asyncio.sleep(0.02)
+            ttfts = [None if x.first_s is None else (x.first_s - x.arrival_s) * 1e3 for x in timings]
+            ok, p50 = sustained(ttfts, reference)
+            log(f"ramp {'hold' if hold else 'step'} {k}: {rate:.2f} req/s, {len(timings)} requests, TTFT p50 "
+                f"{'-' if p50 is None else f'{p50:.0f} ms'}: {'sustained' if ok else 'past the knee'}")
+            return RampStep(round(rate, 3), len(timings), None if p50 is None else round(p50, 1), ok, hold)
+
+        async def cancel_all() -> None:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            tasks.clear()
+
+        try:
+            for k in range(MAX_RAMP_STEPS):
+                s = await step(k, rate, step_s, False)
+                if k == 0 and s.ttft_ms_p50 is not None:  # the light-load median of this very mix is the reference
+                    reference = max(reference, s.ttft_ms_p50)
+                    s.sustained = True
+                steps.append(s)
+                if not s.sustained:
+                    break
+                rate *= factor
+            rate = sustainable_rate(steps) or rate
+            for k in range(MAX_HOLDS):
+                await cancel_all()
+                s = await step(k, rate, step_s * HOLD_STEPS, True)
+                steps.append(s)
+                if s.sustained:
+                    break
+                rate /= factor
+        finally:
+            await cancel_all()
     return steps, reference
 
 

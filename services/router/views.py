@@ -1,13 +1,14 @@
 """What the router knows of a worker and of a prompt, as plain data for the pure policies.
 
-A worker's load is the utilisation of its tighter resource, whichever is fuller:
-- tokens: outstanding tokens (remaining prefill + expected decode, from the last heartbeat, plus
-  what was routed since: the in-flight correction) over the token capacity of its KV pool,
-  scaled by its speed relative to the fastest candidate's when every candidate has reported
-  one (so a worker half as fast counts as half as big). Speed is the inverse of its fitted
-  decode step at a small fixed batch (decode_s_floor), not its measured throughput: a
-  throughput grows with the batch a worker happens to run, so the busier worker looked faster
-  and drew more (and a slowed worker's throughput window lags);
+A worker's load is the utilisation of its tightest resource, whichever is fullest:
+- KV: outstanding tokens (remaining prefill + expected decode, from the last heartbeat, plus
+  what was routed since: the in-flight correction) over the token capacity of its KV pool;
+- compute: the same tokens times its decode step at a small fixed batch (decode_s_floor, the
+  engine's fit) over the fastest candidate's, over the largest candidate KV pool, when every
+  candidate has reported a step: a worker half as fast counts its tokens twice. Speed and KV
+  size are separate limits (multiplying them counted a half-size, half-speed worker as a
+  quarter and starved it), and speed is a fitted step, not a measured throughput (which grows
+  with the batch a worker happens to run: the busier worker looked faster and drew more);
 - slots: requests it holds (running + waiting, plus those routed since its last heartbeat) over
   the sequences it batches at once (max_num_seqs), when it reports that.
 """
@@ -64,14 +65,14 @@ def charge(worker: WorkerView, cost: int, adapter: str = "") -> None:
 
 def loads(workers: list[WorkerView]) -> list[float]:
     """Each worker's load (see the module docstring): the fuller of its token and slot utilisation."""
-    steps = [w.decode_s_floor for w in workers]
-    fastest = min(steps, default=0.0)
-    known = fastest > 0
+    fastest = min((w.decode_s_floor for w in workers), default=0.0)
+    largest = max((max(w.capacity_tokens, 1) for w in workers), default=1)
     out = []
     for w in workers:
-        tokens = w.tokens / (max(w.capacity_tokens, 1) * (fastest / w.decode_s_floor if known else 1.0))
+        kv = w.tokens / max(w.capacity_tokens, 1)
+        compute = w.tokens * (w.decode_s_floor / fastest) / largest if fastest > 0 else 0.0
         slots = (w.running + w.waiting + w.routed_requests) / w.max_num_seqs if w.max_num_seqs > 0 else 0.0
-        out.append(max(tokens, slots))
+        out.append(max(kv, compute, slots))
     return out
 
 

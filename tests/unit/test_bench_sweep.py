@@ -16,10 +16,13 @@ def test_a_ramp_step_is_sustained_while_its_median_ttft_stays_within_the_knee():
     assert sustained([], unloaded_ms=50) == (True, None)  # no arrival in a short step says nothing
 
 
-def test_the_sustainable_rate_is_the_last_sustained_step_and_none_when_the_first_fails():
+def test_the_sustainable_rate_is_the_held_one_and_a_failed_hold_steps_down():
     steps = [RampStep(1.0, 8, 50, True), RampStep(1.15, 9, 60, True), RampStep(1.32, 11, 900, False)]
-    assert sustainable_rate(steps) == 1.15
+    assert sustainable_rate(steps) == 1.15  # before any hold: the last sustained step
     assert sustainable_rate([RampStep(1.0, 8, 900, False)]) is None
+    held = steps + [RampStep(1.15, 27, 400, False, hold=True), RampStep(1.0, 24, 70, True, hold=True)]
+    assert sustainable_rate(held) == 1.0  # 1.15 passed a short step but not a long hold
+    assert sustainable_rate(held[:-1]) == 1.15  # no hold sustained yet: the lowest held, unconfirmed
 
 
 def stats(busy_s, started, queue_wait_s):

@@ -67,6 +67,8 @@ def test_weights_change_the_trade_off():
     ((100, 100), (1000, 500), (0, 0), [0.1, 0.2]),  # KV capacity alone
     ((100, 100), (1000, 1000), (0.005, 0.010), [0.1, 0.2]),  # half as fast (its steps twice as long): half as big
     ((100, 100), (1000, 1000), (0.005, 0), [0.1, 0.1]),  # a speed not known for all: KV alone
+    ((100, 100), (1000, 500), (0.005, 0.010), [0.1, 0.2]),  # half the KV and half the speed: half, not a quarter
+    ((100, 100), (1000, 250), (0.005, 0.010), [0.1, 0.4]),  # the tighter of the two limits
 ])
 def test_loads_use_kv_capacity_and_measured_speed(tokens, capacity, floor, expected):
     ws = [WorkerView(f"w{i}", "", "unified", outstanding_tokens=t, capacity_tokens=c, decode_s_floor=f,
