@@ -1,8 +1,8 @@
 """Routing policies: pure objects that pick a worker from a snapshot of the registry.
 
 - round-robin: the next live worker of the role, in worker-id order.
-- least-outstanding: the lowest load (views.loads: outstanding tokens over capacity, with the
-  in-flight correction); ties go to the worker nearer the request's KV (a decode pick: the prefill worker's
+- least-outstanding: the lowest load (views.loads: outstanding tokens over KV capacity and over speed, requests
+  over slots, with the in-flight correction); ties go to the worker nearer the request's KV (a decode pick: the prefill worker's
   topology, views.closeness), then to the lower worker id.
 - prefix-aware: weighted scorers (prefix 1.0, load 0.5, adapter 0.0 by default) guarded by load
   (load wins outright past a gap of 1.0 load units and a ratio of 2 by default; scoring.py).
