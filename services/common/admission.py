@@ -148,6 +148,21 @@ class CostModel:
         return new if old == 0 else (1 - self.alpha) * old + self.alpha * new
 
 
+def under_share(tenant: str, weights: dict, running: dict, slots: int, queue: list, now: float,
+                starvation_s: float) -> bool:
+    """May `tenant` go in although the mesh is full (the fair policies' bypass)? Yes when it holds fewer slots than
+    its weighted share among the tenants with work (`weights`: tenant -> weight, the tenant included; `running`:
+    tenant -> requests it holds) while another tenant holds more than its own: the engines' schedulers then
+    preempt the most over-share tenant's request for it, instead of the newcomer waiting for a long request to
+    finish. Suspended while any queued request has waited half the starvation bound, so the bypass cannot starve
+    the queue."""
+    if not slots or any(now - q.arrival_s >= starvation_s / 2 for q in queue):
+        return False
+    share = weighted_shares(slots, weights)
+    return (running.get(tenant, 0) < share[tenant]
+            and any(running.get(t, 0) > share[t] for t in weights))
+
+
 def _listed(x) -> list:
     return list(x) if isinstance(x, (list, tuple)) else [x]
 

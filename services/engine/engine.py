@@ -60,6 +60,7 @@ class StepStats:
     step_s: float  # the whole step
     kv_slots_allocated: int  # token slots in blocks held by running requests
     kv_slots_filled: int  # of which hold computed tokens
+    context_tokens: int = 0  # tokens already in the KV cache of the batch's sequences (attention reads them)
 
 
 @dataclass(frozen=True)
@@ -313,7 +314,8 @@ class LLMEngine:
         self.last_step = StepStats(
             num_running=len(out.seqs), num_tokens=out.num_tokens, forward_s=forward_s, step_s=step_s,
             kv_slots_allocated=sum(len(self.kv.block_table(r)) for r in running) * bs,
-            kv_slots_filled=sum(r.num_computed for r in running))
+            kv_slots_filled=sum(r.num_computed for r in running),
+            context_tokens=sum(s.num_computed for s in out.seqs))
         self.step_cost.update(len(out.seqs), out.num_tokens, step_s)
 
     # ---- KV transfer ------------------------------------------------------------------------

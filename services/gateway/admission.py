@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 from opentelemetry import metrics
 
-from services.common.admission import AdmissionQueue, CostModel, Pending
-from services.common.arbitration import make_policy, weighted_shares
+from services.common.admission import AdmissionQueue, CostModel, Pending, under_share
+from services.common.arbitration import make_policy
 from services.common.errors import CapacityExhausted, DeadlineExceeded, MeshError
 from services.common.tenants import Tenant, TenantState
 
@@ -216,20 +216,14 @@ class Admission:
         return self._has_room(p) or self._under_share(st)
 
     def _under_share(self, st: TenantState) -> bool:
-        """A tenant holding fewer slots than its weighted share (among tenants with work) may go in even when
-        the mesh is full, while another tenant holds more than its own: the engines' schedulers then preempt the
-        most over-share tenant's request for it (same policy), instead of the newcomer waiting for a long
-        request to finish. Suspended while any queued request has waited half the starvation bound, so the
-        bypass cannot starve the queue."""
-        if not self.queue.policy.name.startswith("fair") or not self.view.slots:
+        """The fair policies' bypass of a full mesh (services.common.admission.under_share)."""
+        if not self.queue.policy.name.startswith("fair"):
             return False
-        now = self.clock()
-        if any(now - q.arrival_s >= self.queue.starvation_s / 2 for q in self.queue.queue):
-            return False  # someone has waited half the bound: freed room goes to the queue, in its order
         active = {x.tenant.name: x for x in self.states.values() if x.running or x.queued}
         active[st.tenant.name] = st
-        share = weighted_shares(self.view.slots, {t: x.tenant.weight for t, x in active.items()})
-        return st.running < share[st.tenant.name] and any(x.running > share[t] for t, x in active.items())
+        return under_share(st.tenant.name, {t: x.tenant.weight for t, x in active.items()},
+                           {t: x.running for t, x in active.items()}, self.view.slots, self.queue.queue, self.clock(),
+                           self.queue.starvation_s)
 
     async def tick(self, period_s: float = 0.05) -> None:
         """Expire and dispatch on a clock too (deadlines pass without any event)."""

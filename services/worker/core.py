@@ -30,11 +30,14 @@ exits non-zero so that its supervisor starts the worker again (services/worker/_
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import pickle
 import signal
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from services.common.errors import MeshError
 
@@ -189,6 +192,29 @@ class KVExport:
 CORE_METHODS = frozenset({"core_stats", "map_arena", "import_slots", "import_data"})
 
 
+class StepLog:
+    """One JSON line per step the engine ran (start on the monotonic clock, sequences, tokens, context tokens,
+    seconds), written when MESHSERVE_STEP_LOG names a folder: `meshserve sim calibrate` fits the simulator's cost
+    model to the steps of a real worker under real load (its servicer and the other processes beside it)."""
+
+    def __init__(self, path: Path):
+        self.file = open(path, "a", buffering=1 << 16)
+
+    @classmethod
+    def from_env(cls) -> "StepLog | None":
+        folder = os.environ.get("MESHSERVE_STEP_LOG")
+        return cls(Path(folder) / f"steps-{os.getpid()}.jsonl") if folder else None
+
+    def record(self, step) -> None:
+        now = time.monotonic()
+        self.file.write(json.dumps({"start": round(now - step.step_s, 6), "seqs": step.num_running,
+                                    "tokens": step.num_tokens, "context": step.context_tokens,
+                                    "step_s": round(step.step_s, 6)}) + "\n")
+
+    def close(self) -> None:
+        self.file.close()
+
+
 class EngineCore:
     """The loop of the core process (also usable in-process for tests: send is any callable)."""
 
@@ -201,6 +227,7 @@ class EngineCore:
         self.busy_s, self.tokens_out, self.aborted = 0.0, 0, 0
         self.cost = engine.step_cost  # the engine fits its step costs (its scheduler caps batches by them)
         self.running = True
+        self.step_log = StepLog.from_env()  # what the simulator's calibration fits (sim/cost.py)
 
     def handle(self, msg: tuple) -> None:
         kind = msg[0]
@@ -322,6 +349,8 @@ class EngineCore:
         last = engine.last_step
         if last is not None:
             self.busy_s += last.step_s
+            if self.step_log is not None:
+                self.step_log.record(last)
         outs = []
         for out in outputs:
             self.tokens_out += len(out.new_token_ids)
@@ -414,5 +443,8 @@ def core_main(conn, engine_config, parent_pid: int, threads: int | None) -> None
         return
     conn.send(("ready", None))
     t0 = time.monotonic()
-    EngineCore(engine, conn.send).run(conn)
+    core = EngineCore(engine, conn.send)
+    core.run(conn)
+    if core.step_log is not None:
+        core.step_log.close()
     log.info("engine core stopping after %.0f s", time.monotonic() - t0)

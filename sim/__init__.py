@@ -1,0 +1,7 @@
+"""A discrete-event simulator of a meshserve cluster, on the services' own policy objects (docs/SIMULATION.md).
+
+trace.py: requests (synthetic or replayed JSONL); cost.py: the engine's step cost, fitted from a real
+worker's steps; worker.py: a worker as its real scheduler, KV manager and block pool, with simulated step
+times; cluster.py: gateways, routers, workers, KV links and the autoscaler as events; report.py: results and
+plots; scale.py: the at-scale studies.
+"""

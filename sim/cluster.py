@@ -1,0 +1,527 @@
+"""The simulated cluster: gateway, routers, workers, KV links and the autoscaler as discrete events.
+
+What runs is the services' own policy code, imported unchanged:
+- gateway admission: services.common.admission (AdmissionQueue with the arbitration policy, the admission
+  CostModel that predicts service times and learns from completions, Pending), with the gateway's shell
+  rules (dispatch while a worker slot is free, the under-share bypass: services.common.admission.under_share);
+- routing: services.router (filters.candidates, the policies by name with their scorers, load guard and
+  in-flight charge, RecentRoutes for prefixes just routed, views.WorkerView refreshed by heartbeats every
+  heartbeat_s, so decisions see state as stale as the real router's);
+- each worker: sim.worker (the engine's Scheduler, KVCacheManager, BlockPool, StepCostFit);
+- the autoscaler: services.autoscaler.policy (TokenPolicy, CpuPolicy, RatePolicy) deciding every interval_s
+  on PoolSamples built as its signals build them; new workers take startup_s before they serve, drained
+  ones finish what they hold and leave.
+
+Time: a single clock; events in a heap ordered by (time, sequence number), so equal times keep their insertion
+order and a run is a pure function of its inputs: the same spec and trace give the same result, byte for byte.
+Hops: a request reaches its worker hop_s/2 after dispatch and its tokens reach the client hop_s/2 after the
+step that made them (the cost model's measured hop time). KV transfers (disaggregated): the prefill worker's
+link to the kvstore and the decode worker's link from it, each FIFO at kv_link_gbytes_per_s.
+Cells: with cell_size > 0 each router serves cell_size workers and the gateway spreads requests over the
+routers in turn (as several routers each own a shard of a large pool); 0 = one router for every worker.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field, replace
+
+from services.common.admission import AdmissionQueue, Pending, under_share
+from services.common.admission import CostModel as AdmissionCost
+from services.common.arbitration import make_policy as make_arbitration
+from services.common.block_hash import extra_keys, hash_blocks
+from services.common.errors import MeshError
+from services.router.filters import Need, candidates
+from services.router.policies import make_policy as make_routing
+from services.router.recent import RecentRoutes
+from services.router.scoring import effective_blocks
+from services.router.views import RouteContext, WorkerView
+from sim.cost import CostModel
+from sim.worker import SimRequest, SimWorker, WorkerSpec
+
+
+@dataclass
+class AutoscaleSpec:
+    policy: str = "token"  # token | cpu | rate (services.autoscaler.policy), fixed = no scaling
+    interval_s: float = 5.0
+    startup_s: float = 120.0
+    min_replicas: int = 1
+    max_replicas: int = 64
+    ttft_slo_s: float = 1.0
+    itl_slo_s: float = 0.2
+    prefill_tokens_per_s: float = 2000.0  # one replica's, as measured (PoolConfig)
+    decode_tokens_per_s: float = 500.0
+    target_util: float = 0.7
+    cooldown_s: float = 60.0
+    down_window_s: float = 120.0
+    window_s: float = 60.0
+    requests_per_s_per_replica: float = 4.0  # the rate baseline's
+    target_cpu: float = 0.7  # the CPU baseline's
+
+
+@dataclass
+class ClusterSpec:
+    mode: str = "unified"  # unified | disaggregated
+    workers: int = 1  # unified workers, or decode workers when disaggregated
+    prefill: int = 0  # prefill workers (disaggregated)
+    worker: WorkerSpec = field(default_factory=WorkerSpec)
+    prefill_worker: WorkerSpec | None = None  # default: worker's, role prefill
+    routing: str = "least-outstanding"
+    routing_config: dict = field(default_factory=dict)
+    admission: str = "fcfs"
+    starvation_s: float = 30.0
+    tenant_weights: dict = field(default_factory=dict)  # tenant -> weight (default 1)
+    heartbeat_s: float = 1.0
+    cell_size: int = 0
+    autoscale: AutoscaleSpec | None = None
+    ttft_slo_ms: float | None = None  # for attainment and goodput
+    tpot_slo_ms: float | None = None
+
+
+class Cluster:
+    def __init__(self, spec: ClusterSpec, cost: CostModel):
+        self.spec, self.cost = spec, cost
+        self.now = 0.0
+        self.events: list = []
+        self._seq = 0
+        self.processed = 0
+        self.busy_workers = 0
+        self.workers: list[SimWorker] = []
+        self.views: dict[str, WorkerView] = {}
+        self.beat_at: dict[str, float] = {}
+        self.link_free: dict[str, float] = {}
+        self.index: dict[bytes, set] = {}  # block hash -> worker ids holding it (the prefix index)
+        self.done: list[SimRequest] = []
+        self.timeline: list[tuple[float, int, int]] = []  # (t, serving workers, starting workers)
+        self.acost = AdmissionCost()
+        self.queue = AdmissionQueue(make_arbitration(spec.admission, spec.starvation_s), starvation_s=spec.starvation_s,
+                                    trust_predictions=False)
+        self.in_flight = 0
+        self.held: dict[str, int] = {}  # tenant -> requests dispatched and not finished
+        self.queued: dict[str, int] = {}
+        self.sims: dict[int, SimRequest] = {}  # id(Pending) -> its request
+        self.tick_armed = False
+        self.routers: list = []
+        self._turn = 0
+        self.starting = 0
+        self.draining: set = set()
+        self.window = _Window()
+        prefill_spec = spec.prefill_worker or replace(spec.worker, role="prefill")
+        if spec.mode == "disaggregated":
+            for i in range(spec.prefill):
+                self._add_worker(replace(prefill_spec, role="prefill"), f"prefill-{i}")
+            for i in range(spec.workers):
+                self._add_worker(replace(spec.worker, role="decode"), f"decode-{i}")
+        elif spec.mode == "unified":
+            for i in range(spec.workers):
+                self._add_worker(replace(spec.worker, role="unified"), f"unified-{i}")
+        else:
+            raise ValueError(f"unknown mode {spec.mode!r}; known: unified, disaggregated")
+        self._mark_timeline()
+
+    # ---- the event loop ---------------------------------------------------------------------------------------
+
+    def at(self, t: float, fn, *args) -> None:
+        self._seq += 1
+        heapq.heappush(self.events, (t, self._seq, fn, args))
+
+    def run(self, trace: list, until: float | None = None) -> None:
+        for i, t in enumerate(trace):
+            sim = SimRequest(t, i, weight=float(self.spec.tenant_weights.get(t.tenant, 1.0)), arrival_s=t.arrival_s)
+            self.at(t.arrival_s, self._arrive, sim)
+        if self.spec.autoscale is not None:
+            self.scaler = _Scaler(self, self.spec.autoscale)
+            self.at(0.0, self.scaler.tick)
+        events = self.events
+        while events:
+            t, _, fn, args = heapq.heappop(events)
+            if until is not None and t > until:
+                break
+            self.now = t
+            self.processed += 1
+            fn(*args)
+
+    # ---- workers ----------------------------------------------------------------------------------------------
+
+    def _add_worker(self, spec: WorkerSpec, worker_id: str) -> SimWorker:
+        w = SimWorker(self, worker_id, spec, self.cost)
+        w.started_s = self.now
+        self.workers.append(w)
+        self.views[worker_id] = WorkerView(worker_id, worker_id, spec.role, capacity_tokens=w.capacity_tokens,
+                                           block_size=spec.block_size, max_num_seqs=spec.max_num_seqs,
+                                           index_member=worker_id)
+        self.beat_at[worker_id] = -math.inf
+        self._assign_cells()
+        return w
+
+    def _assign_cells(self) -> None:
+        size = self.spec.cell_size
+        serving = [w for w in self.workers if w.alive and w.id not in self.draining]
+        if not size:
+            cells = [serving]
+        else:
+            by_role: dict[str, list] = {}
+            for w in serving:
+                by_role.setdefault(w.role, []).append(w)
+            n = max(1, max(math.ceil(len(ws) / size) for ws in by_role.values()))
+            cells = [[] for _ in range(n)]
+            for ws in by_role.values():
+                for i, w in enumerate(ws):
+                    cells[i % n].append(w)
+        while len(self.routers) < len(cells):
+            self.routers.append({"policies": {}, "recent": RecentRoutes(lambda: self.now)})
+        del self.routers[len(cells):]
+        for router, cell in zip(self.routers, cells):
+            router["workers"] = cell
+
+    def contention(self, worker: SimWorker) -> float:
+        """How much slower a step runs because other workers step on the same cores (processor sharing)."""
+        cores = self.cost.cores
+        if not cores:
+            return 1.0
+        busy = sum(1 for w in self.workers if w.step is not None and w is not worker) + 1
+        return max(1.0, busy / cores)
+
+    def worker_idle_changed(self, worker: SimWorker) -> None:
+        if worker.id in self.draining and not worker.holding and worker.step is None:
+            self._retire(worker)
+
+    def serving(self, role: str | None = None) -> list[SimWorker]:
+        return [w for w in self.workers if w.alive and w.id not in self.draining and (role is None or w.role == role)]
+
+    # ---- the gateway ------------------------------------------------------------------------------------------
+
+    def _arrive(self, sim: SimRequest) -> None:
+        t = sim.trace
+        self.window.arrived(t)
+        prioritized = sim.deadline_s is not None and self.queue.policy.uses_deadlines
+        predicted = (self.acost.predict_prioritized(t.prompt_tokens, t.output_tokens) if prioritized
+                     else self.acost.predict(t.prompt_tokens, t.output_tokens))
+        p = Pending(t.id, t.tenant, sim.weight, self.now, 0, t.prompt_tokens, t.output_tokens, priority=t.priority,
+                    deadline_s=sim.deadline_s, predicted_s=predicted,
+                    predicted_first_s=min(self.acost.predict_first(t.prompt_tokens), predicted))
+        sim.pending = p
+        self.window.pending += 1
+        try:
+            pushed = self.queue.offer(p, self.now)
+        except MeshError as e:
+            self._end(sim, e.code)
+            return
+        self.sims[id(p)] = sim
+        self.queued[t.tenant] = self.queued.get(t.tenant, 0) + 1
+        for q in pushed:
+            self._unqueue(q)
+            self._end(self.sims.pop(id(q)), "RESOURCE_EXHAUSTED")
+        self._pump()
+
+    def _unqueue(self, p: Pending) -> None:
+        self.queued[p.tenant] -= 1
+
+    def _slots(self) -> int:
+        return sum(w.spec.max_num_seqs for w in self.serving() if w.role != "prefill")
+
+    def _can_run(self, p: Pending) -> bool:
+        slots = self._slots()
+        if self.in_flight < slots or self.in_flight == 0:
+            return True  # a free slot (the workers' credits), or an idle mesh, which never stalls
+        if not self.queue.policy.name.startswith("fair"):
+            return False
+        weights = {t: self.spec.tenant_weights.get(t, 1.0) for t in set(self.held) | set(self.queued)
+                   if self.held.get(t) or self.queued.get(t)}
+        weights[p.tenant] = p.weight
+        return under_share(p.tenant, weights, self.held, slots, self.queue.queue, self.now, self.queue.starvation_s)
+
+    def _pump(self) -> None:
+        self.queue.slots = max(self._slots(), 1)
+        for p in self.queue.expired(self.now):
+            self._unqueue(p)
+            self._end(self.sims.pop(id(p)), "DEADLINE_EXCEEDED")
+        while self.queue.queue:
+            p = self.queue.next(self.now, can_run=self._can_run)
+            if p is None:
+                break
+            self._unqueue(p)
+            sim = self.sims.pop(id(p))
+            self.in_flight += 1
+            self.held[p.tenant] = self.held.get(p.tenant, 0) + 1
+            sim.dispatched_s = self.now
+            self.at(self.now + self.cost.hop_s / 2, self._route_first, sim)
+        if self.queue.queue and self.queue.policy.uses_deadlines and not self.tick_armed:
+            self.tick_armed = True  # deadlines pass without any event: the gateway's 50 ms tick
+            self.at(self.now + 0.05, self._tick)
+
+    def _tick(self) -> None:
+        self.tick_armed = False
+        self._pump()
+
+    def _release(self, sim: SimRequest) -> None:
+        p = sim.pending
+        self.in_flight -= 1
+        self.held[p.tenant] -= 1
+        if sim.first_s is not None and sim.last_s is not None and not sim.error:
+            self.acost.observe(p.input_tokens, sim.tokens_out, sim.first_s - sim.dispatched_s, sim.last_s - sim.first_s)
+            self.queue.trust_predictions = self.acost.trusted
+        self.queue.finished(p, sim.tokens_out, self.now, sim.first_s)
+        self._pump()
+
+    def _end(self, sim: SimRequest, error: str = "") -> None:
+        sim.error = error
+        self.done.append(sim)
+        self.window.pending -= 1
+        self.window.finished(sim)
+
+    # ---- routing ----------------------------------------------------------------------------------------------
+
+    def _router(self) -> dict:
+        self._turn += 1
+        return self.routers[self._turn % len(self.routers)]
+
+    def _view(self, w: SimWorker) -> WorkerView:
+        """The router's view of w: refreshed when a heartbeat is due (every heartbeat_s from the last)."""
+        v = self.views[w.id]
+        due = self.beat_at[w.id] + self.spec.heartbeat_s
+        if self.now >= due:
+            self.beat_at[w.id] = self.now if due == -math.inf else due + (self.now - due) // self.spec.heartbeat_s * \
+                self.spec.heartbeat_s
+            v.outstanding_tokens, v.running, v.waiting = w.outstanding_tokens(), len(w.sched.running), \
+                len(w.sched.waiting) + len(w.held) + len(w.imports)
+            v.routed_since_beat = v.routed_requests = 0
+            v.routed_adapters = set()
+            v.prefill_s_per_token, v.decode_s_per_step = w.fit.prefill_s_per_token, w.fit.decode_s_per_step
+            v.decode_s_floor = w.fit.step_s(w.spec.deadline_min_batch) if w.fit.decode_s_per_step else 0.0
+            self._publish(w)
+        return v
+
+    def _publish(self, w: SimWorker) -> None:
+        events, overflowed = w.pool.drain_events()
+        if overflowed:
+            for holders in self.index.values():
+                holders.discard(w.id)
+            events = [("stored", h) for h in w.pool.hashes()]
+        for kind, h in events:
+            if kind == "stored":
+                self.index.setdefault(h, set()).add(w.id)
+            else:
+                holders = self.index.get(h)
+                if holders is not None:
+                    holders.discard(w.id)
+                    if not holders:
+                        del self.index[h]
+
+    def _longest(self, hashes: list, ids: set) -> dict:
+        held: dict[str, int] = {}
+        live = ids
+        for i, h in enumerate(hashes):
+            live = live & self.index.get(h, set())
+            if not live:
+                break
+            for wid in live:
+                held[wid] = i + 1
+        return held
+
+    def _pick(self, role: str, sim: SimRequest, cost: int, tokens: list | None) -> SimWorker | None:
+        router = self._router()
+        workers = [w for w in router["workers"] if w.role == role]
+        if not workers:
+            workers = self.serving(role)
+        by_id = {w.id: w for w in workers}
+        views, _ = candidates([self._view(w) for w in workers], Need(role))
+        if not views:
+            return None
+        policy = router["policies"].get(role)
+        if policy is None:
+            policy = router["policies"][role] = make_routing(self.spec.routing, self.spec.routing_config)
+        ctx, hashes = None, []
+        if policy.uses_prefix and role != "decode" and tokens is not None:
+            bs = views[0].block_size
+            hashes = hash_blocks(tokens, bs, extra_keys(sim.trace.adapter, ""))
+            found = self._longest(hashes, set(by_id))
+            recent = router["recent"].longest(hashes)
+            cached = {v.worker_id: n for v in views if (n := max(found.get(v.worker_id, 0),
+                                                                   recent.get(v.worker_id, 0)))}
+            ctx = RouteContext(len(hashes), cached, sim.trace.adapter)
+        view, _ = policy.select(views, cost, ctx)
+        spared = int(effective_blocks(view, ctx) * view.block_size) if ctx else 0
+        policy.on_routed(view, max(cost - spared, 1), sim.trace.adapter)
+        if hashes:
+            router["recent"].record(hashes, view.worker_id)
+        return by_id[view.worker_id]
+
+    def _route_first(self, sim: SimRequest) -> None:
+        t = sim.trace
+        tokens = t.tokens()
+        if self.spec.mode == "unified":
+            w = self._pick("unified", sim, t.prompt_tokens + t.output_tokens, tokens)
+            if w is None or not w.fits(t.prompt_tokens, t.output_tokens):
+                return self._fail(sim, "UNAVAILABLE" if w is None else "OUT_OF_RANGE")
+            w.add(sim, tokens, t.output_tokens)
+        else:
+            w = self._pick("prefill", sim, t.prompt_tokens, tokens)
+            if w is None or not w.fits(t.prompt_tokens, 1):
+                return self._fail(sim, "UNAVAILABLE" if w is None else "OUT_OF_RANGE")
+            w.add(sim, tokens, 1)
+
+    def _fail(self, sim: SimRequest, code: str) -> None:
+        self._end(sim, code)
+        self._release(sim)
+
+    # ---- what workers report ----------------------------------------------------------------------------------
+
+    def on_tokens(self, worker: SimWorker, sim: SimRequest, req, ends: list, n: int) -> None:
+        if sim is None:
+            return
+        back = self.cost.hop_s / 2
+        times = ends[-n:]
+        if sim.first_s is None:
+            sim.first_s = times[0] + back
+            self.window.first_token(sim, sim.first_s - sim.arrival_s)
+        if sim.second_s is None and sim.tokens_out + n >= 2:
+            sim.second_s = times[1 - sim.tokens_out] + back if sim.tokens_out == 0 else times[0] + back
+        sim.last_s = times[-1] + back
+        sim.tokens_out += n
+        self.window.tokens(n, times)
+
+    def on_finished(self, worker: SimWorker, sim: SimRequest, req) -> None:
+        if sim is None:
+            return
+        if worker.role == "prefill":
+            sim.cached_tokens = req.num_cached_prompt
+            if sim.tokens_out < sim.trace.output_tokens:
+                self._transfer(worker, sim, list(req.tokens))
+                self.worker_idle_changed(worker)
+                return
+        elif worker.role == "unified":
+            sim.cached_tokens = req.num_cached_prompt
+        self._end(sim)
+        self._release(sim)
+        self.worker_idle_changed(worker)
+
+    def on_failed(self, worker: SimWorker, sim: SimRequest, code: str) -> None:
+        if sim is not None:
+            self._fail(sim, code)
+
+    def _transfer(self, src: SimWorker, sim: SimRequest, tokens: list) -> None:
+        """The prompt's KV: src -> kvstore over src's link, then kvstore -> the decode worker over its link."""
+        dst = self._pick("decode", sim, sim.trace.output_tokens, None)
+        if dst is None:
+            return self._fail(sim, "UNAVAILABLE")
+        took = self.cost.kv_transfer_s(sim.trace.prompt_tokens)
+        out = self.link_free[src.id] = max(self.now, self.link_free.get(src.id, 0.0)) + took
+        arrive = self.link_free[dst.id] = max(out, self.link_free.get(dst.id, 0.0)) + took
+        self.at(arrive, dst.add_import, sim, tokens, sim.trace.output_tokens)
+
+    # ---- autoscaling ------------------------------------------------------------------------------------------
+
+    def start_worker(self, startup_s: float) -> None:
+        self.starting += 1
+        self._mark_timeline()
+        self.at(self.now + startup_s, self._ready)
+
+    def _ready(self) -> None:
+        self.starting -= 1
+        role = "unified" if self.spec.mode == "unified" else "decode"
+        n = sum(1 for w in self.workers if w.role == role)
+        self._add_worker(replace(self.spec.worker, role=role), f"{role}-{n}")
+        self._mark_timeline()
+        self._pump()
+
+    def drain_worker(self) -> None:
+        serving = self.serving("unified" if self.spec.mode == "unified" else "decode")
+        if len(serving) <= 1:
+            return
+        w = min(serving, key=lambda x: (x.holding, x.id))
+        self.draining.add(w.id)
+        self._assign_cells()
+        self._mark_timeline()
+        self.worker_idle_changed(w)
+
+    def _retire(self, w: SimWorker) -> None:
+        w.alive, w.retired_s = False, self.now
+        self.draining.discard(w.id)
+        self._assign_cells()
+
+    def _mark_timeline(self) -> None:
+        self.timeline.append((round(self.now, 6), len(self.serving()), self.starting))
+
+
+class _Window:
+    """What the autoscaler's signals see over an interval (reset by each sample)."""
+
+    def __init__(self):
+        self.pending = 0  # requests arrived and not ended (the whole run)
+        self.reset()
+
+    def reset(self) -> None:
+        self.prompt_tokens = self.output_tokens = self.requests = 0
+        self.ttfts: list = []
+
+    def arrived(self, t) -> None:
+        self.requests += 1
+        self.prompt_tokens += t.prompt_tokens
+
+    def first_token(self, sim, ttft_s: float) -> None:
+        self.ttfts.append(ttft_s)
+
+    def tokens(self, n: int, times: list) -> None:
+        self.output_tokens += n
+
+    def finished(self, sim) -> None:
+        pass
+
+
+class _Scaler:
+    """The autoscaler's loop: a PoolSample every interval_s, the policy's decision, workers started or drained."""
+
+    def __init__(self, cluster: Cluster, spec: AutoscaleSpec):
+        from services.autoscaler.policy import CpuPolicy, PolicyState, PoolConfig, RatePolicy, TokenPolicy
+
+        self.cluster, self.spec = cluster, spec
+        role = "unified" if cluster.spec.mode == "unified" else "decode"
+        config = PoolConfig(role, min_replicas=spec.min_replicas, max_replicas=spec.max_replicas,
+                            startup_s=spec.startup_s, prefill_tokens_per_s=spec.prefill_tokens_per_s,
+                            decode_tokens_per_s=spec.decode_tokens_per_s, target_util=spec.target_util,
+                            ttft_slo_s=spec.ttft_slo_s, itl_slo_s=spec.itl_slo_s, cooldown_s=spec.cooldown_s,
+                            down_window_s=spec.down_window_s, window_s=spec.window_s)
+        self.policy = {"token": lambda: TokenPolicy(config), "cpu": lambda: CpuPolicy(config, spec.target_cpu),
+                       "rate": lambda: RatePolicy(config, spec.requests_per_s_per_replica),
+                       "fixed": lambda: None}[spec.policy]()
+        self.state = PolicyState()
+        self.samples: list = []
+        self.busy_before: dict[str, float] = {}
+        self.decisions = 0
+
+    def tick(self) -> None:
+        from services.autoscaler.policy import PoolSample
+
+        c, dt = self.cluster, self.spec.interval_s
+        w = c.window
+        serving = c.serving()
+        busy = []
+        for x in serving:
+            before = self.busy_before.get(x.id, x.busy_s)
+            busy.append(min(1.0, (x.busy_s - before) / dt))
+            self.busy_before[x.id] = x.busy_s
+        ttfts = sorted(w.ttfts)
+        sample = PoolSample(
+            t=c.now, ready=len([x for x in serving if x.role != "prefill"]), starting=c.starting,
+            prompt_tokens_per_s=w.prompt_tokens / dt, output_tokens_per_s=w.output_tokens / dt,
+            requests_per_s=w.requests / dt,
+            queued_prefill_tokens=float(sum(r.num_tokens - r.num_computed for x in serving for r in x.sched.waiting)
+                                        + sum(p.input_tokens for p in c.queue.queue)),
+            kv_usage=max((x.pool.num_used / x.pool.num_blocks for x in serving), default=0.0),
+            ttft_p90_s=ttfts[int(0.9 * (len(ttfts) - 1))] if ttfts else None,
+            cpu_util=sum(busy) / len(busy) if busy else 0.0)
+        w.reset()
+        self.samples = [s for s in self.samples if c.now - s.t <= max(self.spec.window_s, self.spec.down_window_s)]
+        self.samples.append(sample)
+        if self.policy is not None:
+            d = self.policy.decide(self.samples, self.state, c.now)
+            self.decisions += 1
+            current = sample.ready + sample.starting
+            for _ in range(max(0, d.target - current)):
+                c.start_worker(self.spec.startup_s)
+            for _ in range(max(0, current - d.target)):
+                c.drain_worker()
+        if w.pending > 0 or any(e[2] is not self.tick for e in c.events):
+            c.at(c.now + dt, self.tick)

@@ -1,0 +1,97 @@
+"""The simulated engine's step cost, fitted from a real worker's steps.
+
+step time = base_s + per_seq_s x sequences + per_context_s x context tokens + prefill_s_per_token x prompt tokens
+
+where context tokens are the tokens already in the KV cache of the step's sequences (what attention reads) and
+prompt tokens are those computed beyond one per sequence. The same terms as the engine's own online fit
+(services.engine.step_cost.StepCostFit: base, per sequence, per prompt token) plus the context term that fit
+leaves out; fitted by least squares, no term negative, to the steps a worker logs (MESHSERVE_STEP_LOG), each
+step counted from its start to the next step's start when the worker went straight on (so the loop's own time
+between steps, sending outputs to the servicer and taking new requests, is part of a step as it is of
+throughput). Beside the step: hop_s, the time from a request's arrival at the gateway to its first step, and
+back, beyond the steps themselves (gateway, router and worker hops); kv_bytes_per_token, for KV transfers.
+
+`meshserve sim calibrate` measures all of it on this machine (calibrate.py) and writes the JSON this loads.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+TERMS = ("base_s", "per_seq_s", "per_context_s", "prefill_s_per_token")
+GAP_MAX_S = 0.05  # a step starting within this long of the previous one's end followed it straight on
+
+
+@dataclass
+class CostModel:
+    base_s: float = 0.0025
+    per_seq_s: float = 0.0003
+    per_context_s: float = 2e-7
+    prefill_s_per_token: float = 6e-5
+    hop_s: float = 0.004  # gateway -> router -> worker and the first token's way back, beyond the steps
+    kv_bytes_per_token: int = 16384
+    kv_link_gbytes_per_s: float = 1.0  # a worker's KV link to the kvstore (per direction)
+    cores: int = 0  # cores the workers share (0 = each worker has its own); steps slow down when more run at once
+    source: dict = field(default_factory=dict)  # how it was measured (machine, steps, residuals)
+
+    def step_s(self, seqs: int, prefill_tokens: int = 0, context_tokens: int = 0) -> float:
+        return (self.base_s + self.per_seq_s * seqs + self.per_context_s * context_tokens
+                + self.prefill_s_per_token * prefill_tokens)
+
+    def kv_transfer_s(self, tokens: int) -> float:
+        return tokens * self.kv_bytes_per_token / (self.kv_link_gbytes_per_s * 1e9)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(asdict(self), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "CostModel":
+        try:
+            d = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"cannot read the cost model {path}: {e}") from None
+        unknown = set(d) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"{path}: unknown field(s) {sorted(unknown)}")
+        return cls(**d)
+
+
+def intervals(steps: list[dict]) -> list[tuple[int, int, int, float]]:
+    """(sequences, prompt tokens, context tokens, seconds) per logged step: from its start to the next step's
+    start when that followed straight on, else its own time plus the median gap between busy steps."""
+    steps = sorted(steps, key=lambda s: s["start"])
+    gaps = [b["start"] - (a["start"] + a["step_s"]) for a, b in zip(steps, steps[1:])]
+    busy = sorted(g for g in gaps if 0 <= g < GAP_MAX_S)
+    typical = busy[len(busy) // 2] if busy else 0.0
+    out = []
+    for i, s in enumerate(steps):
+        gap = gaps[i] if i < len(gaps) and 0 <= gaps[i] < GAP_MAX_S else typical
+        out.append((s["seqs"], s["tokens"] - s["seqs"], s["context"], s["step_s"] + gap))
+    return out
+
+
+def fit(rows: list[tuple[int, int, int, float]]) -> tuple[dict, dict]:
+    """Least-squares terms (TERMS) for rows of (sequences, prompt tokens, context tokens, seconds), none negative
+    (a negative term is dropped and the rest refitted); and the fit's relative error on the rows."""
+    import numpy as np
+
+    if len(rows) < len(TERMS) * 4:
+        raise ValueError(f"{len(rows)} steps are too few to fit a cost model (need {len(TERMS) * 4})")
+    a = np.array([[1.0, r[0], r[2], r[1]] for r in rows])
+    y = np.array([r[3] for r in rows])
+    keep = list(range(len(TERMS)))
+    while True:
+        coef, *_ = np.linalg.lstsq(a[:, keep], y, rcond=None)
+        if (coef >= 0).all() or len(keep) == 1:
+            break
+        keep.pop(int(np.argmin(coef)))
+    terms = dict.fromkeys(TERMS, 0.0)
+    for i, c in zip(keep, coef):
+        terms[TERMS[i]] = float(max(c, 0.0))
+    pred = a @ np.array([terms[t] for t in TERMS])
+    rel = np.abs(pred - y) / y
+    return terms, {"steps": len(rows), "median_rel_error": round(float(np.median(rel)), 4),
+                   "p90_rel_error": round(float(np.quantile(rel, 0.9)), 4)}

@@ -1,0 +1,289 @@
+"""A simulated worker: the engine's real scheduler, KV cache manager and block pool, with step times from the
+cost model instead of a forward pass.
+
+Every step is the real Scheduler's decision (slot arbitration and preemption, chunked prefill, prefix-cache
+reuse, deadline-aware batch caps, LoRA slot pinning when adapters are on), applied to the real KVCacheManager
+over a real BlockPool; the step's duration is the cost model's (sim/cost.py) for what the step carries. The
+engine's own online fit (services.engine.step_cost.StepCostFit) learns from the simulated steps, as it does
+from real ones, and feeds the deadline-aware batch cap.
+
+Leaps: when a step carries only decodes and the next steps would be the same decision (nobody waiting who
+could join, no deadline cap, no slot arbitration at play), the worker runs up to the first finish in one event
+of k steps, with the cost of each step summed in closed form; an arrival during a leap cuts it short at the end
+of the step in progress, where a real engine would let the newcomer in. The scheduler's state after a leap is
+what k single steps leave (the same tokens, blocks and charges). A leap never crosses a finish, so finish
+times are exact; token times inside a leap are exact too (the leap keeps its step boundaries).
+
+Batching "request" (the static-batching baseline): a new batch forms only when the last one has drained.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.common.arbitration import make_policy
+from services.common.sampling import SamplingParams
+from services.engine.block_pool import BlockPool
+from services.engine.kv_manager import KVCacheManager
+from services.engine.request import Request, Status
+from services.engine.scheduler import Scheduler
+from services.engine.step_cost import StepCostFit
+
+OUTPUT_TOKEN = 7  # the token every simulated step samples (content never matters, lengths do)
+MAX_LEAP = 512  # steps in one leap at most
+
+
+@dataclass
+class WorkerSpec:
+    role: str = "unified"  # unified | prefill | decode
+    num_blocks: int = 4096
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    slot_policy: str = "fcfs"
+    prefix_caching: bool = True
+    deadline_min_batch: int = 4
+    batching: str = "iteration"  # iteration | request
+    speed: float = 1.0  # step times are divided by this (a faster or slower instance)
+
+
+@dataclass(eq=False)
+class SimRequest:
+    """One request's life in the simulation (times on the simulation clock)."""
+
+    trace: object  # sim.trace.TraceRequest
+    seq_no: int
+    weight: float = 1.0
+    arrival_s: float = 0.0
+    dispatched_s: float | None = None
+    first_s: float | None = None
+    second_s: float | None = None
+    last_s: float | None = None
+    tokens_out: int = 0
+    cached_tokens: int = 0
+    error: str = ""  # the gRPC status it ended with ("" = completed)
+    workers: list = field(default_factory=list)  # worker ids that served it
+    pending: object = None  # its admission queue entry (services.common.admission.Pending)
+
+    @property
+    def deadline_s(self) -> float | None:
+        d = self.trace.deadline_ms
+        return None if d is None else self.arrival_s + d / 1e3
+
+
+class SimWorker:
+    def __init__(self, cluster, worker_id: str, spec: WorkerSpec, cost):
+        self.cluster, self.id, self.spec, self.cost = cluster, worker_id, spec, cost
+        self.role = spec.role
+        self.pool = BlockPool(spec.num_blocks)
+        self.pool.track_events()
+        self.kv = KVCacheManager(self.pool, spec.block_size, spec.prefix_caching)
+        self.fit = StepCostFit()
+        self.sched = Scheduler(self.kv, make_policy(spec.slot_policy), spec.max_num_seqs, spec.max_num_batched_tokens,
+                               clock=lambda: cluster.now, step_cost=self.fit,
+                               deadline_min_batch=spec.deadline_min_batch)
+        self.sims: dict[str, SimRequest] = {}  # req_id -> its SimRequest
+        self.held: list[Request] = []  # request-level batching: waiting for the batch to drain
+        self.imports: list = []  # (Request, SimRequest) whose KV arrived, waiting for blocks
+        self.step = None  # the step (or leap) in flight: dict
+        self.version = 0
+        self.busy_s = 0.0
+        self.steps = 0
+        self.alive = True
+        self.started_s = 0.0
+        self._seq = 0
+
+    # ---- load, as a heartbeat reports it ----------------------------------------------------------------------
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.spec.num_blocks * self.spec.block_size
+
+    def outstanding_tokens(self) -> int:
+        n = 0
+        for r in (*self.sched.running, *self.sched.waiting, *self.held):
+            n += max(r.num_tokens - r.num_computed, 0) + max(r.params.max_tokens - r.num_output, 0)
+        return n
+
+    @property
+    def holding(self) -> int:
+        return len(self.sched.running) + len(self.sched.waiting) + len(self.held) + len(self.imports)
+
+    def fits(self, prompt_tokens: int, max_tokens: int) -> bool:
+        return prompt_tokens + max_tokens <= self.capacity_tokens
+
+    # ---- requests in ----------------------------------------------------------------------------------------
+
+    def add(self, sim: SimRequest, tokens: list, max_tokens: int) -> None:
+        """A request to compute from its prompt (unified or prefill role)."""
+        t = sim.trace
+        req = Request(t.id, tokens, SamplingParams(max_tokens=max_tokens, ignore_eos=True), arrival_s=self.cluster.now,
+                      seq_no=self._next_seq(), priority=t.priority, adapter=t.adapter, tenant=t.tenant,
+                      weight=sim.weight, deadline_s=sim.deadline_s)
+        self.sims[req.req_id] = sim
+        sim.workers.append(self.id)
+        if self.spec.batching == "request":
+            self.held.append(req)
+        else:
+            self.sched.add(req)
+        self.kick()
+
+    def add_import(self, sim: SimRequest, tokens: list, max_tokens: int) -> None:
+        """A request whose prompt KV (and first token) arrived from a prefill worker (decode role)."""
+        t = sim.trace
+        req = Request(t.id, tokens[:t.prompt_tokens], SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                      arrival_s=self.cluster.now, seq_no=self._next_seq(), tenant=t.tenant, weight=sim.weight,
+                      deadline_s=sim.deadline_s)
+        req.tokens = list(tokens)
+        self.sims[req.req_id] = sim
+        sim.workers.append(self.id)
+        self.imports.append(req)
+        self._take_imports()
+        self.kick()
+
+    def _take_imports(self) -> None:
+        while self.imports:
+            req = self.imports[0]
+            if len(self.sched.running) >= self.spec.max_num_seqs or not self.kv.allocate(req, req.num_tokens - 1):
+                return
+            self.imports.pop(0)
+            req.num_computed, req.status = req.num_tokens - 1, Status.RUNNING
+            self.kv.commit(req)
+            self.sched.add_running(req)
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def abort_all(self, reason: str) -> list[SimRequest]:
+        """The worker went away: every request it holds ends (the cluster decides what happens to them)."""
+        out = []
+        for req in [*self.sched.running, *self.sched.waiting]:
+            self.sched.finish(req, "abort")
+        for req in [*self.held, *self.imports, *self.sched.running, *self.sched.waiting]:
+            pass
+        out = list(self.sims.values())
+        self.sims.clear()
+        self.held.clear()
+        self.imports.clear()
+        self.alive = False
+        self.version += 1
+        self.step = None
+        return out
+
+    # ---- stepping -------------------------------------------------------------------------------------------
+
+    def kick(self) -> None:
+        """Start a step if none is in flight and there is work; cut a leap short if work arrived."""
+        if not self.alive:
+            return
+        if self.step is not None:
+            if self.step["k"] > 1:
+                self._cut_leap()
+            return
+        if self.spec.batching == "request" and not self.sched.has_work and self.held:
+            for req in self.held[:self.spec.max_num_seqs]:
+                self.sched.add(req)
+            del self.held[:self.spec.max_num_seqs]
+        if not self.sched.has_work:
+            return
+        out = self.sched.schedule()
+        if out.empty:
+            self._unservable()
+            return
+        now = self.cluster.now
+        seqs = len(out.seqs)
+        context = sum(s.num_computed for s in out.seqs)
+        prefill = out.num_tokens - seqs
+        k = self._leap_steps(out)
+        slow = self.cluster.contention(self) / self.spec.speed
+        if k == 1:
+            ends = [now + self.cost.step_s(seqs, prefill, context) * slow]
+        else:
+            ends, t = [], now
+            for i in range(k):
+                t += self.cost.step_s(seqs, 0, context + i * seqs) * slow
+                ends.append(t)
+        self.version += 1
+        self.step = {"out": out, "k": k, "start": now, "ends": ends, "version": self.version, "slow": slow}
+        self.cluster.at(ends[-1], self._step_done, self.version)
+
+    def _leap_steps(self, out) -> int:
+        """How many identical decode steps to run as one (1 = a single step; the module docstring)."""
+        s = self.sched
+        if (len(out.seqs) < 1 or out.preempted or out.num_tokens != len(out.seqs) or s.policy.uses_deadlines
+                or (s.waiting and len(s.running) < s.max_num_seqs) or self.imports or s.lora is not None):
+            return 1
+        if s.waiting and s.policy.name != "fcfs":
+            return 1  # the fair policies may hand a slot over at any step
+        if any(not seq.sample for seq in out.seqs) or len(out.seqs) != len(s.running):
+            return 1
+        k = min(MAX_LEAP, min(r.params.max_tokens - r.num_output for r in s.running))
+        if k <= 1:
+            return 1
+        # Blocks the next k-1 steps need beyond this one's, which schedule() already allocated.
+        bs = self.kv.block_size
+        need = sum(-(-(r.num_computed + k) // bs) - -(-(r.num_computed + 1) // bs) for r in s.running)
+        while k > 1 and need > self.pool.num_available:
+            k //= 2
+            need = sum(-(-(r.num_computed + k) // bs) - -(-(r.num_computed + 1) // bs) for r in s.running)
+        return k
+
+    def _cut_leap(self) -> None:
+        step, now = self.step, self.cluster.now
+        done = next(i for i, t in enumerate(step["ends"]) if t >= now)  # the step in progress ends there
+        if done + 1 >= step["k"]:
+            return
+        step["k"], step["ends"] = done + 1, step["ends"][:done + 1]
+        self.version += 1
+        step["version"] = self.version
+        self.cluster.at(step["ends"][-1], self._step_done, self.version)
+
+    def _step_done(self, version: int) -> None:
+        if version != self.version or self.step is None:
+            return  # superseded (a cut leap) or the worker went away
+        step, self.step = self.step, None
+        out, k, ends = step["out"], step["k"], step["ends"]
+        self.busy_s += ends[-1] - step["start"]
+        self.steps += k
+        seqs = len(out.seqs)
+        prev = step["start"]
+        for i, end in enumerate(ends):  # what the engine's fit learns: each step's time
+            self.fit.update(seqs, out.num_tokens if i == 0 else seqs, (end - prev) / step["slow"] * self.spec.speed)
+            prev = end
+        self.sched.update(out)
+        if k > 1:
+            for s in out.seqs:
+                req = s.request
+                self.kv.allocate(req, req.num_computed + k - 1)
+        finished = []
+        for s in out.seqs:
+            req = s.request
+            if not s.sample:
+                continue
+            n = k
+            req.tokens.extend([OUTPUT_TOKEN] * n)
+            if k > 1:
+                req.num_computed += k - 1
+                self.kv.commit(req)
+            self.sched.policy.charge(req.tenant, req.weight, output_tokens=n)
+            sim = self.sims.get(req.req_id)
+            self.cluster.on_tokens(self, sim, req, ends, n)
+            if req.num_output >= req.params.max_tokens:
+                finished.append(req)
+        for req in finished:
+            self.sched.finish(req, "length")
+            sim = self.sims.pop(req.req_id, None)
+            self.cluster.on_finished(self, sim, req)
+        self._take_imports()
+        self.cluster.worker_idle_changed(self)
+        self.kick()
+
+    def _unservable(self) -> None:
+        """Nothing could be scheduled with nothing running: the waiting requests cannot fit (the real engine
+        rejects these at add: OUT_OF_RANGE)."""
+        for req in list(self.sched.waiting):
+            if not self.sched.running:
+                self.sched.finish(req, "abort")
+                sim = self.sims.pop(req.req_id, None)
+                self.cluster.on_failed(self, sim, "OUT_OF_RANGE")
