@@ -15,9 +15,10 @@ from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.up import request_from_line
 
 
-async def drive(gateway: str, reqs: list, arrivals: list | None, timeout_s: float = 900) -> list[Timing]:
+async def drive(gateway: str, reqs: list, arrivals: list | None, timeout_s: float = 900,
+                keys: dict | None = None) -> list[Timing]:
     """Stream every request at its arrival time (None: one at a time); one Timing per request, in order (a
-    request that fails has its status in Timing.error)."""
+    request that fails has its status in Timing.error). keys: tenant -> API key (a request's "tenant" picks it)."""
     async with grpc.aio.insecure_channel(gateway) as ch:
         stub = pb_grpc.GenerationStub(ch)
         t0 = time.perf_counter()
@@ -26,7 +27,8 @@ async def drive(gateway: str, reqs: list, arrivals: list | None, timeout_s: floa
             await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
             timing = Timing(arrival_s=time.perf_counter())
             try:
-                async for resp in stub.Generate(request_from_line(r), timeout=timeout_s):
+                meta = (("x-api-key", keys[r["tenant"]]),) if keys else None
+                async for resp in stub.Generate(request_from_line(r), timeout=timeout_s, metadata=meta):
                     timing.on_tokens(time.perf_counter(), list(resp.token_ids))
                     timing.prompt_tokens, timing.cached_tokens = resp.prompt_tokens, resp.cached_prompt_tokens
             except grpc.aio.AioRpcError as e:  # counted (failed_requests), not fatal: a rejection is a result

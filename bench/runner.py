@@ -7,12 +7,12 @@ import shlex
 import sys
 
 from bench import (burst_autoscale, engine_mixed, lora_zipf, mesh_mixed, prefix_shared, router_latency, sampler,
-                   skewed_costs, soak, sweep, tenants_overload)
+                   sim_validate, skewed_costs, soak, sweep, tenants_overload)
 
 WORKLOADS = {"engine-mixed": engine_mixed, "mesh-mixed": mesh_mixed, "prefix-shared": prefix_shared,
              "skewed-costs": skewed_costs, "router-latency": router_latency, "tenants-overload": tenants_overload,
              "sampler": sampler, "soak": soak, "lora-zipf": lora_zipf,
-             "burst-autoscale": burst_autoscale}
+             "burst-autoscale": burst_autoscale, "sim-validate": sim_validate}
 
 
 def add_bench_parser(sub, func) -> None:

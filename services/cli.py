@@ -104,6 +104,10 @@ def cmd_bench(args) -> int:
     return run_workload(args)
 
 
+def cmd_sim(args) -> int:
+    return args.sim_func(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="meshserve", description="LLM serving as a mesh of gRPC microservices")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -151,6 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
     from services.chat_cli import add_parser as add_chat_parser
     from services.up import add_parsers
     add_bench_parser(sub, cmd_bench)
+    from sim.cli import add_parser as add_sim_parser
+    add_sim_parser(sub, cmd_sim)
     add_parsers(sub)
     add_chat_parser(sub)
     return ap

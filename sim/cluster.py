@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 
 from services.common.admission import AdmissionQueue, Pending, under_share
@@ -69,18 +70,21 @@ class ClusterSpec:
     prefill_worker: WorkerSpec | None = None  # default: worker's, role prefill
     routing: str = "least-outstanding"
     routing_config: dict = field(default_factory=dict)
-    admission: str = "fcfs"
+    admission: str = "fcfs"  # the gateway's queue policy; "none": no queue, straight to routing (workers queue)
     starvation_s: float = 30.0
     tenant_weights: dict = field(default_factory=dict)  # tenant -> weight (default 1)
     heartbeat_s: float = 1.0
     cell_size: int = 0
     autoscale: AutoscaleSpec | None = None
+    kv_pool: bool = False  # workers take prompts' blocks from their cell's KV pool and push what they compute there
+    kv_pool_blocks: int = 1 << 18  # a pool's capacity in blocks (least recently used go first)
     ttft_slo_ms: float | None = None  # for attainment and goodput
     tpot_slo_ms: float | None = None
 
 
 class Cluster:
-    def __init__(self, spec: ClusterSpec, cost: CostModel):
+    def __init__(self, spec: ClusterSpec, cost: CostModel, worker_ids: dict | None = None):
+        """worker_ids: role -> the ids its workers take (default: role-0, role-1, ...)."""
         self.spec, self.cost = spec, cost
         self.now = 0.0
         self.events: list = []
@@ -95,7 +99,8 @@ class Cluster:
         self.done: list[SimRequest] = []
         self.timeline: list[tuple[float, int, int]] = []  # (t, serving workers, starting workers)
         self.acost = AdmissionCost()
-        self.queue = AdmissionQueue(make_arbitration(spec.admission, spec.starvation_s), starvation_s=spec.starvation_s,
+        self.queue = AdmissionQueue(make_arbitration("fcfs" if spec.admission == "none" else spec.admission,
+                                                     spec.starvation_s), starvation_s=spec.starvation_s,
                                     trust_predictions=False)
         self.in_flight = 0
         self.held: dict[str, int] = {}  # tenant -> requests dispatched and not finished
@@ -108,16 +113,16 @@ class Cluster:
         self.draining: set = set()
         self.window = _Window()
         prefill_spec = spec.prefill_worker or replace(spec.worker, role="prefill")
+        ids = worker_ids or {}
         if spec.mode == "disaggregated":
-            for i in range(spec.prefill):
-                self._add_worker(replace(prefill_spec, role="prefill"), f"prefill-{i}")
-            for i in range(spec.workers):
-                self._add_worker(replace(spec.worker, role="decode"), f"decode-{i}")
+            groups = [("prefill", spec.prefill, prefill_spec), ("decode", spec.workers, spec.worker)]
         elif spec.mode == "unified":
-            for i in range(spec.workers):
-                self._add_worker(replace(spec.worker, role="unified"), f"unified-{i}")
+            groups = [("unified", spec.workers, spec.worker)]
         else:
             raise ValueError(f"unknown mode {spec.mode!r}; known: unified, disaggregated")
+        for role, n, wspec in groups:
+            for i, wid in enumerate(ids.get(role) or [f"{role}-{i}" for i in range(n)]):
+                self._add_worker(replace(wspec, role=role), wid)
         self._mark_timeline()
 
     # ---- the event loop ---------------------------------------------------------------------------------------
@@ -145,7 +150,7 @@ class Cluster:
     # ---- workers ----------------------------------------------------------------------------------------------
 
     def _add_worker(self, spec: WorkerSpec, worker_id: str) -> SimWorker:
-        w = SimWorker(self, worker_id, spec, self.cost)
+        w = SimWorker(self, worker_id, spec, self.cost, track_events=self._uses_index())
         w.started_s = self.now
         self.workers.append(w)
         self.views[worker_id] = WorkerView(worker_id, worker_id, spec.role, capacity_tokens=w.capacity_tokens,
@@ -154,6 +159,9 @@ class Cluster:
         self.beat_at[worker_id] = -math.inf
         self._assign_cells()
         return w
+
+    def _uses_index(self) -> bool:
+        return make_routing(self.spec.routing, self.spec.routing_config).uses_prefix
 
     def _assign_cells(self) -> None:
         size = self.spec.cell_size
@@ -170,10 +178,19 @@ class Cluster:
                 for i, w in enumerate(ws):
                     cells[i % n].append(w)
         while len(self.routers) < len(cells):
-            self.routers.append({"policies": {}, "recent": RecentRoutes(lambda: self.now)})
+            self.routers.append({"policies": {}, "recent": RecentRoutes(lambda: self.now), "pool": KVPool(
+                self.spec.kv_pool_blocks), "name": f"cell-{len(self.routers)}"})
         del self.routers[len(cells):]
         for router, cell in zip(self.routers, cells):
             router["workers"] = cell
+            for w in cell:
+                w.router = router
+                self.views[w.id].host, self.views[w.id].kv_pool = router["name"], self.spec.kv_pool
+
+    def worker_stats(self) -> list[dict]:
+        return [{"id": w.id, "started_s": w.started_s, "retired_s": w.retired_s if not w.alive else None,
+                 "busy_s": w.busy_s, "seq_s": w.seq_s, "steps": w.steps, "max_num_seqs": w.spec.max_num_seqs,
+                 "slot_preemptions": w.sched.slot_preemptions} for w in self.workers]
 
     def contention(self, worker: SimWorker) -> float:
         """How much slower a step runs because other workers step on the same cores (processor sharing)."""
@@ -195,6 +212,12 @@ class Cluster:
     def _arrive(self, sim: SimRequest) -> None:
         t = sim.trace
         self.window.arrived(t)
+        if self.spec.admission == "none":
+            self.window.pending += 1
+            sim.dispatched_s = self.now
+            self.in_flight += 1
+            self.at(self.now + self.cost.hop_s / 2, self._route_first, sim)
+            return
         prioritized = sim.deadline_s is not None and self.queue.policy.uses_deadlines
         predicted = (self.acost.predict_prioritized(t.prompt_tokens, t.output_tokens) if prioritized
                      else self.acost.predict(t.prompt_tokens, t.output_tokens))
@@ -258,6 +281,8 @@ class Cluster:
     def _release(self, sim: SimRequest) -> None:
         p = sim.pending
         self.in_flight -= 1
+        if p is None:  # admission "none"
+            return
         self.held[p.tenant] -= 1
         if sim.first_s is not None and sim.last_s is not None and not sim.error:
             self.acost.observe(p.input_tokens, sim.tokens_out, sim.first_s - sim.dispatched_s, sim.last_s - sim.first_s)
@@ -273,9 +298,13 @@ class Cluster:
 
     # ---- routing ----------------------------------------------------------------------------------------------
 
-    def _router(self) -> dict:
-        self._turn += 1
-        return self.routers[self._turn % len(self.routers)]
+    def _router(self, sim: SimRequest) -> dict:
+        """The request's cell: the gateway takes the routers in turn, per request (a request's prefill and decode
+        picks stay in one cell)."""
+        if sim.cell is None:
+            sim.cell = self._turn
+            self._turn += 1
+        return self.routers[sim.cell % len(self.routers)]
 
     def _view(self, w: SimWorker) -> WorkerView:
         """The router's view of w: refreshed when a heartbeat is due (every heartbeat_s from the last)."""
@@ -320,47 +349,56 @@ class Cluster:
                 held[wid] = i + 1
         return held
 
-    def _pick(self, role: str, sim: SimRequest, cost: int, tokens: list | None) -> SimWorker | None:
-        router = self._router()
+    def _pick(self, role: str, sim: SimRequest, cost: int, tokens: list | None):
+        """(worker, its prompt's block hashes when computed, the leading blocks to fetch from the pool)."""
+        router = self._router(sim)
         workers = [w for w in router["workers"] if w.role == role]
         if not workers:
             workers = self.serving(role)
         by_id = {w.id: w for w in workers}
         views, _ = candidates([self._view(w) for w in workers], Need(role))
         if not views:
-            return None
+            return None, [], 0
         policy = router["policies"].get(role)
         if policy is None:
             policy = router["policies"][role] = make_routing(self.spec.routing, self.spec.routing_config)
-        ctx, hashes = None, []
-        if policy.uses_prefix and role != "decode" and tokens is not None:
+        ctx, hashes, found, pooled = None, [], {}, 0
+        if (policy.uses_prefix or self.spec.kv_pool) and role != "decode" and tokens is not None:
             bs = views[0].block_size
             hashes = hash_blocks(tokens, bs, extra_keys(sim.trace.adapter, ""))
             found = self._longest(hashes, set(by_id))
+            pooled = router["pool"].longest(hashes) if self.spec.kv_pool else 0
+        if policy.uses_prefix and hashes:
             recent = router["recent"].longest(hashes)
             cached = {v.worker_id: n for v in views if (n := max(found.get(v.worker_id, 0),
                                                                    recent.get(v.worker_id, 0)))}
-            ctx = RouteContext(len(hashes), cached, sim.trace.adapter)
+            in_pool = {v.worker_id: pooled for v in views if pooled > cached.get(v.worker_id, 0)}
+            ctx = RouteContext(len(hashes), cached, sim.trace.adapter, in_pool)
         view, _ = policy.select(views, cost, ctx)
         spared = int(effective_blocks(view, ctx) * view.block_size) if ctx else 0
         policy.on_routed(view, max(cost - spared, 1), sim.trace.adapter)
-        if hashes:
+        if hashes and policy.uses_prefix:
             router["recent"].record(hashes, view.worker_id)
-        return by_id[view.worker_id]
+        fetch = pooled if pooled > found.get(view.worker_id, 0) else 0
+        return by_id[view.worker_id], hashes, fetch
 
     def _route_first(self, sim: SimRequest) -> None:
         t = sim.trace
         tokens = t.tokens()
-        if self.spec.mode == "unified":
-            w = self._pick("unified", sim, t.prompt_tokens + t.output_tokens, tokens)
-            if w is None or not w.fits(t.prompt_tokens, t.output_tokens):
-                return self._fail(sim, "UNAVAILABLE" if w is None else "OUT_OF_RANGE")
-            w.add(sim, tokens, t.output_tokens)
+        role, max_tokens = ("unified", t.output_tokens) if self.spec.mode == "unified" else ("prefill", 1)
+        w, hashes, fetch = self._pick(role, sim, t.prompt_tokens + (t.output_tokens if role == "unified" else 0),
+                                      tokens)
+        if w is None or not w.fits(t.prompt_tokens, max_tokens):
+            return self._fail(sim, "UNAVAILABLE" if w is None else "OUT_OF_RANGE")
+        if self.spec.kv_pool and hashes:
+            sim.hashes = hashes
+        if fetch:  # the pool holds more of the prompt than the worker caches: fetched over its link first
+            bs = w.spec.block_size
+            arrive = self.link_free[w.id] = max(self.now, self.link_free.get(w.id, 0.0)) + \
+                self.cost.kv_transfer_s(fetch * bs)
+            self.at(arrive, w.add, sim, tokens, max_tokens, hashes[:fetch])
         else:
-            w = self._pick("prefill", sim, t.prompt_tokens, tokens)
-            if w is None or not w.fits(t.prompt_tokens, 1):
-                return self._fail(sim, "UNAVAILABLE" if w is None else "OUT_OF_RANGE")
-            w.add(sim, tokens, 1)
+            w.add(sim, tokens, max_tokens)
 
     def _fail(self, sim: SimRequest, code: str) -> None:
         self._end(sim, code)
@@ -376,6 +414,8 @@ class Cluster:
         if sim.first_s is None:
             sim.first_s = times[0] + back
             self.window.first_token(sim, sim.first_s - sim.arrival_s)
+            if sim.hashes:  # its prompt's blocks are computed: pushed to the cell's pool
+                worker.router["pool"].put(sim.hashes)
         if sim.second_s is None and sim.tokens_out + n >= 2:
             sim.second_s = times[1 - sim.tokens_out] + back if sim.tokens_out == 0 else times[0] + back
         sim.last_s = times[-1] + back
@@ -403,7 +443,7 @@ class Cluster:
 
     def _transfer(self, src: SimWorker, sim: SimRequest, tokens: list) -> None:
         """The prompt's KV: src -> kvstore over src's link, then kvstore -> the decode worker over its link."""
-        dst = self._pick("decode", sim, sim.trace.output_tokens, None)
+        dst, _, _ = self._pick("decode", sim, sim.trace.output_tokens, None)
         if dst is None:
             return self._fail(sim, "UNAVAILABLE")
         took = self.cost.kv_transfer_s(sim.trace.prompt_tokens)
@@ -443,6 +483,29 @@ class Cluster:
 
     def _mark_timeline(self) -> None:
         self.timeline.append((round(self.now, 6), len(self.serving()), self.starting))
+
+
+class KVPool:
+    """A cell's content-addressed KV pool (the kvstore's), as block hashes, least recently used evicted first."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.blocks: OrderedDict[bytes, None] = OrderedDict()
+
+    def longest(self, hashes: list) -> int:
+        n = 0
+        for h in hashes:
+            if h not in self.blocks:
+                break
+            n += 1
+        return n
+
+    def put(self, hashes: list) -> None:
+        for h in hashes:
+            self.blocks[h] = None
+            self.blocks.move_to_end(h)
+        while len(self.blocks) > self.capacity:
+            self.blocks.popitem(last=False)
 
 
 class _Window:

@@ -75,14 +75,16 @@ def result_of(cluster, wall_s: float) -> dict:
     summary = latency_summary(reqs, end)
     spec = cluster.spec
     summary.update(slo_summary(reqs, spec.ttft_slo_ms, spec.tpot_slo_ms, end))
-    lifetime = sum(max(end - w.started_s, 0.0) for w in cluster.workers if w.alive) + \
-        sum(max(getattr(w, "retired_s", end) - w.started_s, 0.0) for w in cluster.workers if not w.alive)
-    busy = sum(w.busy_s for w in cluster.workers)
-    summary["utilisation"] = _r(busy / lifetime, 4) if lifetime > 0 else None
+    stats = cluster.worker_stats()
+    lifetime = sum(max((w["retired_s"] if w["retired_s"] is not None else end) - w["started_s"], 0.0) for w in stats)
+    slots = sum(w["max_num_seqs"] * max((w["retired_s"] if w["retired_s"] is not None else end) - w["started_s"], 0.0)
+                for w in stats)
+    summary["utilisation"] = _r(sum(w["busy_s"] for w in stats) / lifetime, 4) if lifetime > 0 else None
+    summary["batch_occupancy"] = _r(sum(w["seq_s"] for w in stats) / slots, 4) if slots > 0 else None
     summary["worker_seconds"] = _r(_worker_seconds(cluster.timeline, end), 1)
     summary["max_workers"] = max((n + s for _, n, s in cluster.timeline), default=0)
-    summary["steps"] = sum(w.steps for w in cluster.workers)
-    summary["preemptions"] = sum(w.sched.slot_preemptions for w in cluster.workers)
+    summary["steps"] = sum(w["steps"] for w in stats)
+    summary["preemptions"] = sum(w["slot_preemptions"] for w in stats)
     return {"summary": summary, "tenants": tenant_summary(reqs),
             "timeline": [list(x) for x in _thin(cluster.timeline)],
             "throughput_timeline": _throughput(reqs, end),

@@ -63,7 +63,9 @@ class SimRequest:
     cached_tokens: int = 0
     error: str = ""  # the gRPC status it ended with ("" = completed)
     workers: list = field(default_factory=list)  # worker ids that served it
+    cell: int | None = None  # the router (cell) the gateway gave it
     pending: object = None  # its admission queue entry (services.common.admission.Pending)
+    hashes: list = field(default_factory=list)  # its prompt's block hashes, when the KV pool wants them
 
     @property
     def deadline_s(self) -> float | None:
@@ -72,11 +74,12 @@ class SimRequest:
 
 
 class SimWorker:
-    def __init__(self, cluster, worker_id: str, spec: WorkerSpec, cost):
+    def __init__(self, cluster, worker_id: str, spec: WorkerSpec, cost, track_events: bool = True):
         self.cluster, self.id, self.spec, self.cost = cluster, worker_id, spec, cost
         self.role = spec.role
         self.pool = BlockPool(spec.num_blocks)
-        self.pool.track_events()
+        if track_events:  # for the prefix index (only a prefix-aware router reads it)
+            self.pool.track_events()
         self.kv = KVCacheManager(self.pool, spec.block_size, spec.prefix_caching)
         self.fit = StepCostFit()
         self.sched = Scheduler(self.kv, make_policy(spec.slot_policy), spec.max_num_seqs, spec.max_num_batched_tokens,
@@ -88,9 +91,12 @@ class SimWorker:
         self.step = None  # the step (or leap) in flight: dict
         self.version = 0
         self.busy_s = 0.0
+        self.seq_s = 0.0  # sequences x seconds of the steps run (batch occupancy = seq_s / (max_num_seqs x time))
         self.steps = 0
         self.alive = True
         self.started_s = 0.0
+        self.retired_s = None
+        self.router = None  # its cell's router (the cluster's)
         self._seq = 0
 
     # ---- load, as a heartbeat reports it ----------------------------------------------------------------------
@@ -114,9 +120,12 @@ class SimWorker:
 
     # ---- requests in ----------------------------------------------------------------------------------------
 
-    def add(self, sim: SimRequest, tokens: list, max_tokens: int) -> None:
-        """A request to compute from its prompt (unified or prefill role)."""
+    def add(self, sim: SimRequest, tokens: list, max_tokens: int, pooled: list = ()) -> None:
+        """A request to compute from its prompt (unified or prefill role); `pooled`: the hashes of its leading
+        blocks fetched from the KV pool, which join this worker's prefix cache first."""
         t = sim.trace
+        if pooled:
+            self._import_pooled(pooled)
         req = Request(t.id, tokens, SamplingParams(max_tokens=max_tokens, ignore_eos=True), arrival_s=self.cluster.now,
                       seq_no=self._next_seq(), priority=t.priority, adapter=t.adapter, tenant=t.tenant,
                       weight=sim.weight, deadline_s=sim.deadline_s)
@@ -127,6 +136,17 @@ class SimWorker:
         else:
             self.sched.add(req)
         self.kick()
+
+    def _import_pooled(self, hashes: list) -> None:
+        """Blocks from the pool become cached blocks here, as the engine's import from the pool leaves them."""
+        for h in hashes:
+            if self.pool.lookup(h) is not None:
+                continue
+            got = self.pool.allocate(1) if self.pool.num_available > 0 else None
+            if got is None:
+                return
+            self.pool.register(got[0], h)
+            self.pool.release(got)
 
     def add_import(self, sim: SimRequest, tokens: list, max_tokens: int) -> None:
         """A request whose prompt KV (and first token) arrived from a prefill worker (decode role)."""
@@ -155,22 +175,6 @@ class SimWorker:
         self._seq += 1
         return self._seq
 
-    def abort_all(self, reason: str) -> list[SimRequest]:
-        """The worker went away: every request it holds ends (the cluster decides what happens to them)."""
-        out = []
-        for req in [*self.sched.running, *self.sched.waiting]:
-            self.sched.finish(req, "abort")
-        for req in [*self.held, *self.imports, *self.sched.running, *self.sched.waiting]:
-            pass
-        out = list(self.sims.values())
-        self.sims.clear()
-        self.held.clear()
-        self.imports.clear()
-        self.alive = False
-        self.version += 1
-        self.step = None
-        return out
-
     # ---- stepping -------------------------------------------------------------------------------------------
 
     def kick(self) -> None:
@@ -178,7 +182,7 @@ class SimWorker:
         if not self.alive:
             return
         if self.step is not None:
-            if self.step["k"] > 1:
+            if self.step["k"] > 1 and self._could_join():
                 self._cut_leap()
             return
         if self.spec.batching == "request" and not self.sched.has_work and self.held:
@@ -207,6 +211,11 @@ class SimWorker:
         self.version += 1
         self.step = {"out": out, "k": k, "start": now, "ends": ends, "version": self.version, "slow": slow}
         self.cluster.at(ends[-1], self._step_done, self.version)
+
+    def _could_join(self) -> bool:
+        """Could work that just arrived change the next step? (Not when every slot is taken under FCFS.)"""
+        s = self.sched
+        return len(s.running) < s.max_num_seqs or s.policy.name != "fcfs" or bool(self.imports)
 
     def _leap_steps(self, out) -> int:
         """How many identical decode steps to run as one (1 = a single step; the module docstring)."""
@@ -245,31 +254,37 @@ class SimWorker:
         step, self.step = self.step, None
         out, k, ends = step["out"], step["k"], step["ends"]
         self.busy_s += ends[-1] - step["start"]
+        self.seq_s += len(out.seqs) * (ends[-1] - step["start"])
         self.steps += k
         seqs = len(out.seqs)
-        prev = step["start"]
-        for i, end in enumerate(ends):  # what the engine's fit learns: each step's time
-            self.fit.update(seqs, out.num_tokens if i == 0 else seqs, (end - prev) / step["slow"] * self.spec.speed)
-            prev = end
-        self.sched.update(out)
+        slow = step["slow"] / self.spec.speed
+        # What the engine's fit learns: the first step's time, and a leap's decode steps as one mean sample (k
+        # samples of the same step would only weigh it k times over).
+        self.fit.update(seqs, out.num_tokens, (ends[0] - step["start"]) / slow)
         if k > 1:
+            self.fit.update(seqs, seqs, (ends[-1] - ends[0]) / (k - 1) / slow)
+        if k == 1:
+            self.sched.update(out)
+        else:  # k decode steps: what k calls of update() and the engine's appends leave
+            kv = self.kv
             for s in out.seqs:
                 req = s.request
-                self.kv.allocate(req, req.num_computed + k - 1)
+                req.num_computed = s.num_computed + k
+                kv.allocate(req, req.num_computed)
         finished = []
+        charge = self.sched.policy.charge if self.sched.policy.name != "fcfs" else None
+        on_tokens = self.cluster.on_tokens
         for s in out.seqs:
             req = s.request
             if not s.sample:
                 continue
-            n = k
-            req.tokens.extend([OUTPUT_TOKEN] * n)
+            req.tokens.extend([OUTPUT_TOKEN] * k)
             if k > 1:
-                req.num_computed += k - 1
                 self.kv.commit(req)
-            self.sched.policy.charge(req.tenant, req.weight, output_tokens=n)
-            sim = self.sims.get(req.req_id)
-            self.cluster.on_tokens(self, sim, req, ends, n)
-            if req.num_output >= req.params.max_tokens:
+            if charge is not None:
+                charge(req.tenant, req.weight, output_tokens=k)
+            on_tokens(self, self.sims.get(req.req_id), req, ends, k)
+            if len(req.tokens) - req.num_prompt >= req.params.max_tokens:
                 finished.append(req)
         for req in finished:
             self.sched.finish(req, "length")

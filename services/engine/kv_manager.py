@@ -45,6 +45,9 @@ class KVCacheManager:
 
     def allocate(self, req: Request, num_tokens: int, prefix: list[int] = ()) -> bool:
         """Grow req's table to cover num_tokens, taking `prefix` (cached blocks) first. False if short."""
+        table = self.tables.get(req.req_id)
+        if table is not None and not prefix and -(-num_tokens // self.block_size) <= len(table):
+            return True  # covered already (most decode steps)
         table = self.tables.setdefault(req.req_id, [])
         need = -(-num_tokens // self.block_size) - len(table) - len(prefix)
         revived = sum(1 for b in prefix if self.pool.ref_count[b] == 0)

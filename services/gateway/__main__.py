@@ -56,6 +56,10 @@ async def serve(args, config: MeshConfig) -> None:
     servicer = GatewayServicer(model, Tokenizer(args.model), routers, args.kvstore, Authenticator(tenants),
                                admission, SizeBounds.for_model(model.max_model_len, adm.max_prompt_bytes), secret)
     admission.credits = CreditPool(servicer.channels, admission.pump)  # follows the workers watch_mesh finds
+    if args.record_trace:
+        from services.gateway.record import TraceRecorder
+
+        servicer.recorder = TraceRecorder(args.record_trace)
     tls = (args.tls_key, args.tls_cert) if args.tls_cert else None
     public_tls = tuple(Path(f).read_bytes() for f in tls) if tls else None
     server = rpc.Server(["Generation"], args.port, args.host, public=True, public_tls=public_tls)
@@ -81,6 +85,8 @@ async def serve(args, config: MeshConfig) -> None:
     await server.run(grace_s=args.grace_s, on_stop=stop_http)
     for t in tasks:
         t.cancel()
+    if servicer.recorder is not None:
+        servicer.recorder.close()
 
 
 def _env_int(name: str) -> int | None:
@@ -101,6 +107,9 @@ def main() -> None:
                     choices=["disaggregated", "unified"], help="which workers readiness waits for")
     add_config_flag(ap)
     add_section_flags(ap, "admission", prefix="admission-")
+    ap.add_argument("--record-trace", default=os.environ.get("GATEWAY_RECORD_TRACE"), metavar="FILE",
+                    help="append one line per request answered to this JSONL trace (the simulator's format: "
+                         "`meshserve sim --trace FILE` replays it)")
     ap.add_argument("--http-port", type=int, default=_env_int("GATEWAY_HTTP_PORT"),
                     help="serve the OpenAI-compatible HTTP API on this port (0 = any free port; default: off)")
     ap.add_argument("--tls-cert", default=os.environ.get("GATEWAY_TLS_CERT"),

@@ -145,6 +145,7 @@ class GatewayServicer(pb_grpc.GenerationServicer):
         self.bounds = bounds or SizeBounds.for_model(model.max_model_len)
         self.auth = auth or Authenticator([])
         self.admission = admission or Admission()
+        self.recorder = None  # TraceRecorder, with --record-trace
         self.channels = rpc.ChannelPool()
         self.routers = list(routers)
         self._route_turn = itertools.count()
@@ -223,47 +224,64 @@ class GatewayServicer(pb_grpc.GenerationServicer):
         """The one generation path of both faces (gRPC and HTTP, each converting its request once): the
         tenant by its key, validation, admission, routing, and the token stream as GenerateResponses.
         Raises MeshError."""
-        tenant = self.auth.authenticate(key)
-        req = await self._select_adapter(req)
-        ids = self._validate(req)
-        params = req.sampling
-        tenant.check_request(len(ids), params.max_tokens, req.priority, req.adapter)
-        if req.adapter:
-            await self.adapters.check(req.adapter)
-        timeout = self._timeout(req, time_remaining)
-        client_id = req.client_id or uuid.uuid4().hex
-        req_id = f"{client_id}.{uuid.uuid4().hex[:12]}"
-        deadline_s = time.monotonic() + timeout if timeout is not None else None
-        ticket = await self.admission.admit(tenant, req_id, len(ids), params.max_tokens, req.priority, deadline_s)
-        if params.seed is None and not params.greedy:
-            params = replace(params, seed=secrets.randbits(63))  # drawn here, so that a resume draws the same
-        spec = RequestSpec(req_id, tuple(ids), params, priority=req.priority, tenant=tenant.name,
-                           weight=tenant.weight, deadline_s=deadline_s, predicted_s=ticket.predicted_s,
-                           adapter=req.adapter, cache_salt=wire_salt(self.cache_secret, tenant.cache_salt))
-        streamed: list = []  # output tokens the client has
-        first_s = last_s = counts = None
-        finished = False
+        arrival_s, answered = time.monotonic(), {}
         try:
-            text = _TextStream(self.tokenizer, params.stop)
-            queue_ms = (ticket.dispatched_s - ticket.arrival_s) * 1e3
-            async for ev in self._resumable(spec, streamed, ticket):
-                if ev.token_ids:
-                    last_s = time.monotonic()
-                    if not streamed:
-                        first_s = last_s
-                        self.admission.metrics.ttft.record((first_s - ticket.arrival_s) * 1e3, {"tenant": tenant.name})
-                streamed.extend(ev.token_ids)
-                counts = counts or (ev.prompt_tokens, ev.cached_prompt_tokens)  # the first attempt's prompt
-                finished = bool(ev.finish_reason)
-                yield pb.GenerateResponse(request_id=client_id, token_ids=ev.token_ids, logprobs=ev.logprobs,
-                                          text=text.push(ev.token_ids, bool(ev.finish_reason)),
-                                          finish_reason=ev.finish_reason, prompt_tokens=counts[0],
-                                          cached_prompt_tokens=counts[1], queue_wait_ms=queue_ms)
-                queue_ms = 0.0
-                if ev.finish_reason:
-                    return
-        finally:  # a completed request's times teach the admission cost model (a cut-short one's would not)
-            self.admission.done(ticket, len(streamed), *((first_s, last_s) if finished else ()))
+            tenant = self.auth.authenticate(key)
+            answered["tenant"] = tenant.name
+            req = await self._select_adapter(req)
+            ids = answered["ids"] = self._validate(req)
+            params = req.sampling
+            tenant.check_request(len(ids), params.max_tokens, req.priority, req.adapter)
+            if req.adapter:
+                await self.adapters.check(req.adapter)
+            timeout = self._timeout(req, time_remaining)
+            client_id = req.client_id or uuid.uuid4().hex
+            req_id = f"{client_id}.{uuid.uuid4().hex[:12]}"
+            deadline_s = answered["deadline_s"] = time.monotonic() + timeout if timeout is not None else None
+            ticket = await self.admission.admit(tenant, req_id, len(ids), params.max_tokens, req.priority, deadline_s)
+            if params.seed is None and not params.greedy:
+                params = replace(params, seed=secrets.randbits(63))  # drawn here, so that a resume draws the same
+            spec = RequestSpec(req_id, tuple(ids), params, priority=req.priority, tenant=tenant.name,
+                               weight=tenant.weight, deadline_s=deadline_s, predicted_s=ticket.predicted_s,
+                               adapter=req.adapter, cache_salt=wire_salt(self.cache_secret, tenant.cache_salt))
+            streamed: list = []  # output tokens the client has
+            first_s = last_s = counts = None
+            finished = False
+            try:
+                text = _TextStream(self.tokenizer, params.stop)
+                queue_ms = (ticket.dispatched_s - ticket.arrival_s) * 1e3
+                async for ev in self._resumable(spec, streamed, ticket):
+                    if ev.token_ids:
+                        last_s = time.monotonic()
+                        if not streamed:
+                            first_s = last_s
+                            self.admission.metrics.ttft.record((first_s - ticket.arrival_s) * 1e3, {"tenant": tenant.name})
+                    streamed.extend(ev.token_ids)
+                    counts = counts or (ev.prompt_tokens, ev.cached_prompt_tokens)  # the first attempt's prompt
+                    finished = bool(ev.finish_reason)
+                    yield pb.GenerateResponse(request_id=client_id, token_ids=ev.token_ids, logprobs=ev.logprobs,
+                                              text=text.push(ev.token_ids, bool(ev.finish_reason)),
+                                              finish_reason=ev.finish_reason, prompt_tokens=counts[0],
+                                              cached_prompt_tokens=counts[1], queue_wait_ms=queue_ms)
+                    queue_ms = 0.0
+                    if ev.finish_reason:
+                        return
+            finally:  # a completed request's times teach the admission cost model (a cut-short one's would not)
+                self.admission.done(ticket, len(streamed), *((first_s, last_s) if finished else ()))
+                if finished:
+                    answered["output_tokens"] = len(streamed)
+        finally:
+            if self.recorder is not None:
+                self._record(req, arrival_s, answered)
+
+    def _record(self, req: ClientRequest, arrival_s: float, answered: dict) -> None:
+        """One line of the trace recording (services/gateway/record.py); never fails the request."""
+        try:
+            ids = answered.get("ids") or (list(req.prompt_token_ids) if req.prompt_token_ids else [])
+            self.recorder.record(arrival_s, ids, answered.get("output_tokens", req.sampling.max_tokens), answered.get(
+                "tenant", ""), req.adapter, answered.get("deadline_s"), req.priority, self.admission.view.block_size)
+        except Exception:
+            log.exception("recording request trace failed")
 
     async def _resumable(self, spec: RequestSpec, streamed: list, ticket=None):
         """The request's token events, resumed on another worker when a worker, the kvstore or the router fails

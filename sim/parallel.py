@@ -1,0 +1,77 @@
+"""Cells in parallel: a cluster whose cells share nothing runs as one process per core, with the same result.
+
+With cell_size > 0, no gateway queue (admission "none": every request goes straight to its cell's router) and
+no autoscaling, cells are independent: the gateway hands request i of the trace to cell i mod C, and nothing
+else crosses cells. Each cell then runs as its own Cluster on its share of the trace, with the same worker ids
+as in the whole cluster (so that tie-breaks by worker id agree), in a pool of processes, and the results merge
+in cell order. The merged result is the single-process one, byte for byte (tests/unit/test_sim.py checks it).
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
+
+from sim.cluster import Cluster, ClusterSpec
+from sim.cost import CostModel
+
+
+def splittable(spec: ClusterSpec) -> bool:
+    if not spec.cell_size or spec.admission != "none" or spec.autoscale is not None:
+        return False
+    n = len(cells(spec))
+    return all(count >= n for count in _counts(spec).values())
+
+
+def _counts(spec: ClusterSpec) -> dict:
+    return {"prefill": spec.prefill, "decode": spec.workers} if spec.mode == "disaggregated" else \
+        {"unified": spec.workers}
+
+
+def cells(spec: ClusterSpec) -> list[dict]:
+    """Each cell's worker ids by role, as Cluster._assign_cells deals them."""
+    counts = _counts(spec)
+    n = max(1, max(math.ceil(c / spec.cell_size) for c in counts.values()))
+    return [{role: [f"{role}-{i}" for i in range(c) if i % n == j] for role, c in counts.items()} for j in range(n)]
+
+
+def _run_cell(args) -> tuple:
+    spec, cost, trace, ids, j, n = args
+    counts = {role: len(v) for role, v in ids.items()}
+    sub = replace(spec, cell_size=0, workers=counts.get("unified", counts.get("decode", 0)),
+                  prefill=counts.get("prefill", 0))
+    cluster = Cluster(sub, cost, worker_ids=ids)
+    cluster.run(trace)
+    for r in cluster.done:
+        r.seq_no = j + n * r.seq_no
+        r.pending, r.hashes, r.workers = None, [], []
+    return cluster.done, cluster.worker_stats(), cluster.processed, cluster.now
+
+
+class Merged:
+    """The parts of a Cluster that sim.report.result_of reads, merged over cells."""
+
+    def __init__(self, spec: ClusterSpec, parts: list):
+        self.spec = spec
+        self.done = [r for p in parts for r in p[0]]
+        self._stats = [w for p in parts for w in p[1]]
+        self.processed = sum(p[2] for p in parts)
+        self.now = max(p[3] for p in parts)
+        self.timeline = [(0.0, len(self._stats), 0)]
+
+    def worker_stats(self) -> list[dict]:
+        return self._stats
+
+
+def run_cells(spec: ClusterSpec, cost: CostModel, trace: list, processes: int) -> Merged:
+    groups = cells(spec)
+    n = len(groups)
+    tasks = [(spec, cost, trace[j::n], ids, j, n) for j, ids in enumerate(groups)]
+    if processes <= 1:
+        parts = [_run_cell(t) for t in tasks]
+    else:
+        with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("fork")) as pool:
+            parts = list(pool.map(_run_cell, tasks))
+    return Merged(spec, parts)
