@@ -1,0 +1,224 @@
+"""`meshserve sim study NAME`: the at-scale studies of docs/SIMULATION.md, each a JSON result and a PNG.
+
+Every study uses the cost model given (--cost; default sim-cost.json, else built-in figures), unified or
+disaggregated workers of 64 sequences and a 2,048-token budget, and first measures one worker's capacity for
+its request mix in the simulator (a burst of 400 requests at once on one worker: requests/s), so that loads
+are fractions of what the cluster can serve. Studies:
+
+- batching: iteration-level vs request-level batching (a batch forms only when the last one has drained), 512
+  workers, 1M requests (prompts 32-512, outputs 16-256), Poisson at 50% of the iteration-level capacity:
+  utilisation (time stepping), batch occupancy (sequences per step over the slots), throughput, latency.
+- routing: round robin vs least-outstanding vs prefix-aware, each with and without the KV pool, 512 workers in
+  cells of 16, 1M requests sharing 512 system prompts (256-768 tokens, Zipf 1.1) plus 32-128 own tokens,
+  outputs 16-128, each worker's KV holding about 12 system prompts, Poisson at 70% of capacity: prefill tokens
+  computed, prefix hit rate, TTFT, throughput.
+- disaggregation: unified vs disaggregated at P:D 1:1, 1:3 and 1:7, 512 workers in all, 1M requests, at one
+  load (70% of the unified capacity): goodput (requests meeting TTFT <= 2 s and TPOT <= 60 ms per second) and
+  attainment.
+- autoscale: the token policy vs the CPU-utilisation and request-rate baselines and the best fixed size, on a
+  day-long trace (diurnal rate, +-70%, with a 3x burst of 10 minutes every 2 hours), 2-minute start-ups, about
+  1M requests: SLO attainment (TTFT <= 2 s), worker-seconds, peak workers. The whole day runs in one process
+  (the gateway's queue and the autoscaler see the whole cluster); its pool peaks near 40 workers, not 500: a
+  day at 500 workers would be a hundred million requests.
+
+Cells run in parallel processes where the study allows (sim/parallel.py; the result is the same).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+from sim.cluster import AutoscaleSpec, ClusterSpec
+from sim.cost import CostModel
+from sim.trace import Synthetic, synthetic
+from sim.worker import WorkerSpec
+
+STUDIES = ("batching", "routing", "disaggregation", "autoscale")
+WORKER = WorkerSpec(num_blocks=8192, max_num_seqs=64, max_num_batched_tokens=2048, slot_policy="fcfs")
+
+
+def log(msg: str) -> None:
+    import sys
+
+    print(f"[sim study] {msg}", file=sys.stderr, flush=True)
+
+
+def capacity(cost: CostModel, mix: Synthetic, worker: WorkerSpec = WORKER, n: int = 400) -> float:
+    """One worker's requests/s for a mix: a burst of n requests at once, n / makespan."""
+    from sim.cli import simulate
+
+    trace = synthetic(replace(mix, requests=n, rate=1e6), seed=12345)
+    r = simulate(ClusterSpec(workers=1, worker=worker, admission="none"), cost, trace)
+    span = max(t[0] for t in r["throughput_timeline"]) if r["throughput_timeline"] else 1.0
+    return n / max(span, 1e-9)
+
+
+def _run(name: str, spec: ClusterSpec, cost: CostModel, trace: list, processes: int) -> dict:
+    from sim.cli import simulate
+
+    t = time.perf_counter()
+    r = simulate(spec, cost, trace, processes=processes)
+    s = r["summary"]
+    log(f"{name}: {len(trace):,} requests, {r['run']['events']:,} events in {time.perf_counter() - t:.0f} s "
+        f"({r['run']['events_per_s']:,} events/s); ttft p50 {s['ttft_ms_p50']} ms, tpot p50 {s['tpot_ms_p50']} ms, "
+        f"{s['output_tokens_per_s']:,} tok/s")
+    return {**s, "events": r["run"]["events"], "sim_wall_s": r["run"]["wall_s"],
+            "events_per_s": r["run"]["events_per_s"], "timeline": r["timeline"],
+            "throughput_timeline": r["throughput_timeline"]}
+
+
+def batching(cost, n, workers, processes) -> dict:
+    mix = Synthetic(prompt=(32, 512), output=(16, 256))
+    cap = capacity(cost, mix)
+    rate = 0.5 * cap * workers
+    trace = synthetic(replace(mix, requests=n, rate=rate), seed=1)
+    base = ClusterSpec(workers=workers, worker=WORKER, cell_size=16, admission="none", routing="least-outstanding")
+    systems = {b: _run(b, replace(base, worker=replace(WORKER, batching=b)), cost, trace, processes)
+               for b in ("iteration", "request")}
+    return {"config": {"workers": workers, "requests": n, "rate_req_per_s": round(rate, 2),
+                       "capacity_per_worker_req_per_s": round(cap, 3), "mix": asdict(mix)}, "systems": systems}
+
+
+def routing(cost, n, workers, processes) -> dict:
+    mix = Synthetic(prompt=(32, 128), output=(16, 128), system_prompts=512, system_tokens=(256, 768), zipf=1.1)
+    worker = replace(WORKER, num_blocks=12 * 512 // 16 + 64 * 40)  # ~12 system prompts + the running requests' own
+    cap = capacity(cost, mix, worker)
+    rate = 0.7 * cap * workers
+    trace = synthetic(replace(mix, requests=n, rate=rate), seed=2)
+    base = ClusterSpec(workers=workers, worker=worker, cell_size=16, admission="none")
+    systems = {}
+    for policy, pool in (("round-robin", False), ("least-outstanding", False), ("prefix-aware", False),
+                         ("round-robin", True), ("prefix-aware", True)):
+        name = policy + ("+pool" if pool else "")
+        s = systems[name] = _run(name, replace(base, routing=policy, kv_pool=pool), cost, trace, processes)
+        s["prefill_tokens_computed"] = s["prompt_tokens"] - s["cached_prompt_tokens"]
+        s["prefix_hit_rate"] = round(s["cached_prompt_tokens"] / s["prompt_tokens"], 4) if s["prompt_tokens"] else None
+    return {"config": {"workers": workers, "cell_size": 16, "requests": n, "rate_req_per_s": round(rate, 2),
+                       "capacity_per_worker_req_per_s": round(cap, 3), "kv_blocks_per_worker": worker.num_blocks,
+                       "mix": asdict(mix)}, "systems": systems}
+
+
+def disaggregation(cost, n, workers, processes) -> dict:
+    mix = Synthetic(prompt=(256, 1024), output=(32, 256))
+    cap = capacity(cost, mix)
+    rate = 0.7 * cap * workers
+    trace = synthetic(replace(mix, requests=n, rate=rate), seed=3)
+    slo = {"ttft_slo_ms": 2000.0, "tpot_slo_ms": 60.0}
+    base = ClusterSpec(worker=WORKER, cell_size=16, admission="none", routing="least-outstanding", **slo)
+    systems = {"unified": _run("unified", replace(base, workers=workers), cost, trace, processes)}
+    for p, d in ((1, 1), (1, 3), (1, 7)):
+        pre = workers * p // (p + d)
+        name = f"disaggregated-{p}:{d}"
+        systems[name] = _run(name, replace(base, mode="disaggregated", prefill=pre, workers=workers - pre,
+                                           cell_size=16 * (p + d) // d), cost, trace, processes)
+    return {"config": {"workers": workers, "requests": n, "rate_req_per_s": round(rate, 2), **slo,
+                       "capacity_per_worker_req_per_s": round(cap, 3), "mix": asdict(mix),
+                       "kv_link_gbytes_per_s": cost.kv_link_gbytes_per_s}, "systems": systems}
+
+
+def autoscale(cost, n, workers, processes) -> dict:
+    mix = Synthetic(prompt=(32, 512), output=(16, 256))
+    cap = capacity(cost, mix)
+    day = 86400.0
+    mean_rate = n / day
+    spec_trace = replace(mix, requests=n, rate=mean_rate, diurnal_period_s=day, diurnal_amplitude=0.7,
+                         burst_every_s=7200.0, burst_s=600.0, burst_factor=3.0)
+    trace = synthetic(spec_trace, seed=4)
+    slo = 2000.0
+    peak = mean_rate * 1.7 * 3.0
+    one = AutoscaleSpec(startup_s=120.0, max_replicas=256, ttft_slo_s=slo / 1e3, interval_s=10.0,
+                        prefill_tokens_per_s=cap * 272 * 1.0, decode_tokens_per_s=cap * 136 * 1.0,
+                        requests_per_s_per_replica=cap * 0.7)
+    base = ClusterSpec(worker=WORKER, admission="fcfs", routing="least-outstanding", ttft_slo_ms=slo, workers=2)
+    systems = {}
+    for policy in ("token", "cpu", "rate"):
+        systems[f"{policy}-policy"] = _run(policy, replace(base, autoscale=replace(one, policy=policy)), cost, trace,
+                                           processes)
+    fixed = max(1, int(peak / cap / 0.85) + 1)
+    systems["best-fixed"] = _run(f"fixed {fixed}", replace(base, workers=fixed), cost, trace, processes)
+    systems["best-fixed"]["workers"] = fixed
+    return {"config": {"requests": n, "day_s": day, "mean_rate_req_per_s": round(mean_rate, 3),
+                       "capacity_per_worker_req_per_s": round(cap, 3), "startup_s": 120.0, "ttft_slo_ms": slo,
+                       "trace": asdict(spec_trace)}, "systems": systems}
+
+
+RUNNERS = {"batching": batching, "routing": routing, "disaggregation": disaggregation, "autoscale": autoscale}
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    systems = result["systems"]
+    names = list(systems)
+    study = result["study"]
+    panels = {"batching": ("utilisation", "batch_occupancy", "ttft_ms_p99", "output_tokens_per_s"),
+              "routing": ("prefill_tokens_computed", "prefix_hit_rate", "ttft_ms_p99", "output_tokens_per_s"),
+              "disaggregation": ("goodput_req_per_s", "slo_attainment", "ttft_ms_p99", "tpot_ms_p99"),
+              "autoscale": ("slo_attainment", "worker_seconds", "max_workers", "ttft_ms_p99")}[study]
+    fig, ax = plt.subplots(1, len(panels) + (study == "autoscale"), figsize=(4.2 * (len(panels) + 1), 3.6))
+    for a, metric in zip(ax, panels):
+        a.bar(names, [systems[s].get(metric) or 0 for s in names])
+        a.set_title(metric)
+        a.tick_params(axis="x", labelrotation=30, labelsize=7)
+    if study == "autoscale":
+        a = ax[-1]
+        for s in names:
+            tl = systems[s]["timeline"]
+            a.step([x[0] / 3600 for x in tl], [x[1] + x[2] for x in tl], where="post", label=s)
+        a.set(title="workers (serving + starting)", xlabel="hour")
+        a.legend(fontsize=7)
+    fig.suptitle(f"sim study {study}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("study", help="one of the at-scale studies (docs/SIMULATION.md)")
+    p.add_argument("name", choices=STUDIES)
+    p.add_argument("--requests", type=int, default=1_000_000)
+    p.add_argument("--workers", type=int, default=512)
+    p.add_argument("--processes", type=int, default=os.cpu_count() or 1, help="cells run in parallel this wide")
+    p.add_argument("--cost", help="the cost model JSON (default: sim-cost.json when present, else built-in figures)")
+    p.add_argument("--out", help="the result JSON (a PNG is written beside it)")
+
+
+def run(args) -> int:
+    from sim.cli import DEFAULT_COST
+
+    path = args.cost or (DEFAULT_COST if Path(DEFAULT_COST).exists() else None)
+    cost = CostModel.load(path) if path else CostModel()
+    cost = replace(cost, cores=0)  # at scale every worker has its own device
+    t = time.perf_counter()
+    result = RUNNERS[args.name](cost, args.requests, args.workers, args.processes)
+    result = {"study": args.name, "command": "meshserve sim study " + " ".join(_argv()), "cost": asdict(cost),
+              **result, "wall_s": round(time.perf_counter() - t, 1)}
+    for s in result["systems"].values():
+        if args.name != "autoscale":
+            s.pop("timeline", None)
+        s["throughput_timeline"] = s["throughput_timeline"][::10]
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
+        png = str(Path(args.out).with_suffix(".png"))
+        plot(result, png)
+        log(f"wrote {args.out} and {png}")
+    for name, s in result["systems"].items():
+        print(f"{name:26} " + " ".join(f"{k}={s.get(k)}" for k in (
+            "utilisation", "batch_occupancy", "prefix_hit_rate", "goodput_req_per_s", "slo_attainment",
+            "worker_seconds", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "output_tokens_per_s", "events_per_s")
+            if s.get(k) is not None))
+    return 0
+
+
+def _argv() -> list:
+    import sys
+
+    return sys.argv[3:] if sys.argv[1:3] == ["sim", "study"] else sys.argv[1:]
