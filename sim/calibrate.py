@@ -8,6 +8,10 @@ logs every step it runs (MESHSERVE_STEP_LOG) while the calibration load runs thr
    arriving together so the batch sweeps sizes and context lengths while prompts are chunked into it.
 The step log is fitted (sim/cost.py: least squares over each step's interval to the next), and the fit's
 relative error on the steps, the machine and the load are written beside the terms.
+3. How workers share this machine's cores: a mesh of one worker per core, every worker busy at once (two
+   bursts of 12 requests per worker), its own step log. Its decode steps take f times what the one-worker fit
+   predicts; the simulator's processor sharing (a step runs busy workers / cores times slower) then uses
+   cores = workers / f: the cores the workers really have once the gateway, router and client take theirs.
 """
 
 from __future__ import annotations
@@ -51,14 +55,24 @@ def calibrate(model_dir: Path, quick: bool = False, seed: int = 0, engine_args: 
         for b in bursts:
             log(f"calibration: a burst of {len(b)}")
             asyncio.run(drive(mesh.gateway, b, [0.0] * len(b)))
-    steps = []
-    for f in sorted(folder.glob("steps-*.jsonl")):
-        steps += [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
-    if not steps:
-        raise RuntimeError(f"the worker logged no steps in {folder}")
-    rows = intervals(steps)
+    rows = intervals(_steps(folder))
     terms, quality = fit(rows)
     model = CostModel(**terms)
+    cores = os.cpu_count() or 1
+    model.cores, sharing = cores, None
+    if cores > 1:
+        shared = Path(tempfile.mkdtemp(prefix="meshserve-steps-shared-"))
+        with Mesh(MeshSpec(str(model_dir), mode="unified", unified=cores, engine_args=engine_args,
+                           env={"MESHSERVE_STEP_LOG": str(shared)})) as mesh:
+            asyncio.run(drive(mesh.gateway, _requests(rng, 2 * cores, (32, 64), (4, 4), "warm2"), None))
+            for i in range(2):
+                log(f"calibration: {cores} workers busy at once ({i + 1}/2)")
+                burst = _requests(rng, 12 * cores, (32, 512), (64, 128), f"shared{i}")
+                asyncio.run(drive(mesh.gateway, burst, [0.0] * len(burst)))
+        ratios = sorted(t / model.step_s(s, 0, c) for s, p, c, t in intervals(_steps(shared)) if p == 0 and s > 1)
+        if ratios:
+            sharing = ratios[len(ratios) // 2]
+            model.cores = round(min(cores, cores / sharing), 3) if sharing > 1 else cores
     # The hop: a solo request's TTFT beyond its prompt's steps (chunked by the budget) at the fitted cost.
     budget = int(engine_args[engine_args.index("--max-num-batched-tokens") + 1]) \
         if "--max-num-batched-tokens" in engine_args else 2048
@@ -74,11 +88,20 @@ def calibrate(model_dir: Path, quick: bool = False, seed: int = 0, engine_args: 
         hops.append((t.first_s - t.arrival_s) - took)
     model.hop_s = round(max(percentile(hops, 0.5) or 0.0, 0.0), 6)
     model.kv_bytes_per_token = _kv_bytes_per_token(model_dir)
-    model.cores = os.cpu_count() or 1
-    model.source = {"machine": machine(), "model": str(model_dir), "engine_args": engine_args,
+    model.source = {"cpu_count": cores, "shared_step_ratio": None if sharing is None else round(sharing, 4),
+                    "machine": machine(), "model": str(model_dir), "engine_args": engine_args,
                     "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **quality,
                     "hop_ms_samples": len(hops)}
     return model
+
+
+def _steps(folder: Path) -> list[dict]:
+    steps = []
+    for f in sorted(folder.glob("steps-*.jsonl")):
+        steps += [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+    if not steps:
+        raise RuntimeError(f"the worker logged no steps in {folder}")
+    return steps
 
 
 def _kv_bytes_per_token(model_dir: Path) -> int:
@@ -103,6 +126,6 @@ def main(args) -> int:
     model.save(args.out)
     log(f"wrote {args.out}: step = {model.base_s * 1e3:.3f} ms + {model.per_seq_s * 1e3:.3f} ms/seq + "
         f"{model.per_context_s * 1e6:.3f} us/context token + {model.prefill_s_per_token * 1e6:.1f} us/prompt token; "
-        f"hop {model.hop_s * 1e3:.2f} ms; median error {model.source['median_rel_error']:.1%} over "
+        f"hop {model.hop_s * 1e3:.2f} ms; {model.cores:g} cores for workers; median error {model.source['median_rel_error']:.1%} over "
         f"{model.source['steps']} steps")
     return 0

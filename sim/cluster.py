@@ -319,7 +319,8 @@ class Cluster:
             v.routed_adapters = set()
             v.prefill_s_per_token, v.decode_s_per_step = w.fit.prefill_s_per_token, w.fit.decode_s_per_step
             v.decode_s_floor = w.fit.step_s(w.spec.deadline_min_batch) if w.fit.decode_s_per_step else 0.0
-            self._publish(w)
+        if w.pool.events:
+            self._publish(w)  # the real workers publish every 50 ms: as good as at once here
         return v
 
     def _publish(self, w: SimWorker) -> None:

@@ -73,25 +73,44 @@ def intervals(steps: list[dict]) -> list[tuple[int, int, int, float]]:
     return out
 
 
-def fit(rows: list[tuple[int, int, int, float]]) -> tuple[dict, dict]:
-    """Least-squares terms (TERMS) for rows of (sequences, prompt tokens, context tokens, seconds), none negative
-    (a negative term is dropped and the rest refitted); and the fit's relative error on the rows."""
+def _nonneg_lstsq(a, y, names: tuple) -> dict:
+    """Least squares with no negative term (a negative one is dropped and the rest refitted)."""
     import numpy as np
 
-    if len(rows) < len(TERMS) * 4:
-        raise ValueError(f"{len(rows)} steps are too few to fit a cost model (need {len(TERMS) * 4})")
-    a = np.array([[1.0, r[0], r[2], r[1]] for r in rows])
-    y = np.array([r[3] for r in rows])
-    keep = list(range(len(TERMS)))
+    keep = list(range(a.shape[1]))
     while True:
         coef, *_ = np.linalg.lstsq(a[:, keep], y, rcond=None)
         if (coef >= 0).all() or len(keep) == 1:
             break
         keep.pop(int(np.argmin(coef)))
-    terms = dict.fromkeys(TERMS, 0.0)
+    out = dict.fromkeys(names, 0.0)
     for i, c in zip(keep, coef):
-        terms[TERMS[i]] = float(max(c, 0.0))
-    pred = a @ np.array([terms[t] for t in TERMS])
-    rel = np.abs(pred - y) / y
-    return terms, {"steps": len(rows), "median_rel_error": round(float(np.median(rel)), 4),
+        out[names[i]] = float(max(c, 0.0))
+    return out
+
+
+def fit(rows: list[tuple[int, int, int, float]]) -> tuple[dict, dict]:
+    """The terms (TERMS) for rows of (sequences, prompt tokens, context tokens, seconds), as the engine's own fit
+    splits them: the decode part (base, per sequence, per context token) from decode-only steps, then the cost
+    per prompt token from what prompt-carrying steps took beyond their decode part. Both by least squares on
+    relative error (steps run from a few to a hundred milliseconds: absolute error would let the few long
+    prompt steps decide the decode terms), no term negative. Also the fit's relative error on every row."""
+    import numpy as np
+
+    decode = [r for r in rows if r[1] == 0]
+    prompt = [r for r in rows if r[1] > 0]
+    if len(decode) < 12 or len(prompt) < 4:
+        raise ValueError(f"{len(decode)} decode-only and {len(prompt)} prompt steps are too few to fit a cost model "
+                         "(need 12 and 4)")
+    y = np.array([r[3] for r in decode])
+    a = np.array([[1.0, r[0], r[2]] for r in decode]) / y[:, None]
+    terms = _nonneg_lstsq(a, np.ones(len(decode)), TERMS[:3])
+    y = np.array([r[3] for r in prompt])
+    rest = y - np.array([terms["base_s"] + terms["per_seq_s"] * r[0] + terms["per_context_s"] * r[2] for r in prompt])
+    a = np.array([[float(r[1])] for r in prompt]) / y[:, None]
+    terms.update(_nonneg_lstsq(a, rest / y, TERMS[3:]))
+    all_y = np.array([r[3] for r in rows])
+    pred = np.array([[1.0, r[0], r[2], r[1]] for r in rows]) @ np.array([terms[t] for t in TERMS])
+    rel = np.abs(pred - all_y) / all_y
+    return terms, {"steps": len(rows), "decode_steps": len(decode), "median_rel_error": round(float(np.median(rel)), 4),
                    "p90_rel_error": round(float(np.quantile(rel, 0.9)), 4)}

@@ -21,7 +21,7 @@ are fractions of what the cluster can serve. Studies:
   (the gateway's queue and the autoscaler see the whole cluster); its pool peaks near 40 workers, not 500: a
   day at 500 workers would be a hundred million requests.
 
-Cells run in parallel processes where the study allows (sim/parallel.py; the result is the same).
+A study's systems run side by side in forked processes (--processes, default one per core), each on the same trace.
 """
 
 from __future__ import annotations
@@ -71,14 +71,36 @@ def _run(name: str, spec: ClusterSpec, cost: CostModel, trace: list, processes: 
             "throughput_timeline": r["throughput_timeline"]}
 
 
+_TRACE: list = []  # the study's trace, for the forked processes (not pickled to each)
+
+
+def _child(job: tuple) -> tuple:
+    name, spec, cost = job
+    return name, _run(name, spec, cost, _TRACE, 1)
+
+
+def _run_all(jobs: list, cost: CostModel, trace: list, processes: int) -> dict:
+    """Each (name, spec) on the trace; as many at once as processes (forked: they share the trace)."""
+    global _TRACE
+    _TRACE = trace
+    if processes <= 1 or len(jobs) == 1:
+        return {name: _run(name, spec, cost, trace, 1) for name, spec in jobs}
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(min(processes, len(jobs)), mp_context=multiprocessing.get_context("fork")) as pool:
+        done = dict(pool.map(_child, [(name, spec, cost) for name, spec in jobs]))
+    return {name: done[name] for name, _ in jobs}
+
+
 def batching(cost, n, workers, processes) -> dict:
     mix = Synthetic(prompt=(32, 512), output=(16, 256))
     cap = capacity(cost, mix)
     rate = 0.5 * cap * workers
     trace = synthetic(replace(mix, requests=n, rate=rate), seed=1)
     base = ClusterSpec(workers=workers, worker=WORKER, cell_size=16, admission="none", routing="least-outstanding")
-    systems = {b: _run(b, replace(base, worker=replace(WORKER, batching=b)), cost, trace, processes)
-               for b in ("iteration", "request")}
+    systems = _run_all([(b, replace(base, worker=replace(WORKER, batching=b))) for b in ("iteration", "request")],
+                       cost, trace, processes)
     return {"config": {"workers": workers, "requests": n, "rate_req_per_s": round(rate, 2),
                        "capacity_per_worker_req_per_s": round(cap, 3), "mix": asdict(mix)}, "systems": systems}
 
@@ -90,11 +112,11 @@ def routing(cost, n, workers, processes) -> dict:
     rate = 0.7 * cap * workers
     trace = synthetic(replace(mix, requests=n, rate=rate), seed=2)
     base = ClusterSpec(workers=workers, worker=worker, cell_size=16, admission="none")
-    systems = {}
-    for policy, pool in (("round-robin", False), ("least-outstanding", False), ("prefix-aware", False),
-                         ("round-robin", True), ("prefix-aware", True)):
-        name = policy + ("+pool" if pool else "")
-        s = systems[name] = _run(name, replace(base, routing=policy, kv_pool=pool), cost, trace, processes)
+    jobs = [(policy + ("+pool" if pool else ""), replace(base, routing=policy, kv_pool=pool))
+            for policy, pool in (("round-robin", False), ("least-outstanding", False), ("prefix-aware", False),
+                                 ("round-robin", True), ("prefix-aware", True))]
+    systems = _run_all(jobs, cost, trace, processes)
+    for s in systems.values():
         s["prefill_tokens_computed"] = s["prompt_tokens"] - s["cached_prompt_tokens"]
         s["prefix_hit_rate"] = round(s["cached_prompt_tokens"] / s["prompt_tokens"], 4) if s["prompt_tokens"] else None
     return {"config": {"workers": workers, "cell_size": 16, "requests": n, "rate_req_per_s": round(rate, 2),
@@ -109,12 +131,12 @@ def disaggregation(cost, n, workers, processes) -> dict:
     trace = synthetic(replace(mix, requests=n, rate=rate), seed=3)
     slo = {"ttft_slo_ms": 2000.0, "tpot_slo_ms": 60.0}
     base = ClusterSpec(worker=WORKER, cell_size=16, admission="none", routing="least-outstanding", **slo)
-    systems = {"unified": _run("unified", replace(base, workers=workers), cost, trace, processes)}
+    jobs = [("unified", replace(base, workers=workers))]
     for p, d in ((1, 1), (1, 3), (1, 7)):
         pre = workers * p // (p + d)
-        name = f"disaggregated-{p}:{d}"
-        systems[name] = _run(name, replace(base, mode="disaggregated", prefill=pre, workers=workers - pre,
-                                           cell_size=16 * (p + d) // d), cost, trace, processes)
+        jobs.append((f"disaggregated-{p}:{d}", replace(base, mode="disaggregated", prefill=pre, workers=workers - pre,
+                                                       cell_size=16 * d // (p + d))))
+    systems = _run_all(jobs, cost, trace, processes)
     return {"config": {"workers": workers, "requests": n, "rate_req_per_s": round(rate, 2), **slo,
                        "capacity_per_worker_req_per_s": round(cap, 3), "mix": asdict(mix),
                        "kv_link_gbytes_per_s": cost.kv_link_gbytes_per_s}, "systems": systems}
@@ -134,12 +156,10 @@ def autoscale(cost, n, workers, processes) -> dict:
                         prefill_tokens_per_s=cap * 272 * 1.0, decode_tokens_per_s=cap * 136 * 1.0,
                         requests_per_s_per_replica=cap * 0.7)
     base = ClusterSpec(worker=WORKER, admission="fcfs", routing="least-outstanding", ttft_slo_ms=slo, workers=2)
-    systems = {}
-    for policy in ("token", "cpu", "rate"):
-        systems[f"{policy}-policy"] = _run(policy, replace(base, autoscale=replace(one, policy=policy)), cost, trace,
-                                           processes)
     fixed = max(1, int(peak / cap / 0.85) + 1)
-    systems["best-fixed"] = _run(f"fixed {fixed}", replace(base, workers=fixed), cost, trace, processes)
+    jobs = [(f"{policy}-policy", replace(base, autoscale=replace(one, policy=policy))) for policy in
+            ("token", "cpu", "rate")] + [("best-fixed", replace(base, workers=fixed))]
+    systems = _run_all(jobs, cost, trace, processes)
     systems["best-fixed"]["workers"] = fixed
     return {"config": {"requests": n, "day_s": day, "mean_rate_req_per_s": round(mean_rate, 3),
                        "capacity_per_worker_req_per_s": round(cap, 3), "startup_s": 120.0, "ttft_slo_ms": slo,
@@ -185,7 +205,7 @@ def add_parser(sub) -> None:
     p.add_argument("name", choices=STUDIES)
     p.add_argument("--requests", type=int, default=1_000_000)
     p.add_argument("--workers", type=int, default=512)
-    p.add_argument("--processes", type=int, default=os.cpu_count() or 1, help="cells run in parallel this wide")
+    p.add_argument("--processes", type=int, default=os.cpu_count() or 1, help="systems simulated at once (one process each)")
     p.add_argument("--cost", help="the cost model JSON (default: sim-cost.json when present, else built-in figures)")
     p.add_argument("--out", help="the result JSON (a PNG is written beside it)")
 
