@@ -2,10 +2,12 @@
 
 One unified worker of a real mesh (bench preset unless --model; one torch thread, the benchmarks' engine flags)
 logs every step it runs (MESHSERVE_STEP_LOG) while the calibration load runs through the gateway:
-1. solo requests, one at a time (prompts 32-1024 tokens, 8 outputs): single-sequence prefill and decode steps,
-   and the hop time: each request's TTFT at the client minus what its steps took by the fit;
-2. bursts of 2, 4, 8, 16 and 32 requests at once (prompts 32-1024, outputs 16-128), each burst's requests
-   arriving together so the batch sweeps sizes and context lengths while prompts are chunked into it.
+1. solo requests, one at a time (prompts 32-2048 tokens, 16 outputs): single-sequence prefill steps, decode
+   steps over contexts from tens to thousands of tokens, and the hop time: each request's TTFT at the client
+   minus what its steps took by the fit;
+2. bursts of 2, 4, 8, 16 and 32 requests at once with short prompts (16-64 tokens, 32-96 outputs): batch size
+   with little context; and bursts of 2, 4 and 8 with long prompts (1,024-2,048 tokens, 32-64 outputs): context
+   at small batch sizes. Sizes and context vary apart, so the fit can tell their costs apart.
 The step log is fitted (sim/cost.py: least squares over each step's interval to the next), and the fit's
 relative error on the steps, the machine and the load are written beside the terms.
 3. How workers share this machine's cores: a mesh of one worker per core, every worker busy at once (two
@@ -43,8 +45,9 @@ def calibrate(model_dir: Path, quick: bool = False, seed: int = 0, engine_args: 
     rng = random.Random(seed + 7919)  # not any workload's seed: calibration never sees the validation prompts
     engine_args = engine_args or ENGINE_ARGS
     folder = Path(tempfile.mkdtemp(prefix="meshserve-steps-"))
-    solo = _requests(rng, 8 if quick else 24, (32, 1024), (8, 8), "solo")
-    bursts = [_requests(rng, n, (32, 1024), (16, 128), f"b{n}") for n in (BURSTS[:3] if quick else BURSTS)]
+    solo = _requests(rng, 8 if quick else 24, (32, 2048), (16, 16), "solo")
+    bursts = [_requests(rng, n, (16, 64), (32, 96), f"short{n}") for n in (BURSTS[:3] if quick else BURSTS)]
+    bursts += [_requests(rng, n, (1024, 2048), (32, 64), f"long{n}") for n in ((2, 4) if quick else (2, 4, 8))]
     solo_timings = []
     with Mesh(MeshSpec(str(model_dir), mode="unified", engine_args=engine_args,
                        env={"MESHSERVE_STEP_LOG": str(folder)})) as mesh:

@@ -42,6 +42,17 @@ def _tenants(text: str) -> list:
     return out
 
 
+def _weights(text: str) -> dict:
+    out = {}
+    for item in filter(None, text.split(",")):
+        try:
+            name, weight = item.split(":")
+            out[name] = float(weight)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"a tenant weight is NAME:WEIGHT, got {item!r}") from None
+    return out
+
+
 def add_trace_flags(p) -> None:
     g = p.add_argument_group("synthetic trace (when no --trace is given)")
     g.add_argument("--requests", type=int, default=1000)
@@ -88,7 +99,8 @@ def add_cluster_flags(p) -> None:
     g.add_argument("--admission", default="fcfs", help="the gateway's policy: fcfs | priority | deadline | fair | "
                                                        "fair-deadline")
     g.add_argument("--slot-policy", default="fcfs", help="every engine's slot policy (same names)")
-    g.add_argument("--tenant-weights", type=_tenants, default=[], help="NAME::WEIGHT,... (weights only)")
+    g.add_argument("--tenant-weights", type=_weights, default={}, help="NAME:WEIGHT,... (a tenant's fair share; "
+                   "--tenants' weights otherwise)")
     g.add_argument("--heartbeat-s", type=float, default=1.0)
     g.add_argument("--cell-size", type=int, default=0, help="workers per router (0 = one router for all)")
     g.add_argument("--cost", help=f"the cost model JSON (`meshserve sim calibrate`; default: {DEFAULT_COST} when "
@@ -112,7 +124,7 @@ def spec_of(args) -> ClusterSpec:
     worker = WorkerSpec(num_blocks=args.num_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, slot_policy=args.slot_policy,
                         batching=args.batching)
-    weights = {t.name: t.weight for t in [*args.tenant_weights, *getattr(args, "tenants", [])]}
+    weights = {**{t.name: t.weight for t in getattr(args, "tenants", [])}, **args.tenant_weights}
     autoscale = None
     if args.autoscale:
         autoscale = AutoscaleSpec(args.autoscale, startup_s=args.startup_s, max_replicas=args.max_replicas,

@@ -132,9 +132,11 @@ class Cluster:
         heapq.heappush(self.events, (t, self._seq, fn, args))
 
     def run(self, trace: list, until: float | None = None) -> None:
-        for i, t in enumerate(trace):
-            sim = SimRequest(t, i, weight=float(self.spec.tenant_weights.get(t.tenant, 1.0)), arrival_s=t.arrival_s)
-            self.at(t.arrival_s, self._arrive, sim)
+        """Serve the trace (sorted by arrival) to the end, or until a time. Arrivals are scheduled one ahead, so the
+        event heap holds what is in flight, not the whole trace."""
+        self.trace, self.arrived = trace, 0
+        if trace:
+            self._schedule_arrival()
         if self.spec.autoscale is not None:
             self.scaler = _Scaler(self, self.spec.autoscale)
             self.at(0.0, self.scaler.tick)
@@ -209,7 +211,20 @@ class Cluster:
 
     # ---- the gateway ------------------------------------------------------------------------------------------
 
+    def _schedule_arrival(self) -> None:
+        i = self.arrived
+        t = self.trace[i]
+        sim = SimRequest(t, i, weight=float(self.spec.tenant_weights.get(t.tenant, 1.0)), arrival_s=t.arrival_s)
+        self.at(t.arrival_s, self._arrive, sim)
+
+    @property
+    def arrivals_left(self) -> int:
+        return len(self.trace) - self.arrived
+
     def _arrive(self, sim: SimRequest) -> None:
+        self.arrived += 1
+        if self.arrived < len(self.trace):
+            self._schedule_arrival()
         t = sim.trace
         self.window.arrived(t)
         if self.spec.admission == "none":
@@ -294,7 +309,6 @@ class Cluster:
         sim.error = error
         self.done.append(sim)
         self.window.pending -= 1
-        self.window.finished(sim)
 
     # ---- routing ----------------------------------------------------------------------------------------------
 
@@ -381,6 +395,8 @@ class Cluster:
         if hashes and policy.uses_prefix:
             router["recent"].record(hashes, view.worker_id)
         fetch = pooled if pooled > found.get(view.worker_id, 0) else 0
+        if hashes and view.block_size != views[0].block_size:
+            hashes, fetch = [], 0  # hashed at another block size: nothing to reuse there
         return by_id[view.worker_id], hashes, fetch
 
     def _route_first(self, sim: SimRequest) -> None:
@@ -397,9 +413,9 @@ class Cluster:
             bs = w.spec.block_size
             arrive = self.link_free[w.id] = max(self.now, self.link_free.get(w.id, 0.0)) + \
                 self.cost.kv_transfer_s(fetch * bs)
-            self.at(arrive, w.add, sim, tokens, max_tokens, hashes[:fetch])
+            self.at(arrive, w.add, sim, tokens, max_tokens, hashes[:fetch], hashes)
         else:
-            w.add(sim, tokens, max_tokens)
+            w.add(sim, tokens, max_tokens, (), hashes)
 
     def _fail(self, sim: SimRequest, code: str) -> None:
         self._end(sim, code)
@@ -414,14 +430,14 @@ class Cluster:
         times = ends[-n:]
         if sim.first_s is None:
             sim.first_s = times[0] + back
-            self.window.first_token(sim, sim.first_s - sim.arrival_s)
+            self.window.first_token(sim.first_s - sim.arrival_s)
             if sim.hashes:  # its prompt's blocks are computed: pushed to the cell's pool
                 worker.router["pool"].put(sim.hashes)
         if sim.second_s is None and sim.tokens_out + n >= 2:
             sim.second_s = times[1 - sim.tokens_out] + back if sim.tokens_out == 0 else times[0] + back
         sim.last_s = times[-1] + back
         sim.tokens_out += n
-        self.window.tokens(n, times)
+        self.window.tokens(n)
 
     def on_finished(self, worker: SimWorker, sim: SimRequest, req) -> None:
         if sim is None:
@@ -524,14 +540,11 @@ class _Window:
         self.requests += 1
         self.prompt_tokens += t.prompt_tokens
 
-    def first_token(self, sim, ttft_s: float) -> None:
+    def first_token(self, ttft_s: float) -> None:
         self.ttfts.append(ttft_s)
 
-    def tokens(self, n: int, times: list) -> None:
+    def tokens(self, n: int) -> None:
         self.output_tokens += n
-
-    def finished(self, sim) -> None:
-        pass
 
 
 class _Scaler:
@@ -587,5 +600,5 @@ class _Scaler:
                 c.start_worker(self.spec.startup_s)
             for _ in range(max(0, current - d.target)):
                 c.drain_worker()
-        if w.pending > 0 or any(e[2] is not self.tick for e in c.events):
+        if w.pending > 0 or c.arrivals_left > 0:
             c.at(c.now + dt, self.tick)

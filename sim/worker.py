@@ -120,9 +120,10 @@ class SimWorker:
 
     # ---- requests in ----------------------------------------------------------------------------------------
 
-    def add(self, sim: SimRequest, tokens: list, max_tokens: int, pooled: list = ()) -> None:
+    def add(self, sim: SimRequest, tokens: list, max_tokens: int, pooled: list = (), hashes: list = ()) -> None:
         """A request to compute from its prompt (unified or prefill role); `pooled`: the hashes of its leading
-        blocks fetched from the KV pool, which join this worker's prefix cache first."""
+        blocks fetched from the KV pool, which join this worker's prefix cache first; `hashes`: its full blocks'
+        hashes when the router computed them already (the same chained hashes the KV manager would compute)."""
         t = sim.trace
         if pooled:
             self._import_pooled(pooled)
@@ -131,6 +132,8 @@ class SimWorker:
                       weight=sim.weight, deadline_s=sim.deadline_s)
         self.sims[req.req_id] = sim
         sim.workers.append(self.id)
+        if hashes and self.spec.prefix_caching and not req.adapter:
+            self.kv.hashes[req.req_id] = list(hashes)
         if self.spec.batching == "request":
             self.held.append(req)
         else:
