@@ -145,7 +145,7 @@ class GatewayServicer(pb_grpc.GenerationServicer):
         self.bounds = bounds or SizeBounds.for_model(model.max_model_len)
         self.auth = auth or Authenticator([])
         self.admission = admission or Admission()
-        self.recorder = None  # TraceRecorder, with --record-trace
+        self.recorder = None  # a TraceRecorder (services/gateway/record.py), with --record-trace
         self.channels = rpc.ChannelPool()
         self.routers = list(routers)
         self._route_turn = itertools.count()
@@ -220,68 +220,75 @@ class GatewayServicer(pb_grpc.GenerationServicer):
             async for response in responses:
                 yield response
 
-    async def generate(self, req: ClientRequest, key: str | None, time_remaining: float | None = None):
+    def generate(self, req: ClientRequest, key: str | None, time_remaining: float | None = None):
         """The one generation path of both faces (gRPC and HTTP, each converting its request once): the
         tenant by its key, validation, admission, routing, and the token stream as GenerateResponses.
-        Raises MeshError."""
+        Raises MeshError. With a trace recorder, each request also becomes a line of the trace."""
+        if self.recorder is None:
+            return self._generate(req, key, time_remaining, {})
+        return self._recorded(req, key, time_remaining)
+
+    async def _recorded(self, req: ClientRequest, key: str | None, time_remaining: float | None):
         arrival_s, answered = time.monotonic(), {}
         try:
-            tenant = self.auth.authenticate(key)
-            answered["tenant"] = tenant.name
-            req = await self._select_adapter(req)
-            ids = answered["ids"] = self._validate(req)
-            params = req.sampling
-            tenant.check_request(len(ids), params.max_tokens, req.priority, req.adapter)
-            if req.adapter:
-                await self.adapters.check(req.adapter)
-            timeout = self._timeout(req, time_remaining)
-            client_id = req.client_id or uuid.uuid4().hex
-            req_id = f"{client_id}.{uuid.uuid4().hex[:12]}"
-            deadline_s = answered["deadline_s"] = time.monotonic() + timeout if timeout is not None else None
-            ticket = await self.admission.admit(tenant, req_id, len(ids), params.max_tokens, req.priority, deadline_s)
-            if params.seed is None and not params.greedy:
-                params = replace(params, seed=secrets.randbits(63))  # drawn here, so that a resume draws the same
-            spec = RequestSpec(req_id, tuple(ids), params, priority=req.priority, tenant=tenant.name,
-                               weight=tenant.weight, deadline_s=deadline_s, predicted_s=ticket.predicted_s,
-                               adapter=req.adapter, cache_salt=wire_salt(self.cache_secret, tenant.cache_salt))
-            streamed: list = []  # output tokens the client has
-            first_s = last_s = counts = None
-            finished = False
-            try:
-                text = _TextStream(self.tokenizer, params.stop)
-                queue_ms = (ticket.dispatched_s - ticket.arrival_s) * 1e3
-                async for ev in self._resumable(spec, streamed, ticket):
-                    if ev.token_ids:
-                        last_s = time.monotonic()
-                        if not streamed:
-                            first_s = last_s
-                            self.admission.metrics.ttft.record((first_s - ticket.arrival_s) * 1e3, {"tenant": tenant.name})
-                    streamed.extend(ev.token_ids)
-                    counts = counts or (ev.prompt_tokens, ev.cached_prompt_tokens)  # the first attempt's prompt
-                    finished = bool(ev.finish_reason)
-                    yield pb.GenerateResponse(request_id=client_id, token_ids=ev.token_ids, logprobs=ev.logprobs,
-                                              text=text.push(ev.token_ids, bool(ev.finish_reason)),
-                                              finish_reason=ev.finish_reason, prompt_tokens=counts[0],
-                                              cached_prompt_tokens=counts[1], queue_wait_ms=queue_ms)
-                    queue_ms = 0.0
-                    if ev.finish_reason:
-                        return
-            finally:  # a completed request's times teach the admission cost model (a cut-short one's would not)
-                self.admission.done(ticket, len(streamed), *((first_s, last_s) if finished else ()))
-                if finished:
-                    answered["output_tokens"] = len(streamed)
+            async with contextlib.aclosing(self._generate(req, key, time_remaining, answered)) as responses:
+                async for resp in responses:  # closed at once when the caller closes this one (a cancelled call)
+                    yield resp
         finally:
-            if self.recorder is not None:
-                self._record(req, arrival_s, answered)
+            try:  # never fails the request
+                ids = answered.get("ids") or list(req.token_ids or ())
+                self.recorder.record(arrival_s, ids, answered.get("output_tokens", req.sampling.max_tokens),
+                                     answered.get("tenant", ""), req.adapter, answered.get("deadline_s"), req.priority,
+                                     self.admission.view.block_size)
+            except Exception:
+                log.exception("recording the request trace failed")
 
-    def _record(self, req: ClientRequest, arrival_s: float, answered: dict) -> None:
-        """One line of the trace recording (services/gateway/record.py); never fails the request."""
+    async def _generate(self, req: ClientRequest, key: str | None, time_remaining: float | None, answered: dict):
+        """generate()'s body; `answered` collects what a trace line records."""
+        tenant = self.auth.authenticate(key)
+        answered["tenant"] = tenant.name
+        req = await self._select_adapter(req)
+        ids = answered["ids"] = self._validate(req)
+        params = req.sampling
+        tenant.check_request(len(ids), params.max_tokens, req.priority, req.adapter)
+        if req.adapter:
+            await self.adapters.check(req.adapter)
+        timeout = self._timeout(req, time_remaining)
+        client_id = req.client_id or uuid.uuid4().hex
+        req_id = f"{client_id}.{uuid.uuid4().hex[:12]}"
+        deadline_s = answered["deadline_s"] = time.monotonic() + timeout if timeout is not None else None
+        ticket = await self.admission.admit(tenant, req_id, len(ids), params.max_tokens, req.priority, deadline_s)
+        if params.seed is None and not params.greedy:
+            params = replace(params, seed=secrets.randbits(63))  # drawn here, so that a resume draws the same
+        spec = RequestSpec(req_id, tuple(ids), params, priority=req.priority, tenant=tenant.name,
+                           weight=tenant.weight, deadline_s=deadline_s, predicted_s=ticket.predicted_s,
+                           adapter=req.adapter, cache_salt=wire_salt(self.cache_secret, tenant.cache_salt))
+        streamed: list = []  # output tokens the client has
+        first_s = last_s = counts = None
+        finished = False
         try:
-            ids = answered.get("ids") or (list(req.prompt_token_ids) if req.prompt_token_ids else [])
-            self.recorder.record(arrival_s, ids, answered.get("output_tokens", req.sampling.max_tokens), answered.get(
-                "tenant", ""), req.adapter, answered.get("deadline_s"), req.priority, self.admission.view.block_size)
-        except Exception:
-            log.exception("recording request trace failed")
+            text = _TextStream(self.tokenizer, params.stop)
+            queue_ms = (ticket.dispatched_s - ticket.arrival_s) * 1e3
+            async for ev in self._resumable(spec, streamed, ticket):
+                if ev.token_ids:
+                    last_s = time.monotonic()
+                    if not streamed:
+                        first_s = last_s
+                        self.admission.metrics.ttft.record((first_s - ticket.arrival_s) * 1e3, {"tenant": tenant.name})
+                streamed.extend(ev.token_ids)
+                counts = counts or (ev.prompt_tokens, ev.cached_prompt_tokens)  # the first attempt's prompt
+                finished = bool(ev.finish_reason)
+                yield pb.GenerateResponse(request_id=client_id, token_ids=ev.token_ids, logprobs=ev.logprobs,
+                                          text=text.push(ev.token_ids, bool(ev.finish_reason)),
+                                          finish_reason=ev.finish_reason, prompt_tokens=counts[0],
+                                          cached_prompt_tokens=counts[1], queue_wait_ms=queue_ms)
+                queue_ms = 0.0
+                if ev.finish_reason:
+                    return
+        finally:  # a completed request's times teach the admission cost model (a cut-short one's would not)
+            self.admission.done(ticket, len(streamed), *((first_s, last_s) if finished else ()))
+            if finished:
+                answered["output_tokens"] = len(streamed)
 
     async def _resumable(self, spec: RequestSpec, streamed: list, ticket=None):
         """The request's token events, resumed on another worker when a worker, the kvstore or the router fails

@@ -228,6 +228,7 @@ class EngineCore:
         self.cost = engine.step_cost  # the engine fits its step costs (its scheduler caps batches by them)
         self.running = True
         self.step_log = StepLog.from_env()  # what the simulator's calibration fits (sim/cost.py)
+        self.last_seen = None  # the engine's last StepStats counted
 
     def handle(self, msg: tuple) -> None:
         kind = msg[0]
@@ -347,7 +348,8 @@ class EngineCore:
             self.send(("failed", failed, f"engine step failed: {e}"))
             return
         last = engine.last_step
-        if last is not None:
+        if last is not None and last is not self.last_seen:  # a step that scheduled nothing leaves the last one
+            self.last_seen = last
             self.busy_s += last.step_s
             if self.step_log is not None:
                 self.step_log.record(last)
