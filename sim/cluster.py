@@ -285,7 +285,7 @@ class Cluster:
             self.held[p.tenant] = self.held.get(p.tenant, 0) + 1
             sim.dispatched_s = self.now
             self.at(self.now + self.cost.hop_s / 2, self._route_first, sim)
-        if self.queue.queue and self.queue.policy.uses_deadlines and not self.tick_armed:
+        if self.queue.queue and not self.tick_armed and any(q.deadline_s is not None for q in self.queue.queue):
             self.tick_armed = True  # deadlines pass without any event: the gateway's 50 ms tick
             self.at(self.now + 0.05, self._tick)
 
