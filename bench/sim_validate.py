@@ -176,7 +176,7 @@ def tenants_case(model_dir: Path, cost: CostModel, args) -> tuple[dict, dict, di
                             config_file=str(workdir / "mesh.yaml"), gateway_args=["--admission-policy", "fair"])
     burst = [tenants_overload._request(rng, i, "C") for i in range(24 if args.quick else 48)]
     cap = _saturation(model_dir, spec(), burst, keys)
-    solo = lambda r: (cost.hop_s + cost.step_s(1, len(r["prompt_token_ids"]) - 1)  # noqa: E731
+    solo = lambda r: (cost.hop_s + cost.step_s(1, len(r["prompt_token_ids"]) - 1)  # noqa: E731 (one chunk, roughly)
                       + r["max_tokens"] * cost.step_s(1, 0, len(r["prompt_token_ids"]))) * 1e3
     schedule = []
     for t, (_, mult) in tenants_overload.TENANTS.items():
@@ -203,7 +203,7 @@ def speed_factor(cost: CostModel, steps: list) -> float:
     """How much slower the real run's workers stepped than the calibration predicts, on their own logged decode
     steps (`steps`: one list per worker; the median ratio, contention between the workers included): what the
     time of day and the neighbours did to this machine since the calibration."""
-    rows = sorted(t / cost.step_s(s, 0, c) for worker in steps for s, p, c, t in intervals(worker) if p == 0)
+    rows = sorted(t / cost.step_s(s, 0, c) for worker in steps for s, p, c, _, t in intervals(worker) if p == 0)
     return rows[len(rows) // 2] if rows else 1.0
 
 
@@ -240,7 +240,8 @@ def run(args) -> int:
         factor = speed_factor(cost, steps)
         corrected = simulate(cluster, replace(cost, cores=0, base_s=cost.base_s * factor, per_seq_s=cost.per_seq_s *
                                               factor, per_context_s=cost.per_context_s * factor,
-                                              prefill_s_per_token=cost.prefill_s_per_token * factor), trace)["summary"]
+                                              prefill_s_per_token=cost.prefill_s_per_token * factor,
+                                              prefill_context_s=cost.prefill_context_s * factor), trace)["summary"]
         errors2, within2 = compare(real, corrected)
         systems[name] = {"real": {k: real.get(k) for k in keep}, "sim": {k: sim.get(k) for k in keep},
                          "error": errors, "within": within,

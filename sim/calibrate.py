@@ -72,7 +72,7 @@ def calibrate(model_dir: Path, quick: bool = False, seed: int = 0, engine_args: 
                 log(f"calibration: {cores} workers busy at once ({i + 1}/2)")
                 burst = _requests(rng, 12 * cores, (32, 512), (64, 128), f"shared{i}")
                 asyncio.run(drive(mesh.gateway, burst, [0.0] * len(burst)))
-        ratios = sorted(t / model.step_s(s, 0, c) for s, p, c, t in intervals(_steps(shared)) if p == 0 and s > 1)
+        ratios = sorted(t / model.step_s(s, 0, c) for s, p, c, _, t in intervals(_steps(shared)) if p == 0 and s > 1)
         if ratios:
             sharing = ratios[len(ratios) // 2]
             model.cores = round(min(cores, cores / sharing), 3) if sharing > 1 else cores
@@ -86,7 +86,7 @@ def calibrate(model_dir: Path, quick: bool = False, seed: int = 0, engine_args: 
         n, done, took = len(r["prompt_token_ids"]), 0, 0.0
         while done < n:
             chunk = min(budget, n - done)
-            took += model.step_s(1, chunk - 1, done)
+            took += model.step_s(1, chunk - 1, done, chunk * done if chunk > 1 else 0)
             done += chunk
         hops.append((t.first_s - t.arrival_s) - took)
     model.hop_s = round(max(percentile(hops, 0.5) or 0.0, 0.0), 6)

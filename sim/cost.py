@@ -1,9 +1,11 @@
 """The simulated engine's step cost, fitted from a real worker's steps.
 
 step time = base_s + per_seq_s x sequences + per_context_s x context tokens + prefill_s_per_token x prompt tokens
+            + prefill_context_s x prompt chunk tokens x their context
 
-where context tokens are the tokens already in the KV cache of the step's sequences (what attention reads) and
-prompt tokens are those computed beyond one per sequence. The same terms as the engine's own online fit
+where context tokens are the tokens already in the KV cache of the step's sequences (what a decode's attention
+reads), prompt tokens are those computed beyond one per sequence, and the last term is a prompt chunk's
+attention over the tokens before it (a long prompt's later chunks cost more). The same terms as the engine's own online fit
 (services.engine.step_cost.StepCostFit: base, per sequence, per prompt token) plus the context term that fit
 leaves out; fitted by least squares, no term negative, to the steps a worker logs (MESHSERVE_STEP_LOG), each
 step counted from its start to the next step's start when the worker went straight on (so the loop's own time
@@ -20,7 +22,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-TERMS = ("base_s", "per_seq_s", "per_context_s", "prefill_s_per_token")
+TERMS = ("base_s", "per_seq_s", "per_context_s", "prefill_s_per_token", "prefill_context_s")
 GAP_MAX_S = 0.05  # a step starting within this long of the previous one's end followed it straight on
 
 
@@ -30,15 +32,16 @@ class CostModel:
     per_seq_s: float = 0.0003
     per_context_s: float = 2e-7
     prefill_s_per_token: float = 6e-5
+    prefill_context_s: float = 0.0
     hop_s: float = 0.004  # gateway -> router -> worker and the first token's way back, beyond the steps
     kv_bytes_per_token: int = 16384
     kv_link_gbytes_per_s: float = 1.0  # a worker's KV link to the kvstore (per direction)
     cores: int = 0  # cores the workers share (0 = each worker has its own); steps slow down when more run at once
     source: dict = field(default_factory=dict)  # how it was measured (machine, steps, residuals)
 
-    def step_s(self, seqs: int, prefill_tokens: int = 0, context_tokens: int = 0) -> float:
+    def step_s(self, seqs: int, prefill_tokens: int = 0, context_tokens: int = 0, prefill_context: int = 0) -> float:
         return (self.base_s + self.per_seq_s * seqs + self.per_context_s * context_tokens
-                + self.prefill_s_per_token * prefill_tokens)
+                + self.prefill_s_per_token * prefill_tokens + self.prefill_context_s * prefill_context)
 
     def kv_transfer_s(self, tokens: int) -> float:
         return tokens * self.kv_bytes_per_token / (self.kv_link_gbytes_per_s * 1e9)
@@ -59,8 +62,8 @@ class CostModel:
         return cls(**d)
 
 
-def intervals(steps: list[dict]) -> list[tuple[int, int, int, float]]:
-    """(sequences, prompt tokens, context tokens, seconds) per logged step: from its start to the next step's
+def intervals(steps: list[dict]) -> list[tuple[int, int, int, int, float]]:
+    """(sequences, prompt tokens, context tokens, prompt chunk x context, seconds) per logged step of one worker: from its start to the next step's
     start when that followed straight on, else its own time plus the median gap between busy steps."""
     steps = sorted(steps, key=lambda s: s["start"])
     gaps = [b["start"] - (a["start"] + a["step_s"]) for a, b in zip(steps, steps[1:])]
@@ -69,7 +72,7 @@ def intervals(steps: list[dict]) -> list[tuple[int, int, int, float]]:
     out = []
     for i, s in enumerate(steps):
         gap = gaps[i] if i < len(gaps) and 0 <= gaps[i] < GAP_MAX_S else typical
-        out.append((s["seqs"], s["tokens"] - s["seqs"], s["context"], s["step_s"] + gap))
+        out.append((s["seqs"], s["tokens"] - s["seqs"], s["context"], s.get("prefill_context", 0), s["step_s"] + gap))
     return out
 
 
@@ -89,10 +92,10 @@ def _nonneg_lstsq(a, y, names: tuple) -> dict:
     return out
 
 
-def fit(rows: list[tuple[int, int, int, float]]) -> tuple[dict, dict]:
-    """The terms (TERMS) for rows of (sequences, prompt tokens, context tokens, seconds), as the engine's own fit
-    splits them: the decode part (base, per sequence, per context token) from decode-only steps, then the cost
-    per prompt token from what prompt-carrying steps took beyond their decode part. Both by least squares on
+def fit(rows: list[tuple[int, int, int, int, float]]) -> tuple[dict, dict]:
+    """The terms (TERMS) for rows of intervals(), as the engine's own fit splits them: the decode part (base, per
+    sequence, per context token) from decode-only steps, then the cost per prompt token and per prompt token x
+    context token from what prompt-carrying steps took beyond their decode part. Both by least squares on
     relative error (steps run from a few to a hundred milliseconds: absolute error would let the few long
     prompt steps decide the decode terms), no term negative. Also the fit's relative error on every row."""
     import numpy as np
@@ -102,15 +105,15 @@ def fit(rows: list[tuple[int, int, int, float]]) -> tuple[dict, dict]:
     if len(decode) < 12 or len(prompt) < 4:
         raise ValueError(f"{len(decode)} decode-only and {len(prompt)} prompt steps are too few to fit a cost model "
                          "(need 12 and 4)")
-    y = np.array([r[3] for r in decode])
+    y = np.array([r[4] for r in decode])
     a = np.array([[1.0, r[0], r[2]] for r in decode]) / y[:, None]
     terms = _nonneg_lstsq(a, np.ones(len(decode)), TERMS[:3])
-    y = np.array([r[3] for r in prompt])
+    y = np.array([r[4] for r in prompt])
     rest = y - np.array([terms["base_s"] + terms["per_seq_s"] * r[0] + terms["per_context_s"] * r[2] for r in prompt])
-    a = np.array([[float(r[1])] for r in prompt]) / y[:, None]
+    a = np.array([[float(r[1]), float(r[3])] for r in prompt]) / y[:, None]
     terms.update(_nonneg_lstsq(a, rest / y, TERMS[3:]))
-    all_y = np.array([r[3] for r in rows])
-    pred = np.array([[1.0, r[0], r[2], r[1]] for r in rows]) @ np.array([terms[t] for t in TERMS])
+    all_y = np.array([r[4] for r in rows])
+    pred = np.array([[1.0, r[0], r[2], r[1], r[3]] for r in rows]) @ np.array([terms[t] for t in TERMS])
     rel = np.abs(pred - all_y) / all_y
     return terms, {"steps": len(rows), "decode_steps": len(decode), "median_rel_error": round(float(np.median(rel)), 4),
                    "p90_rel_error": round(float(np.quantile(rel, 0.9)), 4)}

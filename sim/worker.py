@@ -202,10 +202,11 @@ class SimWorker:
         seqs = len(out.seqs)
         context = sum(s.num_computed for s in out.seqs)
         prefill = out.num_tokens - seqs
+        prefill_context = sum(s.num_new * s.num_computed for s in out.seqs if s.num_new > 1) if prefill else 0
         k = self._leap_steps(out)
         slow = self.cluster.contention(self) / self.spec.speed
         if k == 1:
-            ends = [now + self.cost.step_s(seqs, prefill, context) * slow]
+            ends = [now + self.cost.step_s(seqs, prefill, context, prefill_context) * slow]
         else:
             ends, t = [], now
             for i in range(k):

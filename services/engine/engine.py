@@ -61,6 +61,7 @@ class StepStats:
     kv_slots_allocated: int  # token slots in blocks held by running requests
     kv_slots_filled: int  # of which hold computed tokens
     context_tokens: int = 0  # tokens already in the KV cache of the batch's sequences (attention reads them)
+    prefill_context: int = 0  # over prompt chunks: chunk tokens x the tokens before the chunk (their attention)
 
 
 @dataclass(frozen=True)
@@ -315,7 +316,8 @@ class LLMEngine:
             num_running=len(out.seqs), num_tokens=out.num_tokens, forward_s=forward_s, step_s=step_s,
             kv_slots_allocated=sum(len(self.kv.block_table(r)) for r in running) * bs,
             kv_slots_filled=sum(r.num_computed for r in running),
-            context_tokens=sum(s.num_computed for s in out.seqs))
+            context_tokens=sum(s.num_computed for s in out.seqs),
+            prefill_context=sum(s.num_new * s.num_computed for s in out.seqs if s.num_new > 1))
         self.step_cost.update(len(out.seqs), out.num_tokens, step_s)
 
     # ---- KV transfer ------------------------------------------------------------------------

@@ -194,7 +194,7 @@ CORE_METHODS = frozenset({"core_stats", "map_arena", "import_slots", "import_dat
 
 class StepLog:
     """One JSON line per step the engine ran (start on the monotonic clock, sequences, tokens, context tokens,
-    seconds), written when MESHSERVE_STEP_LOG names a folder: `meshserve sim calibrate` fits the simulator's cost
+    prompt chunk tokens x their context, seconds), written when MESHSERVE_STEP_LOG names a folder: `meshserve sim calibrate` fits the simulator's cost
     model to the steps of a real worker under real load (its servicer and the other processes beside it)."""
 
     def __init__(self, path: Path):
@@ -209,6 +209,7 @@ class StepLog:
         now = time.monotonic()
         self.file.write(json.dumps({"start": round(now - step.step_s, 6), "seqs": step.num_running,
                                     "tokens": step.num_tokens, "context": step.context_tokens,
+                                    "prefill_context": step.prefill_context,
                                     "step_s": round(step.step_s, 6)}) + "\n")
 
     def close(self) -> None:

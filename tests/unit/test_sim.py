@@ -17,7 +17,8 @@ from sim.report import result_of
 from sim.trace import Synthetic, TenantSpec, TraceRequest, read_jsonl, synthetic, write_jsonl
 from sim.worker import WorkerSpec
 
-COST = CostModel(base_s=0.004, per_seq_s=0.0005, per_context_s=1e-6, prefill_s_per_token=1e-4, hop_s=0.006,
+COST = CostModel(base_s=0.004, per_seq_s=0.0005, per_context_s=1e-6, prefill_s_per_token=1e-4,
+                 prefill_context_s=3e-8, hop_s=0.006,
                  kv_bytes_per_token=4096, kv_link_gbytes_per_s=0.5)
 WORKER = WorkerSpec(num_blocks=2048, block_size=16, max_num_seqs=16, max_num_batched_tokens=256)
 
@@ -107,15 +108,18 @@ def test_the_gateway_recorder_writes_a_trace_the_simulator_reads(tmp_path):
 
 def test_the_fit_recovers_a_known_cost_model_from_a_step_log():
     rng = random.Random(3)
-    truth = CostModel(base_s=0.003, per_seq_s=0.0004, per_context_s=5e-7, prefill_s_per_token=8e-5)
+    truth = CostModel(base_s=0.003, per_seq_s=0.0004, per_context_s=5e-7, prefill_s_per_token=8e-5,
+                      prefill_context_s=4e-8)
     steps, t = [], 0.0
     for _ in range(400):
         seqs, prefill, context = rng.randint(1, 32), rng.choice([0, 0, 0, rng.randint(16, 512)]), rng.randint(0, 8000)
-        took = truth.step_s(seqs, prefill, context) * rng.uniform(0.97, 1.03)
-        steps.append({"start": t, "seqs": seqs, "tokens": seqs + prefill, "context": context, "step_s": took * 0.9})
+        chunk_context = prefill * rng.randint(0, 2000)
+        took = truth.step_s(seqs, prefill, context, chunk_context) * rng.uniform(0.97, 1.03)
+        steps.append({"start": t, "seqs": seqs, "tokens": seqs + prefill, "context": context,
+                      "prefill_context": chunk_context, "step_s": took * 0.9})
         t += took  # the loop's own 10% between steps
     terms, quality = fit(intervals(steps))
-    for k in ("base_s", "per_seq_s", "per_context_s", "prefill_s_per_token"):
+    for k in ("base_s", "per_seq_s", "per_context_s", "prefill_s_per_token", "prefill_context_s"):
         assert terms[k] == pytest.approx(getattr(truth, k), rel=0.1), k
     assert quality["median_rel_error"] < 0.03
 
@@ -139,7 +143,7 @@ def test_one_request_takes_exactly_its_steps_by_the_cost_model():
     t, done = 1.0 + COST.hop_s / 2, 0
     while done < prompt:  # chunked prefill; the last chunk samples the first token
         chunk = min(budget, prompt - done)
-        t += COST.step_s(1, chunk - 1, done)
+        t += COST.step_s(1, chunk - 1, done, chunk * done)
         done += chunk
     assert r.first_s == pytest.approx(t + COST.hop_s / 2, abs=1e-9)
     for i in range(1, out):  # decode steps over a growing context
@@ -152,7 +156,7 @@ def test_disaggregated_adds_the_kv_transfer_over_both_links():
     prompt, out = 300, 10
     spec = ClusterSpec(mode="disaggregated", prefill=1, workers=1, worker=WORKER, admission="none")
     r = by_id(run(spec, [TraceRequest(0.0, prompt, out, id="x")]))["x"]
-    t = COST.hop_s / 2 + COST.step_s(1, 255, 0) + COST.step_s(1, prompt - 256 - 1, 256)
+    t = COST.hop_s / 2 + COST.step_s(1, 255, 0) + COST.step_s(1, prompt - 256 - 1, 256, (prompt - 256) * 256)
     assert r.first_s == pytest.approx(t + COST.hop_s / 2, abs=1e-9)
     t += 2 * COST.kv_transfer_s(prompt)
     for i in range(1, out):
