@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from functools import cache
 from pathlib import Path
 
@@ -78,14 +79,30 @@ def _put_ninja_on_path() -> None:
     os.environ["PATH"] = os.pathsep.join(dirs + [os.environ.get("PATH", "")])
 
 
+STALE_LOCK_S = 600.0  # a build takes a minute or two; a lock older than this was left by a build that was killed
+
+
+def _clear_stale_lock(lock: Path) -> None:
+    """torch's build lock outlives a build killed midway, and every later load() then waits on it forever (every
+    worker started afterwards hung in its start-up): a lock older than STALE_LOCK_S is removed, with a warning."""
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        log.warning("removing a stale kernel build lock %s (%.0f s old: its build was killed)", lock, age)
+        lock.unlink(missing_ok=True)
+
+
 def _build(name: str, source: str, cflags: list[str], what: str):
     """The compiled module, or None when disabled or the build fails (the reason is logged)."""
     if os.environ.get("MESHSERVE_KERNELS", "1") == "0":
         return None
     try:
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import _get_build_directory, load
 
         _put_ninja_on_path()
+        _clear_stale_lock(Path(_get_build_directory(name, verbose=False)) / "lock")
         return load(name=name, sources=[str(CSRC / source)], extra_cflags=cflags, verbose=False)
     except Exception as e:  # a missing compiler or ninja: fall back to PyTorch, loudly
         log.warning("%s kernel unavailable, using PyTorch: %s", what, e)
