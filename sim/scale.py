@@ -8,7 +8,7 @@ are fractions of what the cluster can serve. Studies:
 - batching: iteration-level vs request-level batching (a batch forms only when the last one has drained), 512
   workers, 1M requests (prompts 32-512, outputs 16-256), Poisson at 50% of the iteration-level capacity:
   utilisation (time stepping), batch occupancy (sequences per step over the slots), throughput, latency.
-- routing: round robin vs least-outstanding vs prefix-aware, each with and without the KV pool, 512 workers in
+- routing: round robin vs least-outstanding vs prefix-aware, prefix-aware with and without the KV pool, 512 workers in
   cells of 16, 1M requests sharing 512 system prompts (256-768 tokens, Zipf 1.1) plus 32-128 own tokens,
   outputs 16-128, each worker's KV holding about 12 system prompts, Poisson at 70% of capacity: prefill tokens
   computed, prefix hit rate, TTFT, throughput.
@@ -130,7 +130,7 @@ def routing(cost, n, workers, processes) -> dict:
     base = ClusterSpec(workers=workers, worker=worker, cell_size=16, admission="none")
     jobs = [(policy + ("+pool" if pool else ""), replace(base, routing=policy, kv_pool=pool))
             for policy, pool in (("round-robin", False), ("least-outstanding", False), ("prefix-aware", False),
-                                 ("round-robin", True), ("prefix-aware", True))]
+                                 ("prefix-aware", True))]
     systems = _run_all(jobs, cost, trace, processes)
     for s in systems.values():
         s["prefill_tokens_computed"] = s["prompt_tokens"] - s["cached_prompt_tokens"]
@@ -172,7 +172,8 @@ def autoscale(cost, n, workers, processes) -> dict:
     one = AutoscaleSpec(startup_s=120.0, max_replicas=256, ttft_slo_s=slo / 1e3, interval_s=10.0,
                         prefill_tokens_per_s=prefill_tps, decode_tokens_per_s=decode_tps,
                         requests_per_s_per_replica=cap * 0.7)
-    base = ClusterSpec(worker=UNIQUE, admission="fcfs", routing="least-outstanding", ttft_slo_ms=slo, workers=2)
+    base = ClusterSpec(worker=UNIQUE, admission="fcfs", routing="least-outstanding", ttft_slo_ms=slo, workers=2,
+                       cell_size=16)
     fixed = max(1, int(peak / cap / 0.85) + 1)
     jobs = [(f"{policy}-policy", replace(base, autoscale=replace(one, policy=policy))) for policy in
             ("token", "cpu", "rate")] + [("peak-fixed", replace(base, workers=fixed))]
