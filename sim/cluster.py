@@ -433,8 +433,6 @@ class Cluster:
             self.window.first_token(sim.first_s - sim.arrival_s)
             if sim.hashes:  # its prompt's blocks are computed: pushed to the cell's pool
                 worker.router["pool"].put(sim.hashes)
-        if sim.second_s is None and sim.tokens_out + n >= 2:
-            sim.second_s = times[1 - sim.tokens_out] + back if sim.tokens_out == 0 else times[0] + back
         sim.last_s = times[-1] + back
         sim.tokens_out += n
         self.window.tokens(n)

@@ -57,7 +57,6 @@ class SimRequest:
     arrival_s: float = 0.0
     dispatched_s: float | None = None
     first_s: float | None = None
-    second_s: float | None = None
     last_s: float | None = None
     tokens_out: int = 0
     cached_tokens: int = 0
