@@ -75,6 +75,7 @@ class ClusterSpec:
     tenant_weights: dict = field(default_factory=dict)  # tenant -> weight (default 1)
     heartbeat_s: float = 1.0
     cell_size: int = 0
+    gateways: int = 1  # gateway replicas, each with its own admission queue and an even share of the slots
     autoscale: AutoscaleSpec | None = None
     kv_pool: bool = False  # workers take prompts' blocks from their cell's KV pool and push what they compute there
     kv_pool_blocks: int = 1 << 18  # a pool's capacity in blocks (least recently used go first)
@@ -98,15 +99,9 @@ class Cluster:
         self.index: dict[bytes, set] = {}  # block hash -> worker ids holding it (the prefix index)
         self.done: list[SimRequest] = []
         self.timeline: list[tuple[float, int, int]] = []  # (t, serving workers, starting workers)
-        self.acost = AdmissionCost()
-        self.queue = AdmissionQueue(make_arbitration("fcfs" if spec.admission == "none" else spec.admission,
-                                                     spec.starvation_s), starvation_s=spec.starvation_s,
-                                    trust_predictions=False)
-        self.in_flight = 0
-        self.held: dict[str, int] = {}  # tenant -> requests dispatched and not finished
-        self.queued: dict[str, int] = {}
-        self.sims: dict[int, SimRequest] = {}  # id(Pending) -> its request
-        self.tick_armed = False
+        if spec.gateways < 1:
+            raise ValueError(f"gateways must be >= 1, got {spec.gateways}")
+        self.gateways = [Gateway(self) for _ in range(spec.gateways)]
         self.routers: list = []
         self._turn = 0
         self.starting = 0
@@ -166,8 +161,11 @@ class Cluster:
         return make_routing(self.spec.routing, self.spec.routing_config).uses_prefix
 
     def _assign_cells(self) -> None:
+        """Deal the serving workers to routers; called whenever the serving set changes (added, draining,
+        retired), which is also when the cached serving list and gateway slot count are refreshed."""
         size = self.spec.cell_size
-        serving = [w for w in self.workers if w.alive and w.id not in self.draining]
+        serving = self._serving = [w for w in self.workers if w.alive and w.id not in self.draining]
+        self._slot_count = sum(w.spec.max_num_seqs for w in serving if w.role != "prefill")
         if not size:
             cells = [serving]
         else:
@@ -207,7 +205,7 @@ class Cluster:
             self._retire(worker)
 
     def serving(self, role: str | None = None) -> list[SimWorker]:
-        return [w for w in self.workers if w.alive and w.id not in self.draining and (role is None or w.role == role)]
+        return self._serving if role is None else [w for w in self._serving if w.role == role]
 
     # ---- the gateway ------------------------------------------------------------------------------------------
 
@@ -225,85 +223,17 @@ class Cluster:
         self.arrived += 1
         if self.arrived < len(self.trace):
             self._schedule_arrival()
-        t = sim.trace
-        self.window.arrived(t)
-        if self.spec.admission == "none":
-            self.window.pending += 1
-            sim.dispatched_s = self.now
-            self.in_flight += 1
-            self.at(self.now + self.cost.hop_s / 2, self._route_first, sim)
-            return
-        prioritized = sim.deadline_s is not None and self.queue.policy.uses_deadlines
-        predicted = (self.acost.predict_prioritized(t.prompt_tokens, t.output_tokens) if prioritized
-                     else self.acost.predict(t.prompt_tokens, t.output_tokens))
-        p = Pending(t.id, t.tenant, sim.weight, self.now, 0, t.prompt_tokens, t.output_tokens, priority=t.priority,
-                    deadline_s=sim.deadline_s, predicted_s=predicted,
-                    predicted_first_s=min(self.acost.predict_first(t.prompt_tokens), predicted))
-        sim.pending = p
+        self.window.arrived(sim.trace)
         self.window.pending += 1
-        try:
-            pushed = self.queue.offer(p, self.now)
-        except MeshError as e:
-            self._end(sim, e.code)
-            return
-        self.sims[id(p)] = sim
-        self.queued[t.tenant] = self.queued.get(t.tenant, 0) + 1
-        for q in pushed:
-            self._unqueue(q)
-            self._end(self.sims.pop(id(q)), "RESOURCE_EXHAUSTED")
-        self._pump()
-
-    def _unqueue(self, p: Pending) -> None:
-        self.queued[p.tenant] -= 1
-
-    def _slots(self) -> int:
-        return sum(w.spec.max_num_seqs for w in self.serving() if w.role != "prefill")
-
-    def _can_run(self, p: Pending) -> bool:
-        slots = self._slots()
-        if self.in_flight < slots or self.in_flight == 0:
-            return True  # a free slot (the workers' credits), or an idle mesh, which never stalls
-        if not self.queue.policy.name.startswith("fair"):
-            return False
-        weights = {t: self.spec.tenant_weights.get(t, 1.0) for t in set(self.held) | set(self.queued)
-                   if self.held.get(t) or self.queued.get(t)}
-        weights[p.tenant] = p.weight
-        return under_share(p.tenant, weights, self.held, slots, self.queue.queue, self.now, self.queue.starvation_s)
-
-    def _pump(self) -> None:
-        self.queue.slots = max(self._slots(), 1)
-        for p in self.queue.expired(self.now):
-            self._unqueue(p)
-            self._end(self.sims.pop(id(p)), "DEADLINE_EXCEEDED")
-        while self.queue.queue:
-            p = self.queue.next(self.now, can_run=self._can_run)
-            if p is None:
-                break
-            self._unqueue(p)
-            sim = self.sims.pop(id(p))
-            self.in_flight += 1
-            self.held[p.tenant] = self.held.get(p.tenant, 0) + 1
-            sim.dispatched_s = self.now
-            self.at(self.now + self.cost.hop_s / 2, self._route_first, sim)
-        if self.queue.queue and not self.tick_armed and any(q.deadline_s is not None for q in self.queue.queue):
-            self.tick_armed = True  # deadlines pass without any event: the gateway's 50 ms tick
-            self.at(self.now + 0.05, self._tick)
-
-    def _tick(self) -> None:
-        self.tick_armed = False
-        self._pump()
+        sim.gateway = self.gateways[sim.seq_no % len(self.gateways)]  # a load balancer's round robin
+        sim.gateway.arrive(sim)
 
     def _release(self, sim: SimRequest) -> None:
-        p = sim.pending
-        self.in_flight -= 1
-        if p is None:  # admission "none"
-            return
-        self.held[p.tenant] -= 1
-        if sim.first_s is not None and sim.last_s is not None and not sim.error:
-            self.acost.observe(p.input_tokens, sim.tokens_out, sim.first_s - sim.dispatched_s, sim.last_s - sim.first_s)
-            self.queue.trust_predictions = self.acost.trusted
-        self.queue.finished(p, sim.tokens_out, self.now, sim.first_s)
-        self._pump()
+        sim.gateway.release(sim)
+
+    def _pump(self) -> None:
+        for g in self.gateways:
+            g.pump()
 
     def _end(self, sim: SimRequest, error: str = "") -> None:
         sim.error = error
@@ -423,17 +353,17 @@ class Cluster:
 
     # ---- what workers report ----------------------------------------------------------------------------------
 
-    def on_tokens(self, worker: SimWorker, sim: SimRequest, req, ends: list, n: int) -> None:
+    def on_tokens(self, worker: SimWorker, sim: SimRequest, first: float, last: float, n: int) -> None:
+        """n tokens of sim's, made by steps ending at first ... last."""
         if sim is None:
             return
         back = self.cost.hop_s / 2
-        times = ends[-n:]
         if sim.first_s is None:
-            sim.first_s = times[0] + back
+            sim.first_s = first + back
             self.window.first_token(sim.first_s - sim.arrival_s)
             if sim.hashes:  # its prompt's blocks are computed: pushed to the cell's pool
                 worker.router["pool"].put(sim.hashes)
-        sim.last_s = times[-1] + back
+        sim.last_s = last + back
         sim.tokens_out += n
         self.window.tokens(n)
 
@@ -498,6 +428,104 @@ class Cluster:
 
     def _mark_timeline(self) -> None:
         self.timeline.append((round(self.now, 6), len(self.serving()), self.starting))
+
+
+class Gateway:
+    """One gateway replica: its admission queue (services.common.admission), what it has in flight, and its share
+    of the workers' slots. With several gateways (a load balancer spreading requests over them in turn) the
+    share is even: the real workers hand a freed slot to the gateway holding the fewest unused credits
+    (services.common.credits), which evens the shares out when the gateways' loads are even, as round robin
+    makes them."""
+
+    def __init__(self, cluster: "Cluster"):
+        spec = cluster.spec
+        self.c = cluster
+        self.acost = AdmissionCost()
+        self.queue = AdmissionQueue(make_arbitration("fcfs" if spec.admission == "none" else spec.admission,
+                                                     spec.starvation_s), starvation_s=spec.starvation_s,
+                                    trust_predictions=False)
+        self.in_flight = 0
+        self.held: dict[str, int] = {}  # tenant -> requests dispatched and not finished
+        self.queued: dict[str, int] = {}
+        self.sims: dict[int, SimRequest] = {}  # id(Pending) -> its request
+        self.tick_armed = False
+
+    def slots(self) -> int:
+        return self.c._slot_count // len(self.c.gateways)
+
+    def arrive(self, sim: SimRequest) -> None:
+        c, t = self.c, sim.trace
+        if c.spec.admission == "none":
+            self._dispatch(sim)
+            return
+        prioritized = sim.deadline_s is not None and self.queue.policy.uses_deadlines
+        predicted = (self.acost.predict_prioritized(t.prompt_tokens, t.output_tokens) if prioritized
+                     else self.acost.predict(t.prompt_tokens, t.output_tokens))
+        p = Pending(t.id, t.tenant, sim.weight, c.now, 0, t.prompt_tokens, t.output_tokens, priority=t.priority,
+                    deadline_s=sim.deadline_s, predicted_s=predicted,
+                    predicted_first_s=min(self.acost.predict_first(t.prompt_tokens), predicted))
+        sim.pending = p
+        try:
+            pushed = self.queue.offer(p, c.now)
+        except MeshError as e:
+            c._end(sim, e.code)
+            return
+        self.sims[id(p)] = sim
+        self.queued[t.tenant] = self.queued.get(t.tenant, 0) + 1
+        for q in pushed:
+            self.queued[q.tenant] -= 1
+            c._end(self.sims.pop(id(q)), "RESOURCE_EXHAUSTED")
+        self.pump()
+
+    def _dispatch(self, sim: SimRequest) -> None:
+        c = self.c
+        self.in_flight += 1
+        sim.dispatched_s = c.now
+        c.at(c.now + c.cost.hop_s / 2, c._route_first, sim)
+
+    def _can_run(self, p: Pending) -> bool:
+        slots = self.slots()
+        if self.in_flight < slots or self.in_flight == 0:
+            return True  # a free slot (the workers' credits), or an idle mesh, which never stalls
+        if not self.queue.policy.name.startswith("fair"):
+            return False
+        weights = {t: self.c.spec.tenant_weights.get(t, 1.0) for t in set(self.held) | set(self.queued)
+                   if self.held.get(t) or self.queued.get(t)}
+        weights[p.tenant] = p.weight
+        return under_share(p.tenant, weights, self.held, slots, self.queue.queue, self.c.now, self.queue.starvation_s)
+
+    def pump(self) -> None:
+        c = self.c
+        self.queue.slots = max(self.slots(), 1)
+        for p in self.queue.expired(c.now):
+            self.queued[p.tenant] -= 1
+            c._end(self.sims.pop(id(p)), "DEADLINE_EXCEEDED")
+        while self.queue.queue:
+            p = self.queue.next(c.now, can_run=self._can_run)
+            if p is None:
+                break
+            self.queued[p.tenant] -= 1
+            self.held[p.tenant] = self.held.get(p.tenant, 0) + 1
+            self._dispatch(self.sims.pop(id(p)))
+        if self.queue.queue and not self.tick_armed and any(q.deadline_s is not None for q in self.queue.queue):
+            self.tick_armed = True  # deadlines pass without any event: the gateway's 50 ms tick
+            c.at(c.now + 0.05, self._tick)
+
+    def _tick(self) -> None:
+        self.tick_armed = False
+        self.pump()
+
+    def release(self, sim: SimRequest) -> None:
+        p = sim.pending
+        self.in_flight -= 1
+        if p is None:  # admission "none"
+            return
+        self.held[p.tenant] -= 1
+        if sim.first_s is not None and sim.last_s is not None and not sim.error:
+            self.acost.observe(p.input_tokens, sim.tokens_out, sim.first_s - sim.dispatched_s, sim.last_s - sim.first_s)
+            self.queue.trust_predictions = self.acost.trusted
+        self.queue.finished(p, sim.tokens_out, self.c.now, sim.first_s)
+        self.pump()
 
 
 class KVPool:
@@ -583,7 +611,7 @@ class _Scaler:
             prompt_tokens_per_s=w.prompt_tokens / dt, output_tokens_per_s=w.output_tokens / dt,
             requests_per_s=w.requests / dt,
             queued_prefill_tokens=float(sum(r.num_tokens - r.num_computed for x in serving for r in x.sched.waiting)
-                                        + sum(p.input_tokens for p in c.queue.queue)),
+                                        + sum(p.input_tokens for g in c.gateways for p in g.queue.queue)),
             kv_usage=max((x.pool.num_used / x.pool.num_blocks for x in serving), default=0.0),
             ttft_p90_s=ttfts[int(0.9 * (len(ttfts) - 1))] if ttfts else None,
             cpu_util=sum(busy) / len(busy) if busy else 0.0)

@@ -46,7 +46,7 @@ def _run_cell(args) -> tuple:
     cluster.run(trace)
     for r in cluster.done:
         r.seq_no = j + n * r.seq_no
-        r.pending, r.hashes, r.workers = None, [], []
+        r.pending, r.gateway, r.hashes, r.workers = None, None, [], []
     return cluster.done, cluster.worker_stats(), cluster.processed, cluster.now
 
 

@@ -35,6 +35,7 @@ from pathlib import Path
 
 from sim.cluster import AutoscaleSpec, Cluster, ClusterSpec
 from sim.cost import CostModel
+from sim.parallel import splittable
 from sim.trace import Synthetic, synthetic
 from sim.worker import WorkerSpec
 
@@ -96,11 +97,13 @@ def _child(job: tuple) -> tuple:
 
 
 def _run_all(jobs: list, cost: CostModel, trace: list, processes: int) -> dict:
-    """Each (name, spec) on the trace; as many at once as processes (forked: they share the trace)."""
+    """Each (name, spec) on the trace. Systems whose cells are independent run one after the other, each with its
+    cells spread over the processes (sim/parallel.py: the same result as one process); the others run side by
+    side, as many at once as processes (forked: they share the trace)."""
     global _TRACE
     _TRACE = trace
-    if processes <= 1 or len(jobs) == 1:
-        return {name: _run(name, spec, cost, trace, 1) for name, spec in jobs}
+    if processes <= 1 or len(jobs) == 1 or all(splittable(spec) for _, spec in jobs):
+        return {name: _run(name, spec, cost, trace, processes) for name, spec in jobs}
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
@@ -159,31 +162,43 @@ def disaggregation(cost, n, workers, processes) -> dict:
 
 
 def autoscale(cost, n, workers, processes) -> dict:
+    """The autoscale study on a whole day. The trace's mean rate is set so that n requests arrive over the day
+    (bursts included). So that the day's peak needs `workers` workers, every worker runs slower than the cost
+    model by one factor (WorkerSpec.speed): a model that costly per step, whose latencies scale by the same
+    factor; the TTFT SLO is then 4x the largest prompt's unloaded time to first token at that speed."""
     mix = Synthetic(prompt=(32, 512), output=(16, 256))
-    cap = capacity(cost, mix)
-    day = 86400.0
-    mean_rate = n / day
-    spec_trace = replace(mix, requests=n, rate=mean_rate, diurnal_period_s=day, diurnal_amplitude=0.7,
-                         burst_every_s=7200.0, burst_s=600.0, burst_factor=3.0)
+    day, burst_every, burst_s, burst_factor, amplitude = 86400.0, 7200.0, 600.0, 3.0, 0.7
+    mean_rate = n / day / (1 + (burst_factor - 1) * burst_s / burst_every)
+    peak = mean_rate * (1 + amplitude) * burst_factor
+    speed = min(1.0, peak / (0.85 * workers * capacity(cost, mix)))
+    worker = replace(UNIQUE, speed=speed)
+    cap = capacity(cost, mix, worker)
+    spec_trace = replace(mix, requests=n, rate=mean_rate, diurnal_period_s=day, diurnal_amplitude=amplitude,
+                         burst_every_s=burst_every, burst_s=burst_s, burst_factor=burst_factor)
     trace = synthetic(spec_trace, seed=4)
-    slo = 2000.0
-    peak = mean_rate * 1.7 * 3.0
-    prefill_tps, decode_tps = token_rates(cost, mix, UNIQUE)
-    one = AutoscaleSpec(startup_s=120.0, max_replicas=256, ttft_slo_s=slo / 1e3, interval_s=10.0,
+    slo_ms = round(4 * (cost.step_s(1, mix.prompt[1] - 1) / speed + cost.hop_s) * 1e3, -2)
+    prefill_tps, decode_tps = token_rates(cost, mix, worker)
+    one = AutoscaleSpec(startup_s=120.0, max_replicas=4 * workers, ttft_slo_s=slo_ms / 1e3, interval_s=10.0,
                         prefill_tokens_per_s=prefill_tps, decode_tokens_per_s=decode_tps,
                         requests_per_s_per_replica=cap * 0.7)
-    base = ClusterSpec(worker=UNIQUE, admission="fcfs", routing="least-outstanding", ttft_slo_ms=slo, workers=2,
-                       cell_size=16)
+    # The gateway's queue bound scales with the model as the SLO does (30 s to a 2 s SLO at the preset's speed).
+    base = ClusterSpec(worker=worker, admission="fcfs", routing="least-outstanding", ttft_slo_ms=slo_ms,
+                       starvation_s=15 * slo_ms / 1e3,
+                       workers=max(1, int(mean_rate * (1 - amplitude) / cap) + 1), cell_size=16,
+                       gateways=max(1, workers // 16))
     fixed = max(1, int(peak / cap / 0.85) + 1)
     jobs = [(f"{policy}-policy", replace(base, autoscale=replace(one, policy=policy))) for policy in
             ("token", "cpu", "rate")] + [("peak-fixed", replace(base, workers=fixed))]
     systems = _run_all(jobs, cost, trace, processes)
     systems["peak-fixed"]["workers"] = fixed
-    return {"config": {"requests": n, "day_s": day, "mean_rate_req_per_s": round(mean_rate, 3),
-                       "capacity_per_worker_req_per_s": round(cap, 3), "startup_s": 120.0, "ttft_slo_ms": slo,
-                       "prefill_tokens_per_s_per_worker": round(prefill_tps), "decode_tokens_per_s_per_worker":
-                       round(decode_tps),
-                       "trace": asdict(spec_trace)}, "systems": systems}
+    return {"config": {"requests": n, "day_s": day, "trace_end_s": round(trace[-1].arrival_s, 1),
+                       "mean_rate_req_per_s": round(mean_rate, 3), "peak_rate_req_per_s": round(peak, 3),
+                       "worker_speed": round(speed, 5), "capacity_per_worker_req_per_s": round(cap, 4),
+                       "startup_s": 120.0, "ttft_slo_ms": slo_ms, "initial_workers": base.workers,
+                       "gateways": base.gateways, "queue_bound_s": base.starvation_s,
+                       "prefill_tokens_per_s_per_worker": round(prefill_tps, 1),
+                       "decode_tokens_per_s_per_worker": round(decode_tps, 1), "trace": asdict(spec_trace)},
+            "systems": systems}
 
 
 RUNNERS = {"batching": batching, "routing": routing, "disaggregation": disaggregation, "autoscale": autoscale}

@@ -64,6 +64,7 @@ class SimRequest:
     workers: list = field(default_factory=list)  # worker ids that served it
     cell: int | None = None  # the router (cell) the gateway gave it
     pending: object = None  # its admission queue entry (services.common.admission.Pending)
+    gateway: object = None  # the gateway replica that admitted it (sim.cluster.Gateway)
     hashes: list = field(default_factory=list)  # its prompt's block hashes, when the KV pool wants them
 
     @property
@@ -160,18 +161,23 @@ class SimWorker:
         self.sims[req.req_id] = sim
         sim.workers.append(self.id)
         self.imports.append(req)
-        self._take_imports()
+        if self._take_imports() and self.step is not None and self.step["k"] > 1:
+            self._cut_leap()  # it joins the batch at the end of the step in progress
         self.kick()
 
-    def _take_imports(self) -> None:
+    def _take_imports(self) -> int:
+        """Imports join the running batch while a slot and their blocks are to be had; returns how many did."""
+        taken = 0
         while self.imports:
             req = self.imports[0]
             if len(self.sched.running) >= self.spec.max_num_seqs or not self.kv.allocate(req, req.num_tokens - 1):
-                return
+                break
             self.imports.pop(0)
             req.num_computed, req.status = req.num_tokens - 1, Status.RUNNING
             self.kv.commit(req)
             self.sched.add_running(req)
+            taken += 1
+        return taken
 
     def _next_seq(self) -> int:
         self._seq += 1
@@ -204,27 +210,26 @@ class SimWorker:
         prefill_context = sum(s.num_new * s.num_computed for s in out.seqs if s.num_new > 1) if prefill else 0
         k = self._leap_steps(out)
         slow = self.cluster.contention(self) / self.spec.speed
+        # Step i of the leap ends at start + a (i + 1) + b i (i + 1) / 2: each decode step costs b more than the one
+        # before (its sequences' context grew by one token each), so a leap's times come in closed form.
         if k == 1:
-            ends = [now + self.cost.step_s(seqs, prefill, context, prefill_context) * slow]
+            a, b = self.cost.step_s(seqs, prefill, context, prefill_context) * slow, 0.0
         else:
-            ends, t = [], now
-            for i in range(k):
-                t += self.cost.step_s(seqs, 0, context + i * seqs) * slow
-                ends.append(t)
+            a, b = self.cost.step_s(seqs, 0, context) * slow, self.cost.per_context_s * seqs * slow
         self.version += 1
-        self.step = {"out": out, "k": k, "start": now, "ends": ends, "version": self.version, "slow": slow}
-        self.cluster.at(ends[-1], self._step_done, self.version)
+        self.step = {"out": out, "k": k, "start": now, "a": a, "b": b, "version": self.version, "slow": slow}
+        self.cluster.at(_end(self.step, k - 1), self._step_done, self.version)
 
     def _could_join(self) -> bool:
         """Could work that just arrived change the next step? (Not when every slot is taken under FCFS.)"""
         s = self.sched
-        return len(s.running) < s.max_num_seqs or s.policy.name != "fcfs" or bool(self.imports)
+        return len(s.running) < s.max_num_seqs or s.policy.name != "fcfs"
 
     def _leap_steps(self, out) -> int:
         """How many identical decode steps to run as one (1 = a single step; the module docstring)."""
         s = self.sched
         if (len(out.seqs) < 1 or out.preempted or out.num_tokens != len(out.seqs) or s.policy.uses_deadlines
-                or (s.waiting and len(s.running) < s.max_num_seqs) or self.imports or s.lora is not None):
+                or (s.waiting and len(s.running) < s.max_num_seqs) or s.lora is not None):
             return 1
         if s.waiting and s.policy.name != "fcfs":
             return 1  # the fair policies may hand a slot over at any step
@@ -243,29 +248,36 @@ class SimWorker:
 
     def _cut_leap(self) -> None:
         step, now = self.step, self.cluster.now
-        done = next(i for i, t in enumerate(step["ends"]) if t >= now)  # the step in progress ends there
-        if done + 1 >= step["k"]:
+        lo, hi = 0, step["k"] - 1  # the step in progress: the first whose end is not before now
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if _end(step, mid) >= now:
+                hi = mid
+            else:
+                lo = mid + 1
+        if lo + 1 >= step["k"]:
             return
-        step["k"], step["ends"] = done + 1, step["ends"][:done + 1]
+        step["k"] = lo + 1
         self.version += 1
         step["version"] = self.version
-        self.cluster.at(step["ends"][-1], self._step_done, self.version)
+        self.cluster.at(_end(step, lo), self._step_done, self.version)
 
     def _step_done(self, version: int) -> None:
         if version != self.version or self.step is None:
             return  # superseded (a cut leap) or the worker went away
         step, self.step = self.step, None
-        out, k, ends = step["out"], step["k"], step["ends"]
-        self.busy_s += ends[-1] - step["start"]
-        self.seq_s += len(out.seqs) * (ends[-1] - step["start"])
+        out, k = step["out"], step["k"]
+        first, last = _end(step, 0), _end(step, k - 1)
+        self.busy_s += last - step["start"]
+        self.seq_s += len(out.seqs) * (last - step["start"])
         self.steps += k
         seqs = len(out.seqs)
-        slow = step["slow"] / self.spec.speed
+        slow = step["slow"] * self.spec.speed  # the contention alone: the fit learns this worker's own step times
         # What the engine's fit learns: the first step's time, and a leap's decode steps as one mean sample (k
         # samples of the same step would only weigh it k times over).
-        self.fit.update(seqs, out.num_tokens, (ends[0] - step["start"]) / slow)
+        self.fit.update(seqs, out.num_tokens, (first - step["start"]) / slow)
         if k > 1:
-            self.fit.update(seqs, seqs, (ends[-1] - ends[0]) / (k - 1) / slow)
+            self.fit.update(seqs, seqs, (last - first) / (k - 1) / slow)
         if k == 1:
             self.sched.update(out)
         else:  # k decode steps: what k calls of update() and the engine's appends leave
@@ -286,7 +298,7 @@ class SimWorker:
                 self.kv.commit(req)
             if charge is not None:
                 charge(req.tenant, req.weight, output_tokens=k)
-            on_tokens(self, self.sims.get(req.req_id), req, ends, k)
+            on_tokens(self, self.sims.get(req.req_id), first, last, k)
             if len(req.tokens) - req.num_prompt >= req.params.max_tokens:
                 finished.append(req)
         for req in finished:
@@ -305,3 +317,8 @@ class SimWorker:
                 self.sched.finish(req, "abort")
                 sim = self.sims.pop(req.req_id, None)
                 self.cluster.on_failed(self, sim, "OUT_OF_RANGE")
+
+
+def _end(step: dict, i: int) -> float:
+    """When step i of a step or leap in flight ends (0 = its first)."""
+    return step["start"] + step["a"] * (i + 1) + step["b"] * i * (i + 1) / 2
