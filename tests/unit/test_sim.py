@@ -164,9 +164,14 @@ def test_disaggregated_adds_the_kv_transfer_over_both_links():
     assert r.last_s == pytest.approx(t + COST.hop_s / 2, abs=1e-9)
 
 
-def test_leaps_give_the_times_single_steps_give(monkeypatch):
+@pytest.mark.parametrize("mode", ["unified", "disaggregated"])
+def test_leaps_give_the_times_single_steps_give(monkeypatch, mode):
     trace = synthetic(Synthetic(requests=150, rate=30, prompt=(16, 300), output=(4, 120)), 5)
     spec = ClusterSpec(workers=2, worker=WORKER, admission="fcfs")
+    if mode == "disaggregated":  # one decode worker of 4 slots behind two prefill workers, no gateway queue:
+        # imports wait for a slot (up to ~90 at once), and leaps run while they wait
+        spec = replace(spec, mode=mode, prefill=2, workers=1, worker=replace(WORKER, max_num_seqs=4),
+                       prefill_worker=replace(WORKER, role="prefill"), admission="none")
     leaped = run(spec, trace)
     monkeypatch.setattr(sim_worker, "MAX_LEAP", 1)
     single = run(spec, trace)
@@ -177,6 +182,35 @@ def test_leaps_give_the_times_single_steps_give(monkeypatch):
         s = b[rid]
         assert (r.tokens_out, r.cached_tokens, r.workers) == (s.tokens_out, s.cached_tokens, s.workers)
         assert r.first_s == pytest.approx(s.first_s, abs=1e-6) and r.last_s == pytest.approx(s.last_s, abs=1e-6)
+
+
+def test_gateway_replicas_each_dispatch_within_their_share_of_the_slots():
+    trace = synthetic(Synthetic(requests=400, rate=400, prompt=(16, 64), output=(20, 40)), 3)
+    spec = ClusterSpec(workers=2, worker=WORKER, admission="fcfs", gateways=4)
+    c = Cluster(spec, COST)
+    most = [0] * 4
+
+    def watch():  # after every event: what each gateway has in flight
+        for i, g in enumerate(c.gateways):
+            most[i] = max(most[i], g.in_flight)
+
+    c.at = _observed(c.at, watch)
+    c.run(trace)
+    assert all(not r.error and r.tokens_out == r.trace.output_tokens for r in c.done)
+    assert most == [2 * WORKER.max_num_seqs // 4] * 4  # each its even share of the 32 slots, all of it used
+    assert {id(r.gateway) for r in c.done} == {id(g) for g in c.gateways}
+    with pytest.raises(ValueError, match="gateways"):
+        Cluster(replace(spec, gateways=0), COST)
+
+
+def _observed(at, watch):
+    """Cluster.at, with watch() called after each event it schedules."""
+    def wrapped(t, fn, *args):
+        def call(*a):
+            fn(*a)
+            watch()
+        at(t, call, *args)
+    return wrapped
 
 
 def test_no_block_is_leaked_and_the_kv_stays_consistent():
