@@ -81,6 +81,7 @@ class ClusterSpec:
     kv_pool_blocks: int = 1 << 18  # a pool's capacity in blocks (least recently used go first)
     ttft_slo_ms: float | None = None  # for attainment and goodput
     tpot_slo_ms: float | None = None
+    slo_grid: list = field(default_factory=list)  # [ttft_ms, tpot_ms] pairs: attainment and goodput at each too
 
 
 class Cluster:

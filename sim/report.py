@@ -75,6 +75,8 @@ def result_of(cluster, wall_s: float) -> dict:
     summary = latency_summary(reqs, end)
     spec = cluster.spec
     summary.update(slo_summary(reqs, spec.ttft_slo_ms, spec.tpot_slo_ms, end))
+    if spec.slo_grid:
+        summary["slo_grid"] = [slo_summary(reqs, ttft, tpot, end) for ttft, tpot in spec.slo_grid]
     stats = cluster.worker_stats()
     lifetime = sum(max((w["retired_s"] if w["retired_s"] is not None else end) - w["started_s"], 0.0) for w in stats)
     slots = sum(w["max_num_seqs"] * max((w["retired_s"] if w["retired_s"] is not None else end) - w["started_s"], 0.0)

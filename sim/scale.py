@@ -143,21 +143,27 @@ def routing(cost, n, workers, processes) -> dict:
                        "mix": asdict(mix)}, "systems": systems}
 
 
-def disaggregation(cost, n, workers, processes) -> dict:
+def disaggregation(cost, n, workers, processes, loads=(0.7,)) -> dict:
     mix = Synthetic(prompt=(256, 1024), output=(32, 256))
     cap = capacity(cost, mix)
-    rate = 0.7 * cap * workers
-    trace = synthetic(replace(mix, requests=n, rate=rate), seed=3)
     slo = {"ttft_slo_ms": 1000.0, "tpot_slo_ms": 25.0}
-    base = ClusterSpec(worker=UNIQUE, cell_size=16, admission="none", routing="least-outstanding", **slo)
-    jobs = [("unified", replace(base, workers=workers))]
-    for p, d in ((1, 1), (1, 3), (1, 7)):
-        pre = workers * p // (p + d)
-        jobs.append((f"disaggregated-{p}:{d}", replace(base, mode="disaggregated", prefill=pre, workers=workers - pre,
-                                                       cell_size=16 * d // (p + d))))
-    systems = _run_all(jobs, cost, trace, processes)
-    return {"config": {"workers": workers, "requests": n, "rate_req_per_s": round(rate, 2), **slo,
-                       "capacity_per_worker_req_per_s": round(cap, 3), "mix": asdict(mix),
+    grid = [[ttft, tpot] for ttft in (250.0, 500.0, 1000.0, 2000.0) for tpot in (12.5, 15.0, 20.0, 25.0, 35.0)]
+    base = ClusterSpec(worker=UNIQUE, cell_size=16, admission="none", routing="least-outstanding", slo_grid=grid,
+                       **slo)
+    systems, rates = {}, {}
+    for load in loads:
+        rate = rates[load] = load * cap * workers
+        trace = synthetic(replace(mix, requests=n, rate=rate), seed=3)
+        at = f"@{load:g}" if len(loads) > 1 else ""
+        jobs = [("unified" + at, replace(base, workers=workers))]
+        for p, d in ((1, 1), (1, 3), (1, 7)):
+            pre = workers * p // (p + d)
+            jobs.append((f"disaggregated-{p}:{d}{at}", replace(base, mode="disaggregated", prefill=pre,
+                                                               workers=workers - pre, cell_size=16 * d // (p + d))))
+        systems.update(_run_all(jobs, cost, trace, processes))
+    return {"config": {"workers": workers, "requests": n, "loads": list(loads),
+                       "rate_req_per_s": {f"{k:g}": round(v, 2) for k, v in rates.items()}, **slo,
+                       "slo_grid": grid, "capacity_per_worker_req_per_s": round(cap, 3), "mix": asdict(mix),
                        "kv_link_gbytes_per_s": cost.kv_link_gbytes_per_s}, "systems": systems}
 
 
@@ -217,7 +223,8 @@ def plot(result: dict, path: str) -> None:
               "routing": ("prefill_tokens_computed", "prefix_hit_rate", "ttft_ms_p99", "output_tokens_per_s"),
               "disaggregation": ("goodput_req_per_s", "slo_attainment", "ttft_ms_p99", "tpot_ms_p99"),
               "autoscale": ("slo_attainment", "worker_seconds", "max_workers", "ttft_ms_p99")}[study]
-    fig, ax = plt.subplots(1, len(panels) + (study == "autoscale"), figsize=(4.2 * (len(panels) + 1), 3.6))
+    extra = study in ("autoscale", "disaggregation")
+    fig, ax = plt.subplots(1, len(panels) + extra, figsize=(4.2 * (len(panels) + 1), 3.6))
     for a, metric in zip(ax, panels):
         a.bar(names, [systems[s].get(metric) or 0 for s in names])
         a.set_title(metric)
@@ -229,6 +236,14 @@ def plot(result: dict, path: str) -> None:
             a.step([x[0] / 3600 for x in tl], [x[1] + x[2] for x in tl], where="post", label=s)
         a.set(title="workers (serving + starting)", xlabel="hour")
         a.legend(fontsize=7)
+    if study == "disaggregation":  # goodput against the TPOT SLO, TTFT <= 1 s
+        a = ax[-1]
+        for s in names:
+            cells = [(g["slo"]["tpot_ms"], g["goodput_req_per_s"]) for g in systems[s].get("slo_grid", [])
+                     if g["slo"]["ttft_ms"] == 1000.0]
+            a.plot([x for x, _ in cells], [y or 0 for _, y in cells], marker="o", label=s)
+        a.set(title="goodput (TTFT <= 1 s) vs TPOT SLO", xlabel="TPOT SLO ms", ylabel="req/s")
+        a.legend(fontsize=6)
     fig.suptitle(f"sim study {study}")
     fig.tight_layout()
     fig.savefig(path, dpi=80)
@@ -242,6 +257,8 @@ def add_parser(sub) -> None:
     p.add_argument("--workers", type=int, default=512)
     p.add_argument("--processes", type=int, default=os.cpu_count() or 1, help="systems simulated at once (one process each)")
     p.add_argument("--cost", help="the cost model JSON (default: sim-cost.json when present, else built-in figures)")
+    p.add_argument("--loads", type=lambda t: tuple(float(x) for x in t.split(",")),
+                   help="disaggregation: loads as fractions of the unified capacity, e.g. 0.5,0.7,0.9 (default 0.7)")
     p.add_argument("--out", help="the result JSON (a PNG is written beside it)")
 
 
@@ -252,7 +269,8 @@ def run(args) -> int:
     cost = CostModel.load(path) if path else CostModel()
     cost = replace(cost, cores=0)  # at scale every worker has its own device
     t = time.perf_counter()
-    result = RUNNERS[args.name](cost, args.requests, args.workers, args.processes)
+    extra = {"loads": args.loads} if args.name == "disaggregation" and args.loads else {}
+    result = RUNNERS[args.name](cost, args.requests, args.workers, args.processes, **extra)
     result = {"study": args.name, "command": "meshserve sim study " + " ".join(_argv()), "cost": asdict(cost),
               **result, "wall_s": round(time.perf_counter() - t, 1)}
     for s in result["systems"].values():
