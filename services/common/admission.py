@@ -216,9 +216,10 @@ class AdmissionQueue:
                     f"tenant {p.tenant!r} is over its share of the mesh: its queued work would wait {wait:.1f} s at "
                     f"its weighted share, over {limit:g} s (half the {self.starvation_s:g} s bound)",
                     retry_after_ms=math.ceil((wait - limit) * 1000))
-        backlogged = self.backlogged()
-        if p.tenant not in backlogged:
-            self.policy.activate(p.tenant, backlogged)
+        if self.policy.tracks_activation:
+            backlogged = self.backlogged()
+            if p.tenant not in backlogged:
+                self.policy.activate(p.tenant, backlogged)
         p.seq_no, self._seq = self._seq, self._seq + 1
         pushed = []
         while (wait := self.predicted_wait(now, self.queue)) > self.starvation_s:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from operator import attrgetter
 from typing import Protocol
 
 INPUT_WEIGHT, OUTPUT_WEIGHT = 1.0, 2.0  # the cost of a token served, by kind (the paper's w_p, w_q)
@@ -78,11 +79,15 @@ def cost(input_tokens: int, output_tokens: int, weight: float) -> float:
     return (INPUT_WEIGHT * input_tokens + OUTPUT_WEIGHT * output_tokens) / weight
 
 
+_ARRIVAL = attrgetter("arrival_s", "seq_no")
+
+
 class ArbitrationPolicy:
     """Base: subclasses define rank(); selection helpers and no-op hooks are shared."""
 
     name = "base"
     uses_deadlines = False  # rejects claims that can no longer meet their deadline; engines cap their batch for them
+    tracks_activation = False  # activate() does something (callers may skip working out who is backlogged)
 
     def rank(self, claim: SlotClaim, now: float) -> tuple:
         raise TypeError(f"{type(self).__name__} must define rank()")
@@ -129,6 +134,9 @@ class FcfsPolicy(ArbitrationPolicy):
     def rank(self, claim: SlotClaim, now: float) -> tuple:
         return (claim.arrival_s, claim.seq_no)
 
+    def order(self, claims: Iterable[SlotClaim], now: float = 0.0) -> list:
+        return sorted(claims, key=_ARRIVAL)  # rank's order, without a Python call per claim (long queues)
+
 
 class PriorityPolicy(ArbitrationPolicy):
     name = "priority"
@@ -152,6 +160,7 @@ class FairPolicy(ArbitrationPolicy):
     """Virtual token counters per tenant (see the module docstring)."""
 
     name = "fair"
+    tracks_activation = True
 
     def __init__(self):
         self.counters: dict[str, float] = {}

@@ -84,9 +84,10 @@ class Scheduler:
         self.before_admit = None  # called with a waiting request that carries pooled blocks, before admitting it
 
     def add(self, req: Request) -> None:
-        backlogged = {r.tenant for r in self.waiting}
-        if req.tenant not in backlogged:
-            self.policy.activate(req.tenant, backlogged)
+        if self.policy.tracks_activation:
+            backlogged = {r.tenant for r in self.waiting}
+            if req.tenant not in backlogged:
+                self.policy.activate(req.tenant, backlogged)
         self.waiting.append(req)
 
     def add_running(self, req: Request) -> None:
@@ -104,12 +105,14 @@ class Scheduler:
         cap = self.last_cap = self.batch_cap(now)
         self.cap.stepped(now)
         capped = cap < self.max_num_seqs
-        joining = min(sum(r.deadline_s is not None for r in self.waiting), self.max_num_seqs - len(self.running))
-        budget = self.cap.token_budget(cap) if capped else self.budget
-        budget = self._schedule_running(out, budget, now, cap - joining if capped else cap)
+        if capped:  # slots kept for the deadline requests about to join
+            joining = min(sum(r.deadline_s is not None for r in self.waiting), self.max_num_seqs - len(self.running))
+            budget = self._schedule_running(out, self.cap.token_budget(cap), now, cap - joining)
+        else:
+            budget = self._schedule_running(out, self.budget, now, cap)
         if promoted is not None and out.preempted == [promoted[1]]:
             self._schedule_waiting(out, budget, now, [promoted[0]])  # the slot it was given
-        elif not out.preempted:
+        elif not out.preempted and budget > 0 and len(self.running) < self.max_num_seqs and self.waiting:
             self._schedule_waiting(out, budget, now, self.policy.admission_order(
                 self.waiting, self.running, self.max_num_seqs, now))
         out.num_tokens = sum(s.num_new for s in out.seqs)
