@@ -13,16 +13,19 @@ are fractions of what the cluster can serve. Studies:
   outputs 16-128, each worker's KV holding about 12 system prompts, Poisson at 70% of capacity: prefill tokens
   computed, prefix hit rate, TTFT, throughput.
 - disaggregation: unified vs disaggregated at P:D 1:1, 1:3 and 1:7, 512 workers in all, 1M requests, at one
-  load (70% of the unified capacity): goodput (requests meeting TTFT <= 1 s and TPOT <= 25 ms, per second) and
-  attainment.
+  load (70% of the unified capacity; --loads for several): goodput (requests meeting TTFT <= 1 s and TPOT <=
+  25 ms, per second) and attainment, and goodput over a grid of TTFT and TPOT SLOs.
 - autoscale: the token policy vs the CPU-utilisation and request-rate baselines and a fixed size, on a
-  day-long trace (diurnal rate, +-70%, with a 3x burst of 10 minutes every 2 hours), 2-minute start-ups, about
-  1M requests: SLO attainment (TTFT <= 2 s), worker-seconds, peak workers. The fixed baseline is sized for the
-  peak (its rate over 85% of a worker's capacity), not searched for the smallest size that meets the SLO. The
-  whole day runs in one process (the gateway's queue and the autoscaler see the whole cluster); its pool
-  peaks at tens of workers, not 500: a day at 500 workers would be a hundred million requests.
+  day-long trace (1M requests over 24 hours: a diurnal rate, +-70%, with a 3x burst of 10 minutes every 2
+  hours), 2-minute start-ups: SLO attainment, worker-seconds, peak workers. So that the day's peak needs
+  --workers workers, every worker is slowed by one factor (a model that much costlier per step; the TTFT SLO
+  and the gateway's queue bound scale with it, start-ups do not); one gateway replica per 16 workers shares the
+  admission work. The fixed baseline is sized for the peak (its rate over 85% of a worker's capacity), not searched for
+  the smallest size that meets the SLO.
 
-A study's systems run side by side in forked processes (--processes, default one per core), each on the same trace.
+Every system of a study sees the same trace. Systems whose cells are independent (no gateway queue, no
+autoscaler) run one after another, each with its cells spread over --processes (default one per core); the
+others run side by side, --processes at once.
 """
 
 from __future__ import annotations
