@@ -97,6 +97,8 @@ class SimWorker:
         self.started_s = 0.0
         self.retired_s = None
         self.router = None  # its cell's router (the cluster's)
+        self.changes = 0  # kicks so far: what outstanding_tokens' cache is keyed on
+        self._outstanding = (-1, 0)
         self._seq = 0
 
     # ---- load, as a heartbeat reports it ----------------------------------------------------------------------
@@ -106,9 +108,14 @@ class SimWorker:
         return self.spec.num_blocks * self.spec.block_size
 
     def outstanding_tokens(self) -> int:
+        """Tokens still to compute for the requests it holds (what its heartbeat reports). Cached until kick()
+        next runs: every change to what the worker holds (a request in, a step done) ends in a kick."""
+        if self._outstanding[0] == self.changes:
+            return self._outstanding[1]
         n = 0
         for r in (*self.sched.running, *self.sched.waiting, *self.held):
             n += max(r.num_tokens - r.num_computed, 0) + max(r.params.max_tokens - r.num_output, 0)
+        self._outstanding = (self.changes, n)
         return n
 
     @property
@@ -187,6 +194,7 @@ class SimWorker:
 
     def kick(self) -> None:
         """Start a step if none is in flight and there is work; cut a leap short if work arrived."""
+        self.changes += 1
         if not self.alive:
             return
         if self.step is not None:
