@@ -92,6 +92,7 @@ def _run(name: str, spec: ClusterSpec, cost: CostModel, trace: list, processes: 
 
 
 _TRACE: list = []  # the study's trace, for the forked processes (not pickled to each)
+_ONLY: set = set()  # --systems: the systems to run (empty: all)
 
 
 def _child(job: tuple) -> tuple:
@@ -105,6 +106,10 @@ def _run_all(jobs: list, cost: CostModel, trace: list, processes: int) -> dict:
     side, as many at once as processes (forked: they share the trace)."""
     global _TRACE
     _TRACE = trace
+    if _ONLY:
+        jobs = [(name, spec) for name, spec in jobs if name in _ONLY]
+    if not jobs:
+        return {}
     if processes <= 1 or len(jobs) == 1 or all(splittable(spec) for _, spec in jobs):
         return {name: _run(name, spec, cost, trace, processes) for name, spec in jobs}
     import multiprocessing
@@ -199,7 +204,8 @@ def autoscale(cost, n, workers, processes) -> dict:
     jobs = [(f"{policy}-policy", replace(base, autoscale=replace(one, policy=policy))) for policy in
             ("token", "cpu", "rate")] + [("peak-fixed", replace(base, workers=fixed))]
     systems = _run_all(jobs, cost, trace, processes)
-    systems["peak-fixed"]["workers"] = fixed
+    if "peak-fixed" in systems:
+        systems["peak-fixed"]["workers"] = fixed
     return {"config": {"requests": n, "day_s": day, "trace_end_s": round(trace[-1].arrival_s, 1),
                        "mean_rate_req_per_s": round(mean_rate, 3), "peak_rate_req_per_s": round(peak, 3),
                        "worker_speed": round(speed, 5), "capacity_per_worker_req_per_s": round(cap, 4),
@@ -260,6 +266,8 @@ def add_parser(sub) -> None:
     p.add_argument("--workers", type=int, default=512)
     p.add_argument("--processes", type=int, default=os.cpu_count() or 1, help="systems simulated at once (one process each)")
     p.add_argument("--cost", help="the cost model JSON (default: sim-cost.json when present, else built-in figures)")
+    p.add_argument("--systems", type=lambda t: set(filter(None, t.split(","))), default=set(),
+                   help="run only these of the study's systems, by name (comma-separated; default all)")
     p.add_argument("--loads", type=lambda t: tuple(float(x) for x in t.split(",")),
                    help="disaggregation: loads as fractions of the unified capacity, e.g. 0.5,0.7,0.9 (default 0.7)")
     p.add_argument("--out", help="the result JSON (a PNG is written beside it)")
@@ -272,8 +280,13 @@ def run(args) -> int:
     cost = CostModel.load(path) if path else CostModel()
     cost = replace(cost, cores=0)  # at scale every worker has its own device
     t = time.perf_counter()
+    global _ONLY
+    _ONLY = args.systems
     extra = {"loads": args.loads} if args.name == "disaggregation" and args.loads else {}
     result = RUNNERS[args.name](cost, args.requests, args.workers, args.processes, **extra)
+    if not result["systems"]:
+        log(f"none of --systems {','.join(sorted(args.systems))} is a system of the {args.name} study")
+        return 2
     result = {"study": args.name, "command": "meshserve sim study " + " ".join(_argv()), "cost": asdict(cost),
               **result, "wall_s": round(time.perf_counter() - t, 1)}
     for s in result["systems"].values():

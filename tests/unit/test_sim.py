@@ -323,3 +323,16 @@ def test_the_cli_runs_a_trace_and_names_a_bad_one(tmp_path, capsys):
     trace.write_text('{"arrival_s": 0}\n')
     assert main(["sim", "run", "--trace", str(trace)]) == 2
     assert "t.jsonl:1: missing" in capsys.readouterr().err
+
+
+def test_a_study_runs_only_the_systems_named(tmp_path, capsys):
+    out = tmp_path / "d.json"
+    args = ["sim", "study", "disaggregation", "--workers", "8", "--requests", "300", "--processes", "1",
+            "--out", str(out)]
+    assert main(args + ["--systems", "unified,disaggregated-1:3"]) == 0
+    result = json.loads(out.read_text())
+    assert sorted(result["systems"]) == ["disaggregated-1:3", "unified"]
+    assert all(s["completed"] == 300 and len(s["slo_grid"]) == 20 for s in result["systems"].values())
+    assert out.with_suffix(".png").exists()
+    assert main(args + ["--systems", "nope"]) == 2
+    assert "none of --systems nope" in capsys.readouterr().err
