@@ -240,9 +240,10 @@ def plot(result: dict, path: str) -> None:
         a.tick_params(axis="x", labelrotation=30, labelsize=7)
     if study == "autoscale":
         a = ax[-1]
+        end = max([result["config"].get("trace_end_s", 0.0)] + [x[0] for s in names for x in systems[s]["timeline"]])
         for s in names:
-            tl = systems[s]["timeline"]
-            a.step([x[0] / 3600 for x in tl], [x[1] + x[2] for x in tl], where="post", label=s)
+            tl = systems[s]["timeline"] + systems[s]["timeline"][-1:]  # held to the end (a fixed pool: one point)
+            a.step([x[0] / 3600 for x in tl[:-1]] + [end / 3600], [x[1] + x[2] for x in tl], where="post", label=s)
         a.set(title="workers (serving + starting)", xlabel="hour")
         a.legend(fontsize=7)
     if study == "disaggregation":  # goodput against the TPOT SLO, TTFT <= 1 s
