@@ -45,11 +45,11 @@ from bench.latency import poisson_arrivals
 from bench.online import drive
 from services.common.tenants import hash_key
 from services.launcher import Mesh, MeshSpec
-from sim.cluster import ClusterSpec
+from sim.cluster import AutoscaleSpec, ClusterSpec
 from sim.cli import simulate
 from sim.cost import CostModel, intervals
 from sim.report import latency_summary
-from sim.trace import read_jsonl
+from sim.trace import read_jsonl, write_jsonl
 from sim.worker import WorkerSpec
 
 WORKLOADS = ("mesh-mixed", "prefix-shared", "tenants-overload")
@@ -61,6 +61,10 @@ def add_flags(p) -> None:
     g = p.add_argument_group("sim-validate")
     g.add_argument("--sim-cost", help="a cost model from `meshserve sim calibrate` (default: calibrate first)")
     g.add_argument("--validate", default=",".join(WORKLOADS), help="the workloads to validate, comma-separated")
+    g.add_argument("--keep", metavar="DIR", help="also write each real run (its summary, recorded trace, step logs, "
+                   "cluster and cost model) under DIR, for --replay")
+    g.add_argument("--replay", metavar="DIR", help="no real runs: simulate the real runs kept under DIR by --keep "
+                   "(their cost model too) and compare with their figures")
 
 
 @dataclass
@@ -220,21 +224,58 @@ def compare(real: dict, sim: dict) -> tuple[dict, dict]:
     return errors, within
 
 
+def _keep(folder: Path, name: str, real: dict, trace: list, cluster: ClusterSpec, steps: list, cfg: dict) -> None:
+    from dataclasses import asdict
+
+    d = folder / name
+    (d / "steps").mkdir(parents=True, exist_ok=True)
+    write_jsonl(trace, d / "trace.jsonl")
+    for i, worker in enumerate(steps):
+        (d / "steps" / f"worker-{i}.jsonl").write_text("".join(json.dumps(s) + "\n" for s in worker))
+    (d / "run.json").write_text(json.dumps({"real": real, "cluster": asdict(cluster), "config": cfg}, indent=1) + "\n")
+
+
+def _kept(folder: Path, name: str):
+    d = folder / name
+    if not (d / "run.json").exists():
+        raise ValueError(f"--replay: no kept run of {name} in {folder} (write one with --keep)")
+    run = json.loads((d / "run.json").read_text())
+    c = run["cluster"]
+    cluster = ClusterSpec(**{**c, "worker": WorkerSpec(**c["worker"]),
+                             "prefill_worker": c["prefill_worker"] and WorkerSpec(**c["prefill_worker"]),
+                             "autoscale": c["autoscale"] and AutoscaleSpec(**c["autoscale"])})
+    steps = [[json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+             for f in sorted((d / "steps").glob("worker-*.jsonl"))]
+    return run["real"], read_jsonl(d / "trace.jsonl"), cluster, steps, run["config"]
+
+
 def run(args) -> int:
     from sim.calibrate import calibrate
 
     model_dir = Path(args.model) if args.model else default_model("bench")
-    if args.sim_cost:
+    keep = Path(args.keep) if args.keep else None
+    replay = Path(args.replay) if args.replay else None
+    if replay:
+        cost = CostModel.load(replay / "cost.json")
+        log(f"replaying the real runs kept in {replay}")
+    elif args.sim_cost:
         cost = CostModel.load(args.sim_cost)
         log(f"cost model from {args.sim_cost}")
     else:
         log("calibrating the cost model (one worker's steps under a calibration load)")
         cost = calibrate(model_dir, args.quick, args.seed)
+    if keep:
+        cost.save(keep / "cost.json")
     systems, config = {}, {}
-    keep = (*METRICS, "e2e_ms_p50", "e2e_ms_p99", "completed", "requests", "failed_by_status", "cached_prompt_tokens",
+    fields = (*METRICS, "e2e_ms_p50", "e2e_ms_p99", "completed", "requests", "failed_by_status", "cached_prompt_tokens",
             "prompt_tokens")
     for name in [w for w in WORKLOADS if w in args.validate.split(",")]:
-        real, trace, cluster, steps, cfg = CASES[name](model_dir, cost, args)
+        if replay:
+            real, trace, cluster, steps, cfg = _kept(replay, name)
+        else:
+            real, trace, cluster, steps, cfg = CASES[name](model_dir, cost, args)
+            if keep:
+                _keep(keep, name, real, trace, cluster, steps, cfg)
         sim = simulate(cluster, cost, trace)["summary"]
         errors, within = compare(real, sim)
         factor = speed_factor(cost, steps)
@@ -243,9 +284,9 @@ def run(args) -> int:
                                               prefill_s_per_token=cost.prefill_s_per_token * factor,
                                               prefill_context_s=cost.prefill_context_s * factor), trace)["summary"]
         errors2, within2 = compare(real, corrected)
-        systems[name] = {"real": {k: real.get(k) for k in keep}, "sim": {k: sim.get(k) for k in keep},
+        systems[name] = {"real": {k: real.get(k) for k in fields}, "sim": {k: sim.get(k) for k in fields},
                          "error": errors, "within": within,
-                         "sim_speed_corrected": {k: corrected.get(k) for k in keep}, "error_speed_corrected": errors2,
+                         "sim_speed_corrected": {k: corrected.get(k) for k in fields}, "error_speed_corrected": errors2,
                          "within_speed_corrected": within2}
         config[name] = {**cfg, "speed_factor": round(factor, 4)}
         log(f"{name}: " + ", ".join(f"{m} real {real.get(m)} sim {sim.get(m)} ({errors[m]:+.1%})"
