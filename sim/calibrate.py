@@ -12,8 +12,11 @@ The step log is fitted (sim/cost.py: least squares over each step's interval to 
 relative error on the steps, the machine and the load are written beside the terms.
 3. How workers share this machine's cores: a mesh of one worker per core, every worker busy at once (two
    bursts of 12 requests per worker), its own step log. Its decode steps take f times what the one-worker fit
-   predicts; the simulator's processor sharing (a step runs busy workers / cores times slower) then uses
-   cores = workers / f: the cores the workers really have once the gateway, router and client take theirs.
+   predicts; the simulator's processor sharing (a step runs (busy workers + the rest of the mesh's load) / cores
+   times slower) then uses cores = (workers + that load over these bursts) / f, at most the machine's.
+4. The rest of the mesh's CPU (gateway, router, servicers, Redis and this load's client: every process of the
+   mesh but the engine cores, read from /proc, and this process's own): per second, per request and per token
+   streamed, fitted over the phases above (the simulator adds it to the sharing where workers share cores).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import asyncio
 import json
 import os
 import random
+import resource
 import tempfile
 import time
 from pathlib import Path
@@ -30,7 +34,7 @@ from bench.common import default_model, log, machine
 from bench.latency import percentile
 from bench.online import drive
 from services.launcher import Mesh, MeshSpec
-from sim.cost import CostModel, fit, intervals
+from sim.cost import CostModel, nonneg_lstsq, fit, intervals
 
 ENGINE_ARGS = ["--max-num-batched-tokens", "512", "--kv-cache-gb", "1.0"]
 BURSTS = (2, 4, 8, 16, 32)
@@ -48,16 +52,16 @@ def calibrate(model_dir: Path, quick: bool = False, seed: int = 0, engine_args: 
     solo = _requests(rng, 8 if quick else 24, (32, 2048), (16, 16), "solo")
     bursts = [_requests(rng, n, (16, 64), (32, 96), f"short{n}") for n in (BURSTS[:3] if quick else BURSTS)]
     bursts += [_requests(rng, n, (1024, 2048), (32, 64), f"long{n}") for n in ((2, 4) if quick else (2, 4, 8))]
-    solo_timings = []
+    solo_timings, phases = [], []
     with Mesh(MeshSpec(str(model_dir), mode="unified", engine_args=engine_args,
                        env={"MESHSERVE_STEP_LOG": str(folder)})) as mesh:
         warm = _requests(rng, 4, (32, 64), (4, 4), "warm")
         asyncio.run(drive(mesh.gateway, warm, None))
         log(f"calibration: {len(solo)} solo requests")
-        solo_timings = asyncio.run(drive(mesh.gateway, solo, None))
+        solo_timings = _phase(mesh, folder, solo, None, phases)
         for b in bursts:
             log(f"calibration: a burst of {len(b)}")
-            asyncio.run(drive(mesh.gateway, b, [0.0] * len(b)))
+            _phase(mesh, folder, b, [0.0] * len(b), phases)
     rows = intervals(_steps(folder))
     terms, quality = fit(rows)
     model = CostModel(**terms)
@@ -71,11 +75,19 @@ def calibrate(model_dir: Path, quick: bool = False, seed: int = 0, engine_args: 
             for i in range(2):
                 log(f"calibration: {cores} workers busy at once ({i + 1}/2)")
                 burst = _requests(rng, 12 * cores, (32, 512), (64, 128), f"shared{i}")
-                asyncio.run(drive(mesh.gateway, burst, [0.0] * len(burst)))
+                _phase(mesh, shared, burst, [0.0] * len(burst), phases)
         ratios = sorted(t / model.step_s(s, 0, c) for s, p, c, _, t in intervals(_steps(shared)) if p == 0 and s > 1)
         if ratios:
             sharing = ratios[len(ratios) // 2]
-            model.cores = round(min(cores, cores / sharing), 3) if sharing > 1 else cores
+        host = _host_fit(phases)
+        if host:
+            model.host_cpu_s_per_s, model.host_cpu_s_per_request, model.host_cpu_s_per_token = host
+        # Busy workers and the rest of the mesh (its CPU over those bursts) on `cores` cores ran `sharing` times
+        # slower than one worker alone: the cores they really had.
+        load = cores + (sum(p["cpu_s"] for p in phases[-2:]) / sum(p["seconds"] for p in phases[-2:])
+                        if host and len(phases) >= 2 else 0.0)
+        if sharing:
+            model.cores = round(min(cores, load / sharing), 3)
     # The hop: a solo request's TTFT beyond its prompt's steps (chunked by the budget) at the fitted cost.
     budget = int(engine_args[engine_args.index("--max-num-batched-tokens") + 1]) \
         if "--max-num-batched-tokens" in engine_args else 2048
@@ -94,8 +106,54 @@ def calibrate(model_dir: Path, quick: bool = False, seed: int = 0, engine_args: 
     model.source = {"cpu_count": cores, "shared_step_ratio": None if sharing is None else round(sharing, 4),
                     "machine": machine(), "model": str(model_dir), "engine_args": engine_args,
                     "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **quality,
-                    "hop_ms_samples": len(hops)}
+                    "hop_ms_samples": len(hops), "hop_ms_quartiles": [round(x * 1e3, 3) for x in (
+                        percentile(hops, 0.25) or 0.0, percentile(hops, 0.5) or 0.0, percentile(hops, 0.75) or 0.0)],
+                    "host_phases": phases}
     return model
+
+
+def _phase(mesh: Mesh, folder: Path, reqs: list, arrivals: list | None, phases: list) -> list:
+    """Drive one phase of the calibration load, noting the rest of the mesh's CPU over it beside its seconds,
+    requests and streamed tokens."""
+    engines = {int(f.stem.split("-")[1]) for f in folder.glob("steps-*.jsonl")}
+    cpu, t = host_cpu_s(mesh, engines), time.perf_counter()
+    timings = asyncio.run(drive(mesh.gateway, reqs, arrivals))
+    after = host_cpu_s(mesh, engines)
+    if cpu is not None and after is not None:
+        phases.append({"seconds": round(time.perf_counter() - t, 4), "requests": len(reqs),
+                       "tokens": sum(x.tokens for x in timings), "cpu_s": round(after - cpu, 4)})
+    return timings
+
+
+def host_cpu_s(mesh: Mesh, engines: set) -> float | None:
+    """CPU seconds so far of every process of the mesh but its engine cores (the pids in `engines`), and of this
+    process (the load's client); None where /proc cannot tell (not Linux)."""
+    sessions = {p.popen.pid for p in mesh.procs}  # each service runs in a session of its own
+    ticks, total = os.sysconf("SC_CLK_TCK"), 0
+    try:
+        entries = [d for d in Path("/proc").iterdir() if d.name.isdigit() and int(d.name) not in engines]
+    except OSError:
+        return None
+    for d in entries:
+        try:
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        if int(fields[3]) in sessions:  # after the name: state ppid pgrp session ... utime(11) stime(12)
+            total += int(fields[11]) + int(fields[12])
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    return total / ticks + own.ru_utime + own.ru_stime
+
+
+def _host_fit(phases: list) -> tuple | None:
+    """(per second, per request, per token) of the mesh's own CPU, by least squares over the phases, none negative."""
+    import numpy as np
+
+    if len(phases) < 3:
+        return None
+    a = np.array([[p["seconds"], p["requests"], p["tokens"]] for p in phases], dtype=float)
+    terms = nonneg_lstsq(a, np.array([p["cpu_s"] for p in phases]), ("s", "request", "token"))
+    return round(terms["s"], 6), round(terms["request"], 8), round(terms["token"], 8)
 
 
 def _steps(folder: Path) -> list[dict]:

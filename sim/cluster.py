@@ -41,6 +41,8 @@ from services.router.views import RouteContext, WorkerView
 from sim.cost import CostModel
 from sim.worker import SimRequest, SimWorker, WorkerSpec
 
+HOST_WINDOW_S = 1.0  # the window of the request and token rates the mesh's own CPU follows (_HostLoad)
+
 
 @dataclass
 class AutoscaleSpec:
@@ -108,6 +110,8 @@ class Cluster:
         self.starting = 0
         self.draining: set = set()
         self.window = _Window()
+        self.host = _HostLoad(cost) if cost.cores and (cost.host_cpu_s_per_s or cost.host_cpu_s_per_request
+                                                       or cost.host_cpu_s_per_token) else None
         prefill_spec = spec.prefill_worker or replace(spec.worker, role="prefill")
         ids = worker_ids or {}
         if spec.mode == "disaggregated":
@@ -199,6 +203,8 @@ class Cluster:
         if not cores:
             return 1.0
         busy = sum(1 for w in self.workers if w.step is not None and w is not worker) + 1
+        if self.host is not None:
+            return max(1.0, (busy + self.host.cores(self.now)) / cores)
         return max(1.0, busy / cores)
 
     def worker_idle_changed(self, worker: SimWorker) -> None:
@@ -226,6 +232,8 @@ class Cluster:
             self._schedule_arrival()
         self.window.arrived(sim.trace)
         self.window.pending += 1
+        if self.host is not None:
+            self.host.add(self.now, requests=1)
         sim.gateway = self.gateways[sim.seq_no % len(self.gateways)]  # a load balancer's round robin
         sim.gateway.arrive(sim)
 
@@ -367,6 +375,8 @@ class Cluster:
         sim.last_s = last + back
         sim.tokens_out += n
         self.window.tokens(n)
+        if self.host is not None:
+            self.host.add(self.now, tokens=n)
 
     def on_finished(self, worker: SimWorker, sim: SimRequest, req) -> None:
         if sim is None:
@@ -550,6 +560,31 @@ class KVPool:
             self.blocks.move_to_end(h)
         while len(self.blocks) > self.capacity:
             self.blocks.popitem(last=False)
+
+
+class _HostLoad:
+    """The cores the rest of the mesh takes on a machine its workers share (CostModel.host_cpu_*): a constant part,
+    and requests and streamed tokens at their recent rates (exponentially weighted over HOST_WINDOW_S)."""
+
+    def __init__(self, cost: CostModel):
+        self.base, self.per_request, self.per_token = (cost.host_cpu_s_per_s, cost.host_cpu_s_per_request,
+                                                       cost.host_cpu_s_per_token)
+        self.requests = self.tokens = 0.0  # per second, decayed to `at`
+        self.at = 0.0
+
+    def _decay(self, now: float) -> None:
+        if now > self.at:
+            f = math.exp((self.at - now) / HOST_WINDOW_S)
+            self.requests, self.tokens, self.at = self.requests * f, self.tokens * f, now
+
+    def add(self, now: float, requests: int = 0, tokens: int = 0) -> None:
+        self._decay(now)
+        self.requests += requests / HOST_WINDOW_S
+        self.tokens += tokens / HOST_WINDOW_S
+
+    def cores(self, now: float) -> float:
+        self._decay(now)
+        return self.base + self.per_request * self.requests + self.per_token * self.tokens
 
 
 class _Window:

@@ -10,7 +10,8 @@ attention over the tokens before it (a long prompt's later chunks cost more). Th
 leaves out; fitted by least squares, no term negative, to the steps a worker logs (MESHSERVE_STEP_LOG), each
 step counted from its start to the next step's start when the worker went straight on (so the loop's own time
 between steps, sending outputs to the servicer and taking new requests, is part of a step as it is of
-throughput). Beside the step: hop_s, the time from a request's arrival at the gateway to its first step, and
+throughput). Where workers share a machine's cores, the rest of the mesh's CPU per second, per request and per token
+streamed (host_cpu_*). Beside the step: hop_s, the time from a request's arrival at the gateway to its first step, and
 back, beyond the steps themselves (gateway, router and worker hops); kv_bytes_per_token, for KV transfers.
 
 `meshserve sim calibrate` measures all of it on this machine (calibrate.py) and writes the JSON this loads.
@@ -37,6 +38,12 @@ class CostModel:
     kv_bytes_per_token: int = 16384
     kv_link_gbytes_per_s: float = 1.0  # a worker's KV link to the kvstore (per direction)
     cores: int = 0  # cores the workers share (0 = each worker has its own); steps slow down when more run at once
+    # Where workers share cores (cores > 0), the rest of the mesh on that machine takes some of them too: the
+    # gateway, router, servicers, Redis and the load's client, in CPU seconds per second, per request arriving and
+    # per token streamed (calibrate measures them); their load counts beside the busy workers in the sharing.
+    host_cpu_s_per_s: float = 0.0
+    host_cpu_s_per_request: float = 0.0
+    host_cpu_s_per_token: float = 0.0
     source: dict = field(default_factory=dict)  # how it was measured (machine, steps, residuals)
 
     def step_s(self, seqs: int, prefill_tokens: int = 0, context_tokens: int = 0, prefill_context: int = 0) -> float:
@@ -76,7 +83,7 @@ def intervals(steps: list[dict]) -> list[tuple[int, int, int, int, float]]:
     return out
 
 
-def _nonneg_lstsq(a, y, names: tuple) -> dict:
+def nonneg_lstsq(a, y, names: tuple) -> dict:
     """Least squares with no negative term (a negative one is dropped and the rest refitted)."""
     import numpy as np
 
@@ -107,13 +114,14 @@ def fit(rows: list[tuple[int, int, int, int, float]]) -> tuple[dict, dict]:
                          "(need 12 and 4)")
     y = np.array([r[4] for r in decode])
     a = np.array([[1.0, r[0], r[2]] for r in decode]) / y[:, None]
-    terms = _nonneg_lstsq(a, np.ones(len(decode)), TERMS[:3])
+    terms = nonneg_lstsq(a, np.ones(len(decode)), TERMS[:3])
     y = np.array([r[4] for r in prompt])
     rest = y - np.array([terms["base_s"] + terms["per_seq_s"] * r[0] + terms["per_context_s"] * r[2] for r in prompt])
     a = np.array([[float(r[1]), float(r[3])] for r in prompt]) / y[:, None]
-    terms.update(_nonneg_lstsq(a, rest / y, TERMS[3:]))
+    terms.update(nonneg_lstsq(a, rest / y, TERMS[3:]))
     all_y = np.array([r[4] for r in rows])
     pred = np.array([[1.0, r[0], r[2], r[1], r[3]] for r in rows]) @ np.array([terms[t] for t in TERMS])
     rel = np.abs(pred - all_y) / all_y
     return terms, {"steps": len(rows), "decode_steps": len(decode), "median_rel_error": round(float(np.median(rel)), 4),
                    "p90_rel_error": round(float(np.quantile(rel, 0.9)), 4)}
+

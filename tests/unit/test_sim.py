@@ -152,6 +152,36 @@ def test_one_request_takes_exactly_its_steps_by_the_cost_model():
     assert r.tokens_out == out and not r.error
 
 
+def test_the_rest_of_the_mesh_on_shared_cores_slows_the_steps_by_its_load():
+    prompt, out = 600, 20
+    spec = ClusterSpec(workers=1, worker=WORKER, admission="none")
+    trace = [TraceRequest(1.0, prompt, out, id="x")]
+    alone = by_id(run(spec, trace))["x"]
+    # One core, half of it taken by the gateway, router and client whatever the load: every step 1.5x its cost.
+    shared = by_id(run(spec, trace, replace(COST, cores=1, host_cpu_s_per_s=0.5)))["x"]
+    assert shared.first_s - 1.0 - COST.hop_s == pytest.approx(1.5 * (alone.first_s - 1.0 - COST.hop_s), rel=1e-9)
+    assert shared.last_s - shared.first_s == pytest.approx(1.5 * (alone.last_s - alone.first_s), rel=1e-9)
+    # A per-token cost: the stream's own tokens take CPU from the steps that make them.
+    streamed = by_id(run(spec, trace, replace(COST, cores=1, host_cpu_s_per_token=0.002)))["x"]
+    assert streamed.last_s - streamed.first_s > alone.last_s - alone.first_s
+    assert streamed.first_s == pytest.approx(alone.first_s, abs=1e-9)  # no token streamed before the first
+    # Where workers have cores of their own (cores = 0), the host terms change nothing.
+    own = by_id(run(spec, trace, replace(COST, host_cpu_s_per_s=0.5, host_cpu_s_per_token=0.002)))["x"]
+    assert (own.first_s, own.last_s) == (alone.first_s, alone.last_s)
+
+
+def test_calibration_fits_the_mesh_cpu_from_its_phases():
+    from sim.calibrate import _host_fit
+
+    rng = random.Random(5)
+    phases = []
+    for _ in range(10):
+        s, n, k = rng.uniform(0.5, 10), rng.randint(1, 40), rng.randint(10, 4000)
+        phases.append({"seconds": s, "requests": n, "tokens": k, "cpu_s": 0.1 * s + 0.004 * n + 2e-4 * k})
+    assert _host_fit(phases) == pytest.approx((0.1, 0.004, 2e-4), rel=1e-3)
+    assert _host_fit(phases[:2]) is None  # too few phases to tell three terms apart
+
+
 def test_disaggregated_adds_the_kv_transfer_over_both_links():
     prompt, out = 300, 10
     spec = ClusterSpec(mode="disaggregated", prefill=1, workers=1, worker=WORKER, admission="none")
