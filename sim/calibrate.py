@@ -4,10 +4,12 @@ One unified worker of a real mesh (bench preset unless --model; one torch thread
 logs every step it runs (MESHSERVE_STEP_LOG) while the calibration load runs through the gateway:
 1. solo requests, one at a time (prompts 32-2048 tokens, 16 outputs): single-sequence prefill steps, decode
    steps over contexts from tens to thousands of tokens, and the hop time: each request's TTFT at the client
-   minus what its steps took by the fit;
+   minus what the logged steps that computed its prompt took;
 2. bursts of 2, 4, 8, 16 and 32 requests at once with short prompts (16-64 tokens, 32-96 outputs): batch size
-   with little context; and bursts of 2, 4 and 8 with long prompts (1,024-2,048 tokens, 32-64 outputs): context
-   at small batch sizes. Sizes and context vary apart, so the fit can tell their costs apart.
+   with little context; bursts of 4, 8, 16 and 32 with mid prompts (256-1,024 tokens, 32-96 outputs): both at
+   once; and bursts of 2, 4 and 8 with long prompts (1,024-2,048 tokens, 32-64 outputs): context at small batch
+   sizes. Sizes and context vary apart and together, so the fit can tell their costs apart over the range
+   serving sees.
 The step log is fitted (sim/cost.py: least squares over each step's interval to the next), and the fit's
 relative error on the steps, the machine and the load are written beside the terms.
 3. How workers share this machine's cores: a mesh of one worker per core, every worker busy at once (two
@@ -51,6 +53,7 @@ def calibrate(model_dir: Path, quick: bool = False, seed: int = 0, engine_args: 
     folder = Path(tempfile.mkdtemp(prefix="meshserve-steps-"))
     solo = _requests(rng, 8 if quick else 24, (32, 2048), (16, 16), "solo")
     bursts = [_requests(rng, n, (16, 64), (32, 96), f"short{n}") for n in (BURSTS[:3] if quick else BURSTS)]
+    bursts += [_requests(rng, n, (256, 1024), (32, 96), f"mid{n}") for n in ((4, 8) if quick else (4, 8, 16, 32))]
     bursts += [_requests(rng, n, (1024, 2048), (32, 64), f"long{n}") for n in ((2, 4) if quick else (2, 4, 8))]
     solo_timings, phases = [], []
     with Mesh(MeshSpec(str(model_dir), mode="unified", engine_args=engine_args,
@@ -88,15 +91,19 @@ def calibrate(model_dir: Path, quick: bool = False, seed: int = 0, engine_args: 
                         if host and len(phases) >= 2 else 0.0)
         if sharing:
             model.cores = round(min(cores, load / sharing), 3)
-    # The hop: a solo request's TTFT beyond its prompt's steps (chunked by the budget) at the fitted cost.
+    # The hop: a solo request's TTFT beyond the steps that computed its prompt, as the worker logged them (its clock
+    # is this process's: both monotonic), or as the fit prices its chunks where the log shows none.
     budget = int(engine_args[engine_args.index("--max-num-batched-tokens") + 1]) \
         if "--max-num-batched-tokens" in engine_args else 2048
+    logged = sorted(_steps(folder), key=lambda s: s["start"])
+    spans = [(s["start"], s["start"] + s["step_s"], row[4]) for s, row in zip(logged, intervals(logged))]
     hops = []
     for r, t in zip(solo, solo_timings):
         if t.first_s is None:
             continue
-        n, done, took = len(r["prompt_token_ids"]), 0, 0.0
-        while done < n:
+        took = sum(cost for start, end, cost in spans if start >= t.arrival_s and end <= t.first_s)
+        n, done = len(r["prompt_token_ids"]), 0
+        while not took and done < n:
             chunk = min(budget, n - done)
             took += model.step_s(1, chunk - 1, done, chunk * done if chunk > 1 else 0)
             done += chunk

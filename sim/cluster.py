@@ -41,6 +41,8 @@ from services.router.views import RouteContext, WorkerView
 from sim.cost import CostModel
 from sim.worker import SimRequest, SimWorker, WorkerSpec
 
+GATEWAY_POLL_S = 0.25  # how often a gateway reads the router's view of the workers (their step-cost fits)
+REPORTS_FROM = 32  # serving workers whose fits a gateway's cost model hears of at most (their median is what counts)
 HOST_WINDOW_S = 1.0  # the window of the request and token rates the mesh's own CPU follows (_HostLoad)
 
 
@@ -96,6 +98,7 @@ class Cluster:
         self.processed = 0
         self.busy_workers = 0
         self.workers: list[SimWorker] = []
+        self.by_id: dict[str, SimWorker] = {}
         self.views: dict[str, WorkerView] = {}
         self.beat_at: dict[str, float] = {}
         self.link_free: dict[str, float] = {}
@@ -110,6 +113,7 @@ class Cluster:
         self.starting = 0
         self.draining: set = set()
         self.window = _Window()
+        self._reported = (-1.0, ((), (), ()))
         self.host = _HostLoad(cost) if cost.cores and (cost.host_cpu_s_per_s or cost.host_cpu_s_per_request
                                                        or cost.host_cpu_s_per_token) else None
         prefill_spec = spec.prefill_worker or replace(spec.worker, role="prefill")
@@ -155,6 +159,7 @@ class Cluster:
         w = SimWorker(self, worker_id, spec, self.cost, track_events=self._uses_index())
         w.started_s = self.now
         self.workers.append(w)
+        self.by_id[worker_id] = w
         self.views[worker_id] = WorkerView(worker_id, worker_id, spec.role, capacity_tokens=w.capacity_tokens,
                                            block_size=spec.block_size, max_num_seqs=spec.max_num_seqs,
                                            index_member=worker_id)
@@ -211,6 +216,18 @@ class Cluster:
         if worker.id in self.draining and not worker.holding and worker.step is None:
             self._retire(worker)
 
+    def reported_costs(self) -> tuple:
+        """The workers' step-cost fits as the gateways' cost models hear them from the router's view (prefill from
+        the roles that prefill, decode and its floor from those that decode), refreshed every GATEWAY_POLL_S, from
+        at most REPORTS_FROM serving workers (the model takes their median)."""
+        if self.now >= self._reported[0] + GATEWAY_POLL_S or self._reported[0] < 0:
+            ws = self._serving[:REPORTS_FROM]
+            prefill = [w.fit.prefill_s_per_token for w in ws if w.role != "decode"]
+            decoders = [w for w in ws if w.role != "prefill"]
+            floors = [w.fit.step_s(w.spec.deadline_min_batch) if w.fit.decode_s_per_step else 0.0 for w in decoders]
+            self._reported = (self.now, (prefill, [w.fit.decode_s_per_step for w in decoders], floors))
+        return self._reported[1]
+
     def serving(self, role: str | None = None) -> list[SimWorker]:
         return self._serving if role is None else [w for w in self._serving if w.role == role]
 
@@ -245,7 +262,7 @@ class Cluster:
             g.pump()
 
     def _end(self, sim: SimRequest, error: str = "") -> None:
-        sim.error = error
+        sim.error, sim.ended = error, True
         self.done.append(sim)
         self.window.pending -= 1
 
@@ -338,8 +355,19 @@ class Cluster:
             hashes, fetch = [], 0  # hashed at another block size: nothing to reuse there
         return by_id[view.worker_id], hashes, fetch
 
+    def _expire(self, sim: SimRequest) -> None:
+        """sim's deadline passed while dispatched: the gateway's call ends with DEADLINE_EXCEEDED (a deadline bounds
+        every hop) and the worker holding it, if any, drops it."""
+        if sim.ended:
+            return
+        if sim.workers:
+            self.by_id[sim.workers[-1]].abort(sim)
+        self._fail(sim, "DEADLINE_EXCEEDED")
+
     def _route_first(self, sim: SimRequest) -> None:
         t = sim.trace
+        if sim.ended:
+            return
         tokens = t.tokens()
         role, max_tokens = ("unified", t.output_tokens) if self.spec.mode == "unified" else ("prefill", 1)
         w, hashes, fetch = self._pick(role, sim, t.prompt_tokens + (t.output_tokens if role == "unified" else 0),
@@ -460,6 +488,7 @@ class Gateway:
         self.queued: dict[str, int] = {}
         self.sims: dict[int, SimRequest] = {}  # id(Pending) -> its request
         self.tick_armed = False
+        self.polled_s = -math.inf  # when it last read the workers' fits (reported_costs)
 
     def slots(self) -> int:
         return self.c._slot_count // len(self.c.gateways)
@@ -469,6 +498,9 @@ class Gateway:
         if c.spec.admission == "none":
             self._dispatch(sim)
             return
+        if c.now >= self.polled_s + GATEWAY_POLL_S:
+            self.polled_s = c.now
+            self.acost.update(*c.reported_costs())
         prioritized = sim.deadline_s is not None and self.queue.policy.uses_deadlines
         predicted = (self.acost.predict_prioritized(t.prompt_tokens, t.output_tokens) if prioritized
                      else self.acost.predict(t.prompt_tokens, t.output_tokens))
@@ -493,6 +525,8 @@ class Gateway:
         self.in_flight += 1
         sim.dispatched_s = c.now
         c.at(c.now + c.cost.hop_s / 2, c._route_first, sim)
+        if sim.deadline_s is not None:
+            c.at(max(sim.deadline_s, c.now), c._expire, sim)
 
     def _can_run(self, p: Pending) -> bool:
         slots = self.slots()

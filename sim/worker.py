@@ -66,6 +66,7 @@ class SimRequest:
     pending: object = None  # its admission queue entry (services.common.admission.Pending)
     gateway: object = None  # the gateway replica that admitted it (sim.cluster.Gateway)
     hashes: list = field(default_factory=list)  # its prompt's block hashes, when the KV pool wants them
+    ended: bool = False  # completed or failed (the client has its answer)
 
     @property
     def deadline_s(self) -> float | None:
@@ -100,6 +101,7 @@ class SimWorker:
         self.changes = 0  # kicks so far: what outstanding_tokens' cache is keyed on
         self._outstanding = (-1, 0)
         self._seq = 0
+        self.aborted: list[str] = []  # requests whose calls were cancelled during the step in flight
 
     # ---- load, as a heartbeat reports it ----------------------------------------------------------------------
 
@@ -132,6 +134,8 @@ class SimWorker:
         blocks fetched from the KV pool, which join this worker's prefix cache first; `hashes`: its full blocks'
         hashes when the router computed them already (the same chained hashes the KV manager would compute)."""
         t = sim.trace
+        if sim.ended:
+            return  # its deadline passed on the way here
         if pooled:
             self._import_pooled(pooled)
         req = Request(t.id, tokens, SamplingParams(max_tokens=max_tokens, ignore_eos=True), arrival_s=self.cluster.now,
@@ -161,6 +165,8 @@ class SimWorker:
     def add_import(self, sim: SimRequest, tokens: list, max_tokens: int) -> None:
         """A request whose prompt KV (and first token) arrived from a prefill worker (decode role)."""
         t = sim.trace
+        if sim.ended:
+            return
         req = Request(t.id, tokens[:t.prompt_tokens], SamplingParams(max_tokens=max_tokens, ignore_eos=True),
                       arrival_s=self.cluster.now, seq_no=self._next_seq(), tenant=t.tenant, weight=sim.weight,
                       deadline_s=sim.deadline_s)
@@ -185,6 +191,27 @@ class SimWorker:
             self.sched.add_running(req)
             taken += 1
         return taken
+
+    def abort(self, sim: SimRequest) -> None:
+        """sim's call was cancelled (its deadline passed): the engine drops the request at the end of the step in
+        progress (at once if none is), freeing its blocks; what that step makes of it goes nowhere."""
+        rid = sim.trace.id
+        if self.sims.pop(rid, None) is None:
+            return
+        if self.step is None:
+            self._drop(rid)
+            self.kick()
+            return
+        self.aborted.append(rid)
+        if self.step["k"] > 1:
+            self._cut_leap()
+
+    def _drop(self, rid: str) -> None:
+        self.held = [r for r in self.held if r.req_id != rid]
+        self.imports = [r for r in self.imports if r.req_id != rid]
+        req = next((r for r in (*self.sched.running, *self.sched.waiting) if r.req_id == rid), None)
+        if req is not None:
+            self.sched.finish(req, "abort")
 
     def _next_seq(self) -> int:
         self._seq += 1
@@ -313,6 +340,9 @@ class SimWorker:
             self.sched.finish(req, "length")
             sim = self.sims.pop(req.req_id, None)
             self.cluster.on_finished(self, sim, req)
+        for rid in self.aborted:
+            self._drop(rid)
+        self.aborted.clear()
         self._take_imports()
         self.cluster.worker_idle_changed(self)
         self.kick()
