@@ -114,8 +114,8 @@ class SimWorker:
         next runs: every change to what the worker holds (a request in, a step done) ends in a kick."""
         if self._outstanding[0] == self.changes:
             return self._outstanding[1]
-        n = 0
-        for r in (*self.sched.running, *self.sched.waiting, *self.held):
+        n = self.sched.waiting_tokens  # kept by the scheduler: a waiting request's part is fixed while it waits
+        for r in (*self.sched.running, *self.held):
             n += max(r.num_tokens - r.num_computed, 0) + max(r.params.max_tokens - r.num_output, 0)
         self._outstanding = (self.changes, n)
         return n

@@ -88,6 +88,9 @@ class ArbitrationPolicy:
     name = "base"
     uses_deadlines = False  # rejects claims that can no longer meet their deadline; engines cap their batch for them
     tracks_activation = False  # activate() does something (callers may skip working out who is backlogged)
+    # A key giving rank()'s order from the claim alone (no clock, no state), for a policy whose admission order is
+    # its serving order and that never preempts for a slot: a queue kept sorted by it needs no sorting (None: none).
+    sort_key = None
 
     def rank(self, claim: SlotClaim, now: float) -> tuple:
         raise TypeError(f"{type(self).__name__} must define rank()")
@@ -130,12 +133,16 @@ class ArbitrationPolicy:
 
 class FcfsPolicy(ArbitrationPolicy):
     name = "fcfs"
+    sort_key = _ARRIVAL
 
     def rank(self, claim: SlotClaim, now: float) -> tuple:
         return (claim.arrival_s, claim.seq_no)
 
     def order(self, claims: Iterable[SlotClaim], now: float = 0.0) -> list:
         return sorted(claims, key=_ARRIVAL)  # rank's order, without a Python call per claim (long queues)
+
+    def slot_preemption(self, waiting: list, running: list, slots: int, now: float):
+        return None  # never preempts for a slot (without looking through a long queue for its best claim)
 
 
 class PriorityPolicy(ArbitrationPolicy):

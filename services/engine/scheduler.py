@@ -36,6 +36,7 @@ it takes one this step), and a request whose adapter is still being read is pass
 
 from __future__ import annotations
 
+import bisect
 import math
 import time
 from dataclasses import dataclass, field
@@ -68,6 +69,11 @@ class SchedulerOutput:
         return not self.seqs
 
 
+def _remaining(req: Request) -> int:
+    """Prompt tokens still to compute and output tokens still expected (what a heartbeat's outstanding tokens sum)."""
+    return max(req.num_tokens - req.num_computed, 0) + max(req.params.max_tokens - req.num_output, 0)
+
+
 class Scheduler:
     def __init__(self, kv: KVCacheManager, policy: ArbitrationPolicy, max_num_seqs: int,
                  max_num_batched_tokens: int, clock=time.monotonic, lora=None, step_cost=None,
@@ -79,7 +85,8 @@ class Scheduler:
         self.started = 0  # requests first scheduled, since start
         self.queue_wait_s = 0.0  # their waits from arrival to first scheduled, summed
         self.last_cap = max_num_seqs  # the latest step's batch cap
-        self.waiting: list[Request] = []
+        self.waiting: list[Request] = []  # in arrival order, or kept in the policy's order when it has a sort_key
+        self.waiting_tokens = 0  # prompt tokens to compute and output tokens expected of the waiting requests
         self.running: list[Request] = []
         self.before_admit = None  # called with a waiting request that carries pooled blocks, before admitting it
 
@@ -88,7 +95,19 @@ class Scheduler:
             backlogged = {r.tenant for r in self.waiting}
             if req.tenant not in backlogged:
                 self.policy.activate(req.tenant, backlogged)
-        self.waiting.append(req)
+        self._enqueue(req)
+
+    def _enqueue(self, req: Request) -> None:
+        key = self.policy.sort_key
+        if key is None or not self.waiting or key(self.waiting[-1]) <= key(req):
+            self.waiting.append(req)
+        else:
+            bisect.insort(self.waiting, req, key=key)
+        self.waiting_tokens += _remaining(req)  # fixed while it waits
+
+    def _dequeue(self, req: Request) -> None:
+        self.waiting.remove(req)
+        self.waiting_tokens -= _remaining(req)
 
     def add_running(self, req: Request) -> None:
         """Join a request whose KV is already in place (an import) to the running batch."""
@@ -113,8 +132,9 @@ class Scheduler:
         if promoted is not None and out.preempted == [promoted[1]]:
             self._schedule_waiting(out, budget, now, [promoted[0]])  # the slot it was given
         elif not out.preempted and budget > 0 and len(self.running) < self.max_num_seqs and self.waiting:
-            self._schedule_waiting(out, budget, now, self.policy.admission_order(
-                self.waiting, self.running, self.max_num_seqs, now))
+            # A policy with a sort_key has the waiting list in its order already (kept so: long queues, no sort).
+            self._schedule_waiting(out, budget, now, list(self.waiting) if self.policy.sort_key is not None else
+                                   self.policy.admission_order(self.waiting, self.running, self.max_num_seqs, now))
         out.num_tokens = sum(s.num_new for s in out.seqs)
         self.cap.size = len(out.seqs)
         return out
@@ -182,8 +202,8 @@ class Scheduler:
                 self.started += 1
                 self.queue_wait_s += max(now - req.arrival_s, 0.0)
                 self.policy.charge(req.tenant, req.weight, input_tokens=req.num_prompt - num_cached)
+            self._dequeue(req)
             req.num_computed, req.status = num_cached, Status.RUNNING
-            self.waiting.remove(req)
             self.running.append(req)
             out.seqs.append(ScheduledSeq(req, num_cached, num_new, num_cached + num_new == req.num_tokens))
             budget -= num_new
@@ -207,7 +227,7 @@ class Scheduler:
         self.running.remove(req)
         req.num_computed, req.status = 0, Status.WAITING
         req.num_preemptions += 1
-        self.waiting.append(req)
+        self._enqueue(req)
         out.preempted.append(req)
 
     def update(self, out: SchedulerOutput) -> None:
@@ -221,7 +241,7 @@ class Scheduler:
         if req.status is Status.RUNNING:
             self.running.remove(req)
         elif req.status is Status.WAITING:
-            self.waiting.remove(req)
+            self._dequeue(req)
         self.unpin(req)
         req.status, req.finish_reason = Status.FINISHED, reason
         self.kv.forget(req)

@@ -44,3 +44,27 @@ def test_slots_limit_the_batch():
     sched = make_scheduler(max_num_seqs=2, budget=256)
     outs = run(sched, [make_request(i, prompt_len=5, max_tokens=4) for i in range(5)])
     assert max(len(o.seqs) for o in outs) == 2
+
+
+def test_the_waiting_queue_stays_in_fcfs_order_and_its_outstanding_tokens_stay_exact_through_preemptions():
+    # A tight pool: running requests are preempted back to the queue, which must take them back in arrival order
+    # (they go first again) without the scheduler sorting it; the queue's token count is kept, not summed.
+    sched = make_scheduler(num_blocks=9, block_size=4, budget=16, max_num_seqs=3)
+    reqs = [make_request(i, prompt_len=6 + i % 5, max_tokens=5 + i % 4) for i in range(12)]
+    for r in reqs[::-1][:6] + reqs[::-1][6:]:  # added out of order: the queue still holds them by arrival
+        sched.add(r)
+    preempted = 0
+    while sched.has_work:
+        assert sched.waiting == sorted(sched.waiting, key=lambda r: (r.arrival_s, r.seq_no))
+        assert sched.waiting_tokens == sum(r.num_tokens - r.num_computed + r.params.max_tokens - r.num_output
+                                           for r in sched.waiting)
+        out = sched.schedule()
+        preempted += len(out.preempted)
+        sched.update(out)
+        for s in out.seqs:
+            if s.sample:
+                s.request.tokens.append(7)
+                if s.request.num_output >= s.request.params.max_tokens:
+                    sched.finish(s.request, "length")
+    assert preempted > 0 and sched.waiting_tokens == 0
+    assert all(r.num_output == r.params.max_tokens for r in reqs)

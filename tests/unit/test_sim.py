@@ -252,7 +252,7 @@ def test_no_block_is_leaked_and_the_kv_stays_consistent():
     assert all(r.tokens_out == r.trace.output_tokens for r in c.done)
     for w in c.workers:
         w.kv.check_integrity()
-        assert w.pool.counts()["used"] == 0 and not w.sched.has_work
+        assert w.pool.counts()["used"] == 0 and not w.sched.has_work and w.sched.waiting_tokens == 0
 
 
 @pytest.mark.parametrize("mode", ["unified", "disaggregated"])
