@@ -113,7 +113,7 @@ class Cluster:
         self.starting = 0
         self.draining: set = set()
         self.window = _Window()
-        self._reported = (-1.0, ((), (), ()))
+        self._reported = (-1, ((), (), ()))
         self.host = _HostLoad(cost) if cost.cores and (cost.host_cpu_s_per_s or cost.host_cpu_s_per_request
                                                        or cost.host_cpu_s_per_token) else None
         prefill_spec = spec.prefill_worker or replace(spec.worker, role="prefill")
@@ -217,16 +217,17 @@ class Cluster:
             self._retire(worker)
 
     def reported_costs(self) -> tuple:
-        """The workers' step-cost fits as the gateways' cost models hear them from the router's view (prefill from
-        the roles that prefill, decode and its floor from those that decode), refreshed every GATEWAY_POLL_S, from
-        at most REPORTS_FROM serving workers (the model takes their median)."""
-        if self.now >= self._reported[0] + GATEWAY_POLL_S or self._reported[0] < 0:
+        """(version, reports): the workers' step-cost fits as the gateways' cost models hear them from the router's
+        view (prefill from the roles that prefill, decode and its floor from those that decode), which heartbeats
+        refresh every heartbeat_s, from at most REPORTS_FROM serving workers (the model takes their median)."""
+        version = int(self.now // self.spec.heartbeat_s)
+        if version != self._reported[0]:
             ws = self._serving[:REPORTS_FROM]
             prefill = [w.fit.prefill_s_per_token for w in ws if w.role != "decode"]
             decoders = [w for w in ws if w.role != "prefill"]
             floors = [w.fit.step_s(w.spec.deadline_min_batch) if w.fit.decode_s_per_step else 0.0 for w in decoders]
-            self._reported = (self.now, (prefill, [w.fit.decode_s_per_step for w in decoders], floors))
-        return self._reported[1]
+            self._reported = (version, (prefill, [w.fit.decode_s_per_step for w in decoders], floors))
+        return self._reported
 
     def serving(self, role: str | None = None) -> list[SimWorker]:
         return self._serving if role is None else [w for w in self._serving if w.role == role]
@@ -489,6 +490,7 @@ class Gateway:
         self.sims: dict[int, SimRequest] = {}  # id(Pending) -> its request
         self.tick_armed = False
         self.polled_s = -math.inf  # when it last read the workers' fits (reported_costs)
+        self.heard = -1  # the version of them it last took
 
     def slots(self) -> int:
         return self.c._slot_count // len(self.c.gateways)
@@ -498,9 +500,12 @@ class Gateway:
         if c.spec.admission == "none":
             self._dispatch(sim)
             return
-        if c.now >= self.polled_s + GATEWAY_POLL_S:
+        if c.now >= self.polled_s + GATEWAY_POLL_S:  # the gateway's poll of the router's view
             self.polled_s = c.now
-            self.acost.update(*c.reported_costs())
+            version, reports = c.reported_costs()
+            if version != self.heard:
+                self.heard = version
+                self.acost.update(*reports)
         prioritized = sim.deadline_s is not None and self.queue.policy.uses_deadlines
         predicted = (self.acost.predict_prioritized(t.prompt_tokens, t.output_tokens) if prioritized
                      else self.acost.predict(t.prompt_tokens, t.output_tokens))
