@@ -45,6 +45,7 @@ from bench.latency import poisson_arrivals
 from bench.online import drive
 from services.common.tenants import hash_key
 from services.launcher import Mesh, MeshSpec
+from sim.calibrate import calibrate, host_cpu_s
 from sim.cluster import AutoscaleSpec, ClusterSpec
 from sim.cli import simulate
 from sim.cost import CostModel, intervals
@@ -118,11 +119,16 @@ def _run_real(model_dir: Path, spec: MeshSpec, reqs: list, arrivals: list, keys:
         for w in warm:
             w["tenant"] = reqs[0].get("tenant", "")
         asyncio.run(drive(mesh.gateway, warm, None, keys=keys))
-        t = time.perf_counter()
+        engines = {int(f.stem.split("-")[1]) for f in steps.glob("steps-*.jsonl")}
+        t, cpu = time.perf_counter(), host_cpu_s(mesh, engines)
         timings = asyncio.run(drive(mesh.gateway, reqs, arrivals, keys=keys))
-        log(f"real: {len(reqs)} requests in {time.perf_counter() - t:.1f} s")
+        took, cpu = time.perf_counter() - t, (host_cpu_s(mesh, engines) or 0.0) - (cpu or 0.0)
+        log(f"real: {len(reqs)} requests in {took:.1f} s")
     logged = [[json.loads(line) for line in f.read_text().splitlines()] for f in sorted(steps.glob("steps-*.jsonl"))]
-    return latency_summary(_served(timings, reqs)), _recorded(trace_path), logged
+    summary = latency_summary(_served(timings, reqs))
+    summary["host_cores"] = round(cpu / took, 4)  # the rest of the mesh's CPU over the run (sim/calibrate.py)
+    summary["seconds"] = round(took, 3)
+    return summary, _recorded(trace_path), logged
 
 
 def _saturation(model_dir: Path, spec: MeshSpec, burst: list, keys: dict | None = None) -> float:
@@ -250,8 +256,6 @@ def _kept(folder: Path, name: str):
 
 
 def run(args) -> int:
-    from sim.calibrate import calibrate
-
     model_dir = Path(args.model) if args.model else default_model("bench")
     keep = Path(args.keep) if args.keep else None
     replay = Path(args.replay) if args.replay else None
@@ -289,6 +293,10 @@ def run(args) -> int:
                          "sim_speed_corrected": {k: corrected.get(k) for k in fields}, "error_speed_corrected": errors2,
                          "within_speed_corrected": within2}
         config[name] = {**cfg, "speed_factor": round(factor, 4)}
+        if real.get("host_cores") is not None:  # the rest of the mesh's CPU: measured, and as the model has it
+            config[name]["host_cores"] = {"real": real["host_cores"], "model": round(
+                cost.host_cpu_s_per_s + cost.host_cpu_s_per_request * real["requests"] / real["seconds"]
+                + cost.host_cpu_s_per_token * real["output_tokens_per_s"], 4)}
         log(f"{name}: " + ", ".join(f"{m} real {real.get(m)} sim {sim.get(m)} ({errors[m]:+.1%})"
                                     if errors[m] is not None else f"{m} n/a" for m in METRICS))
     from dataclasses import asdict

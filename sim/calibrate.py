@@ -8,8 +8,9 @@ logs every step it runs (MESHSERVE_STEP_LOG) while the calibration load runs thr
 2. bursts of 2, 4, 8, 16 and 32 requests at once with short prompts (16-64 tokens, 32-96 outputs): batch size
    with little context; bursts of 4, 8, 16 and 32 with mid prompts (256-1,024 tokens, 32-96 outputs): both at
    once; and bursts of 2, 4 and 8 with long prompts (1,024-2,048 tokens, 32-64 outputs): context at small batch
-   sizes. Sizes and context vary apart and together, so the fit can tell their costs apart over the range
-   serving sees.
+   sizes; then prompts behind a cached prefix (one shared 1,024-2,048-token prefix, 32-128 tokens of their
+   own), one at a time and all at once: short prompt chunks over long context. Sizes and context vary apart
+   and together, so the fit can tell their costs apart over the range serving sees.
 The step log is fitted (sim/cost.py: least squares over each step's interval to the next), and the fit's
 relative error on the steps, the machine and the load are written beside the terms.
 3. How workers share this machine's cores: a mesh of one worker per core, every worker busy at once (two
@@ -55,6 +56,12 @@ def calibrate(model_dir: Path, quick: bool = False, seed: int = 0, engine_args: 
     bursts = [_requests(rng, n, (16, 64), (32, 96), f"short{n}") for n in (BURSTS[:3] if quick else BURSTS)]
     bursts += [_requests(rng, n, (256, 1024), (32, 96), f"mid{n}") for n in ((4, 8) if quick else (4, 8, 16, 32))]
     bursts += [_requests(rng, n, (1024, 2048), (32, 64), f"long{n}") for n in ((2, 4) if quick else (2, 4, 8))]
+    # Prompts behind a cached prefix: one shared 1,024-2,048-token prefix, 32-128 tokens of their own; one at a
+    # time, then all at once: short prompt chunks over long context, as prefix caching makes them.
+    prefix = _requests(rng, 1, (1024, 2048), (1, 1), "prefix")[0]["prompt_token_ids"]
+    cached = [_requests(rng, 4 if quick else 12, (32, 128), (16, 48), f"cached{i}") for i in range(2)]
+    for r in cached[0] + cached[1]:
+        r["prompt_token_ids"] = prefix + r["prompt_token_ids"]
     solo_timings, phases = [], []
     with Mesh(MeshSpec(str(model_dir), mode="unified", engine_args=engine_args,
                        env={"MESHSERVE_STEP_LOG": str(folder)})) as mesh:
@@ -65,6 +72,9 @@ def calibrate(model_dir: Path, quick: bool = False, seed: int = 0, engine_args: 
         for b in bursts:
             log(f"calibration: a burst of {len(b)}")
             _phase(mesh, folder, b, [0.0] * len(b), phases)
+        log(f"calibration: {len(cached[0])} prompts behind a cached prefix one at a time, then {len(cached[1])} at once")
+        _phase(mesh, folder, cached[0], None, phases)
+        _phase(mesh, folder, cached[1], [0.0] * len(cached[1]), phases)
     rows = intervals(_steps(folder))
     terms, quality = fit(rows)
     model = CostModel(**terms)

@@ -15,7 +15,8 @@ What runs is the services' own policy code, imported unchanged:
 Time: a single clock; events in a heap ordered by (time, sequence number), so equal times keep their insertion
 order and a run is a pure function of its inputs: the same spec and trace give the same result, byte for byte.
 Hops: a request reaches its worker hop_s/2 after dispatch and its tokens reach the client hop_s/2 after the
-step that made them (the cost model's measured hop time). KV transfers (disaggregated): the prefill worker's
+step that made them (the cost model's measured hop time); where workers share cores, the hop's processes share
+them too, and a hop takes as much longer as a step would (hop()). KV transfers (disaggregated): the prefill worker's
 link to the kvstore and the decode worker's link from it, each FIFO at kv_link_gbytes_per_s.
 Cells: with cell_size > 0 each router serves cell_size workers and the gateway spreads requests over the
 routers in turn (as several routers each own a shard of a large pool); 0 = one router for every worker.
@@ -212,6 +213,16 @@ class Cluster:
             return max(1.0, (busy + self.host.cores(self.now)) / cores)
         return max(1.0, busy / cores)
 
+    def hop(self) -> float:
+        """Half the hop time (each way), stretched where workers share cores by the sharing a step started now would
+        see: the gateway, router and servicer processes that pass a request on wait for a core as a step does."""
+        half = self.cost.hop_s / 2
+        if not self.cost.cores:
+            return half
+        busy = sum(1 for w in self.workers if w.step is not None)
+        load = busy + (self.host.cores(self.now) if self.host is not None else 0.0)
+        return half * max(1.0, load / self.cost.cores)
+
     def worker_idle_changed(self, worker: SimWorker) -> None:
         if worker.id in self.draining and not worker.holding and worker.step is None:
             self._retire(worker)
@@ -395,7 +406,7 @@ class Cluster:
         """n tokens of sim's, made by steps ending at first ... last."""
         if sim is None:
             return
-        back = self.cost.hop_s / 2
+        back = self.hop()
         if sim.first_s is None:
             sim.first_s = first + back
             self.window.first_token(sim.first_s - sim.arrival_s)
@@ -529,7 +540,7 @@ class Gateway:
         c = self.c
         self.in_flight += 1
         sim.dispatched_s = c.now
-        c.at(c.now + c.cost.hop_s / 2, c._route_first, sim)
+        c.at(c.now + c.hop(), c._route_first, sim)
         if sim.deadline_s is not None:
             c.at(max(sim.deadline_s, c.now), c._expire, sim)
 

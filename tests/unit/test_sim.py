@@ -157,9 +157,14 @@ def test_the_rest_of_the_mesh_on_shared_cores_slows_the_steps_by_its_load():
     spec = ClusterSpec(workers=1, worker=WORKER, admission="none")
     trace = [TraceRequest(1.0, prompt, out, id="x")]
     alone = by_id(run(spec, trace))["x"]
-    # One core, half of it taken by the gateway, router and client whatever the load: every step 1.5x its cost.
+    # One core, half of it taken by the gateway, router and client whatever the load: every step 1.5x its cost; the
+    # hop's processes, with no step running on either way, fit in what is left: it takes its time.
     shared = by_id(run(spec, trace, replace(COST, cores=1, host_cpu_s_per_s=0.5)))["x"]
-    assert shared.first_s - 1.0 - COST.hop_s == pytest.approx(1.5 * (alone.first_s - 1.0 - COST.hop_s), rel=1e-9)
+    steps = alone.first_s - 1.0 - COST.hop_s
+    assert shared.first_s - 1.0 == pytest.approx(COST.hop_s + 1.5 * steps, rel=1e-9)
+    # Half a core more and the hop's processes wait for the core too: 1.5 / 1 x its time either way.
+    busy = by_id(run(spec, trace, replace(COST, cores=1, host_cpu_s_per_s=1.5)))["x"]
+    assert busy.first_s - 1.0 == pytest.approx(1.5 * COST.hop_s + 2.5 * steps, rel=1e-9)
     assert shared.last_s - shared.first_s == pytest.approx(1.5 * (alone.last_s - alone.first_s), rel=1e-9)
     # A per-token cost: the stream's own tokens take CPU from the steps that make them.
     streamed = by_id(run(spec, trace, replace(COST, cores=1, host_cpu_s_per_token=0.002)))["x"]
