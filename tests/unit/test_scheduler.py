@@ -3,12 +3,15 @@
 from tests.support.fakes import make_request, make_scheduler
 
 
-def run(sched, reqs, max_steps=500):
-    """Drive schedule/update as the engine does, 'sampling' token 7; returns the per-step outputs."""
+def run(sched, reqs, max_steps=500, check=None):
+    """Drive schedule/update as the engine does, 'sampling' token 7; returns the per-step outputs. `check` is called
+    before every step."""
     for r in reqs:
         sched.add(r)
     outs = []
     while sched.has_work and len(outs) < max_steps:
+        if check is not None:
+            check()
         out = sched.schedule()
         sched.update(out)
         for s in out.seqs:
@@ -51,20 +54,12 @@ def test_the_waiting_queue_stays_in_fcfs_order_and_its_outstanding_tokens_stay_e
     # (they go first again) without the scheduler sorting it; the queue's token count is kept, not summed.
     sched = make_scheduler(num_blocks=9, block_size=4, budget=16, max_num_seqs=3)
     reqs = [make_request(i, prompt_len=6 + i % 5, max_tokens=5 + i % 4) for i in range(12)]
-    for r in reqs[::-1][:6] + reqs[::-1][6:]:  # added out of order: the queue still holds them by arrival
-        sched.add(r)
-    preempted = 0
-    while sched.has_work:
+
+    def check():
         assert sched.waiting == sorted(sched.waiting, key=lambda r: (r.arrival_s, r.seq_no))
         assert sched.waiting_tokens == sum(r.num_tokens - r.num_computed + r.params.max_tokens - r.num_output
                                            for r in sched.waiting)
-        out = sched.schedule()
-        preempted += len(out.preempted)
-        sched.update(out)
-        for s in out.seqs:
-            if s.sample:
-                s.request.tokens.append(7)
-                if s.request.num_output >= s.request.params.max_tokens:
-                    sched.finish(s.request, "length")
-    assert preempted > 0 and sched.waiting_tokens == 0
+
+    outs = run(sched, reqs[::-1], check=check)  # added newest first: held by arrival all the same
+    assert sum(len(o.preempted) for o in outs) > 0 and sched.waiting_tokens == 0
     assert all(r.num_output == r.params.max_tokens for r in reqs)
