@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import sys
 import time
@@ -143,7 +142,6 @@ def simulate(spec: ClusterSpec, cost: CostModel, trace: list, progress: bool = F
     from sim.report import result_of
 
     t0 = time.perf_counter()
-    gc.freeze()  # the trace and what came before: long-lived, not worth the collector's full passes
     if splittable(spec):
         cluster = run_cells(spec, cost, trace, processes)
     else:
