@@ -205,13 +205,9 @@ class Cluster:
 
     def contention(self, worker: SimWorker) -> float:
         """How much slower a step runs because other workers step on the same cores (processor sharing)."""
-        cores = self.cost.cores
-        if not cores:
+        if not self.cost.cores:
             return 1.0
-        busy = sum(1 for w in self.workers if w.step is not None and w is not worker) + 1
-        if self.host is not None:
-            return max(1.0, (busy + self.host.cores(self.now)) / cores)
-        return max(1.0, busy / cores)
+        return self._sharing(sum(1 for w in self.workers if w.step is not None and w is not worker) + 1)
 
     def hop(self) -> float:
         """Half the hop time (each way), stretched where workers share cores by the sharing a step started now would
@@ -219,9 +215,12 @@ class Cluster:
         half = self.cost.hop_s / 2
         if not self.cost.cores:
             return half
-        busy = sum(1 for w in self.workers if w.step is not None)
+        return half * self._sharing(sum(1 for w in self.workers if w.step is not None))
+
+    def _sharing(self, busy: int) -> float:
+        """busy workers and the rest of the mesh's load on the workers' cores: how much slower each runs."""
         load = busy + (self.host.cores(self.now) if self.host is not None else 0.0)
-        return half * max(1.0, load / self.cost.cores)
+        return max(1.0, load / self.cost.cores)
 
     def worker_idle_changed(self, worker: SimWorker) -> None:
         if worker.id in self.draining and not worker.holding and worker.step is None:
