@@ -45,7 +45,7 @@ from bench.latency import poisson_arrivals
 from bench.online import drive
 from services.common.tenants import hash_key
 from services.launcher import Mesh, MeshSpec
-from sim.calibrate import calibrate, host_cpu_s
+from sim.calibrate import calibrate, measured_drive
 from sim.cluster import AutoscaleSpec, ClusterSpec
 from sim.cli import simulate
 from sim.cost import CostModel, intervals
@@ -119,15 +119,12 @@ def _run_real(model_dir: Path, spec: MeshSpec, reqs: list, arrivals: list, keys:
         for w in warm:
             w["tenant"] = reqs[0].get("tenant", "")
         asyncio.run(drive(mesh.gateway, warm, None, keys=keys))
-        engines = {int(f.stem.split("-")[1]) for f in steps.glob("steps-*.jsonl")}
-        t, cpu = time.perf_counter(), host_cpu_s(mesh, engines)
-        timings = asyncio.run(drive(mesh.gateway, reqs, arrivals, keys=keys))
-        took, cpu = time.perf_counter() - t, (host_cpu_s(mesh, engines) or 0.0) - (cpu or 0.0)
-        log(f"real: {len(reqs)} requests in {took:.1f} s")
+        timings, phase = measured_drive(mesh, steps, reqs, arrivals, keys)
+        log(f"real: {len(reqs)} requests" + (f" in {phase['seconds']:.1f} s" if phase else ""))
     logged = [[json.loads(line) for line in f.read_text().splitlines()] for f in sorted(steps.glob("steps-*.jsonl"))]
     summary = latency_summary(_served(timings, reqs))
-    summary["host_cores"] = round(cpu / took, 4)  # the rest of the mesh's CPU over the run (sim/calibrate.py)
-    summary["seconds"] = round(took, 3)
+    if phase is not None:  # the rest of the mesh's CPU over the run (sim/calibrate.py)
+        summary["host_cores"], summary["seconds"] = round(phase["cpu_s"] / phase["seconds"], 4), phase["seconds"]
     return summary, _recorded(trace_path), logged
 
 
@@ -294,9 +291,8 @@ def run(args) -> int:
                          "within_speed_corrected": within2}
         config[name] = {**cfg, "speed_factor": round(factor, 4)}
         if real.get("host_cores") is not None:  # the rest of the mesh's CPU: measured, and as the model has it
-            config[name]["host_cores"] = {"real": real["host_cores"], "model": round(
-                cost.host_cpu_s_per_s + cost.host_cpu_s_per_request * real["requests"] / real["seconds"]
-                + cost.host_cpu_s_per_token * real["output_tokens_per_s"], 4)}
+            config[name]["host_cores"] = {"real": real["host_cores"], "model": round(cost.host_cores(
+                real["requests"] / real["seconds"], real["output_tokens_per_s"]), 4)}
         log(f"{name}: " + ", ".join(f"{m} real {real.get(m)} sim {sim.get(m)} ({errors[m]:+.1%})"
                                     if errors[m] is not None else f"{m} n/a" for m in METRICS))
     from dataclasses import asdict

@@ -37,7 +37,7 @@ from bench.common import default_model, log, machine
 from bench.latency import percentile
 from bench.online import drive
 from services.launcher import Mesh, MeshSpec
-from sim.cost import CostModel, nonneg_lstsq, fit, intervals
+from sim.cost import CostModel, fit, intervals, nonneg_lstsq
 
 ENGINE_ARGS = ["--max-num-batched-tokens", "512", "--kv-cache-gb", "1.0"]
 BURSTS = (2, 4, 8, 16, 32)
@@ -72,7 +72,8 @@ def calibrate(model_dir: Path, quick: bool = False, seed: int = 0, engine_args: 
         for b in bursts:
             log(f"calibration: a burst of {len(b)}")
             _phase(mesh, folder, b, [0.0] * len(b), phases)
-        log(f"calibration: {len(cached[0])} prompts behind a cached prefix one at a time, then {len(cached[1])} at once")
+        log(f"calibration: {len(cached[0])} prompts behind a cached prefix one at a time, "
+            f"then {len(cached[1])} at once")
         _phase(mesh, folder, cached[0], None, phases)
         _phase(mesh, folder, cached[1], [0.0] * len(cached[1]), phases)
     rows = intervals(_steps(folder))
@@ -130,16 +131,25 @@ def calibrate(model_dir: Path, quick: bool = False, seed: int = 0, engine_args: 
 
 
 def _phase(mesh: Mesh, folder: Path, reqs: list, arrivals: list | None, phases: list) -> list:
-    """Drive one phase of the calibration load, noting the rest of the mesh's CPU over it beside its seconds,
-    requests and streamed tokens."""
+    """Drive one phase of the calibration load, noting the rest of the mesh's CPU over it (measured_drive)."""
+    timings, phase = measured_drive(mesh, folder, reqs, arrivals)
+    if phase is not None:
+        phases.append(phase)
+    return timings
+
+
+def measured_drive(mesh: Mesh, folder: Path, reqs: list, arrivals: list | None, keys: dict | None = None):
+    """Drive requests through the mesh's gateway (bench.online.drive): (their timings, and {seconds, requests,
+    streamed tokens, cpu_s: the rest of the mesh's CPU meanwhile} or None where /proc cannot tell). `folder`: the
+    workers' step logs, named by their engine cores' pids (which are not the rest of the mesh)."""
     engines = {int(f.stem.split("-")[1]) for f in folder.glob("steps-*.jsonl")}
     cpu, t = host_cpu_s(mesh, engines), time.perf_counter()
-    timings = asyncio.run(drive(mesh.gateway, reqs, arrivals))
-    after = host_cpu_s(mesh, engines)
-    if cpu is not None and after is not None:
-        phases.append({"seconds": round(time.perf_counter() - t, 4), "requests": len(reqs),
-                       "tokens": sum(x.tokens for x in timings), "cpu_s": round(after - cpu, 4)})
-    return timings
+    timings = asyncio.run(drive(mesh.gateway, reqs, arrivals, keys=keys))
+    took, after = time.perf_counter() - t, host_cpu_s(mesh, engines)
+    if cpu is None or after is None:
+        return timings, None
+    return timings, {"seconds": round(took, 4), "requests": len(reqs), "tokens": sum(x.tokens for x in timings),
+                     "cpu_s": round(after - cpu, 4)}
 
 
 def host_cpu_s(mesh: Mesh, engines: set) -> float | None:

@@ -612,12 +612,11 @@ class KVPool:
 
 
 class _HostLoad:
-    """The cores the rest of the mesh takes on a machine its workers share (CostModel.host_cpu_*): a constant part,
-    and requests and streamed tokens at their recent rates (exponentially weighted over HOST_WINDOW_S)."""
+    """The cores the rest of the mesh takes on a machine its workers share (CostModel.host_cores): at the recent
+    request and streamed-token rates (exponentially weighted over HOST_WINDOW_S)."""
 
     def __init__(self, cost: CostModel):
-        self.base, self.per_request, self.per_token = (cost.host_cpu_s_per_s, cost.host_cpu_s_per_request,
-                                                       cost.host_cpu_s_per_token)
+        self.cost = cost
         self.requests = self.tokens = 0.0  # per second, decayed to `at`
         self.at = 0.0
 
@@ -633,7 +632,7 @@ class _HostLoad:
 
     def cores(self, now: float) -> float:
         self._decay(now)
-        return self.base + self.per_request * self.requests + self.per_token * self.tokens
+        return self.cost.host_cores(self.requests, self.tokens)
 
 
 class _Window:

@@ -50,6 +50,11 @@ class CostModel:
         return (self.base_s + self.per_seq_s * seqs + self.per_context_s * context_tokens
                 + self.prefill_s_per_token * prefill_tokens + self.prefill_context_s * prefill_context)
 
+    def host_cores(self, requests_per_s: float, tokens_per_s: float) -> float:
+        """The cores the rest of the mesh takes at these request and streamed-token rates (host_cpu_*)."""
+        return (self.host_cpu_s_per_s + self.host_cpu_s_per_request * requests_per_s
+                + self.host_cpu_s_per_token * tokens_per_s)
+
     def kv_transfer_s(self, tokens: int) -> float:
         return tokens * self.kv_bytes_per_token / (self.kv_link_gbytes_per_s * 1e9)
 
