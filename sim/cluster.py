@@ -29,7 +29,7 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 
-from services.common.admission import AdmissionQueue, Pending, under_share
+from services.common.admission import AdmissionQueue, Pending, reported, under_share
 from services.common.admission import CostModel as AdmissionCost
 from services.common.arbitration import make_policy as make_arbitration
 from services.common.block_hash import extra_keys, hash_blocks
@@ -229,14 +229,16 @@ class Cluster:
     def reported_costs(self) -> tuple:
         """(version, reports): the workers' step-cost fits as the gateways' cost models hear them from the router's
         view (prefill from the roles that prefill, decode and its floor from those that decode), which heartbeats
-        refresh every heartbeat_s, from at most REPORTS_FROM serving workers (the model takes their median)."""
+        refresh every heartbeat_s, from at most REPORTS_FROM serving workers: each term's median (admission.reported),
+        taken once for every gateway (CostModel.update of a median alone updates alike)."""
         version = int(self.now // self.spec.heartbeat_s)
         if version != self._reported[0]:
             ws = self._serving[:REPORTS_FROM]
             prefill = [w.fit.prefill_s_per_token for w in ws if w.role != "decode"]
             decoders = [w for w in ws if w.role != "prefill"]
             floors = [w.fit.step_s(w.spec.deadline_min_batch) if w.fit.decode_s_per_step else 0.0 for w in decoders]
-            self._reported = (version, (prefill, [w.fit.decode_s_per_step for w in decoders], floors))
+            self._reported = (version, tuple(map(reported, (prefill, [w.fit.decode_s_per_step for w in decoders],
+                                                            floors))))
         return self._reported
 
     def serving(self, role: str | None = None) -> list[SimWorker]:

@@ -118,20 +118,19 @@ class CostModel:
         than this gateway's own fit predicts (reports alone cannot inflate it: issue 19); the queue scales it by
         what such requests actually took."""
         step = self.floor_step_s or self.decode_s_per_step
-        reported = prompt_tokens * self.prefill_s_per_token + max_tokens * step
-        return min(reported, self.predict(prompt_tokens, max_tokens)) if self.trusted else reported
+        by_reports = prompt_tokens * self.prefill_s_per_token + max_tokens * step
+        return min(by_reports, self.predict(prompt_tokens, max_tokens)) if self.trusted else by_reports
 
     def update(self, prefill_s_per_token: list | float, decode_s_per_step: list | float,
                floor_step_s: list | float = ()) -> None:
         """Workers' reports (one value or one per worker; 0 or less = not reported)."""
-        prefill, decode, floor = ([x for x in _listed(v) if x > 0 and math.isfinite(x)]
-                                  for v in (prefill_s_per_token, decode_s_per_step, floor_step_s))
+        prefill, decode, floor = map(reported, (prefill_s_per_token, decode_s_per_step, floor_step_s))
         if prefill:
-            self.prefill_s_per_token = _clamp(_median(prefill), PREFILL_S_PER_TOKEN_RANGE)
+            self.prefill_s_per_token = _clamp(prefill, PREFILL_S_PER_TOKEN_RANGE)
         if decode:
-            self.decode_s_per_step = _clamp(_median(decode), DECODE_S_PER_STEP_RANGE)
+            self.decode_s_per_step = _clamp(decode, DECODE_S_PER_STEP_RANGE)
         if floor:
-            self.floor_step_s = _clamp(_median(floor), DECODE_S_PER_STEP_RANGE)
+            self.floor_step_s = _clamp(floor, DECODE_S_PER_STEP_RANGE)
 
     def observe(self, prompt_tokens: int, output_tokens: int, first_token_s: float, decode_s: float) -> None:
         """A served request: seconds from dispatch to its first token, and from there to its last."""
@@ -167,6 +166,13 @@ def under_share(tenant: str, weights: dict, running: dict, slots: int, queue: li
 
 def _listed(x) -> list:
     return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+def reported(values: list | float) -> float:
+    """What CostModel.update takes from workers' reports (one value or one per worker): their median, the
+    unreported (0 or less, not finite) left out; 0 when none reported."""
+    xs = [x for x in _listed(values) if x > 0 and math.isfinite(x)]
+    return _median(xs) if xs else 0.0
 
 
 class _Dispatched:

@@ -26,6 +26,7 @@ class StepCostFit:
         self.decode_s_per_step = 0.0
         self.prefill_s_per_token = 0.0
         self._s = [0.0] * 5  # weighted sums: 1, x, y, xx, xy over decode-only steps (x = sequences, y = seconds)
+        self._line = None  # line's value until the next decode-only step
 
     def update(self, num_seqs: int, num_tokens: int, step_s: float) -> None:
         prefill = num_tokens - num_seqs  # each sequence's first token counts as its decode share
@@ -34,6 +35,7 @@ class StepCostFit:
             keep = 1 - self.forget
             x, y = float(num_seqs), step_s
             self._s = [a * keep + b for a, b in zip(self._s, (1.0, x, y, x * x, x * y))]
+            self._line = None
         elif prefill >= self.min_prefill and self.decode_s_per_step > 0:
             per_token = max(step_s - self.step_s(num_seqs), 0.0) / prefill
             self.prefill_s_per_token = self._ewma(self.prefill_s_per_token, per_token)
@@ -41,6 +43,11 @@ class StepCostFit:
     @property
     def line(self) -> tuple[float, float]:
         """(base_s, per_seq_s) of decode steps; (0, 0) until measured."""
+        if self._line is None:
+            self._line = self._fit_line()
+        return self._line
+
+    def _fit_line(self) -> tuple[float, float]:
         n, sx, sy, sxx, sxy = self._s
         if n <= 0:
             return 0.0, 0.0

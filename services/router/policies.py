@@ -18,11 +18,12 @@ round-robin; the adapters it was sent, until its next heartbeat). `uses_prefix` 
 from __future__ import annotations
 
 from services.router.scoring import SCORERS, LoadGuard, WeightedPicker
-from services.router.views import RouteContext, WorkerView, charge, closeness, loads
+from services.router.views import RouteContext, WorkerView, Why, charge, closeness, loads
 
 
 class RoutingPolicy:
-    """What every policy shares: the commit. Each subclass adds select(workers, cost, ctx) -> (worker, why)."""
+    """What every policy shares: the commit. Each subclass adds select(workers, cost, ctx) -> (worker, why): why is
+    a str or a views.Why (formatted when read)."""
 
     name = ""
     uses_prefix = False
@@ -54,7 +55,11 @@ class LeastOutstanding(RoutingPolicy):
         ordered = sorted(workers, key=lambda w: w.worker_id)
         ls = loads(ordered)
         best = min(range(len(ordered)), key=lambda i: (ls[i], closeness(ordered[i], ctx), ordered[i].worker_id))
-        return ordered[best], " ".join(f"{w.worker_id}={x:.3f}" for w, x in zip(ordered, ls))
+        return ordered[best], Why(_loads_why, ordered, ls)
+
+
+def _loads_why(workers: list[WorkerView], ls: list[float]) -> str:
+    return " ".join(f"{w.worker_id}={x:.3f}" for w, x in zip(workers, ls))
 
 
 class PrefixAware(RoutingPolicy):

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.router.views import RouteContext, WorkerView, closeness, loads
+from services.router.views import RouteContext, WorkerView, Why, closeness, loads
 
 
 class LoadScorer:
@@ -103,8 +103,8 @@ class WeightedPicker:
     scorers: list  # (scorer, weight) pairs
     guard: LoadGuard | None = None
 
-    def pick(self, workers: list[WorkerView], ctx: RouteContext) -> tuple[WorkerView, str]:
-        """The best worker and why (weighted total and each score per worker)."""
+    def pick(self, workers: list[WorkerView], ctx: RouteContext) -> tuple[WorkerView, Why]:
+        """The best worker and why (weighted total and each score per worker, formatted when read)."""
         active = self.scorers
         guarded = self.guard is not None and self.guard.imbalanced(workers)
         if guarded:
@@ -112,6 +112,10 @@ class WeightedPicker:
         columns = [(s.name, weight, s.score(workers, ctx)) for s, weight in active]
         totals = [sum(weight * col[i] for _, weight, col in columns) for i in range(len(workers))]
         best = min(range(len(workers)), key=lambda i: (-totals[i], closeness(workers[i], ctx), workers[i].worker_id))
-        why = "; ".join(f"{w.worker_id}={totals[i]:.3f}(" + ",".join(f"{n}={c[i]:.2f}" for n, _, c in columns) + ")"
-                        for i, w in enumerate(workers))
-        return workers[best], ("load guard: " if guarded else "") + why
+        return workers[best], Why(_scores_why, workers, totals, columns, guarded)
+
+
+def _scores_why(workers: list[WorkerView], totals: list[float], columns: list, guarded: bool) -> str:
+    why = "; ".join(f"{w.worker_id}={totals[i]:.3f}(" + ",".join(f"{n}={c[i]:.2f}" for n, _, c in columns) + ")"
+                    for i, w in enumerate(workers))
+    return ("load guard: " if guarded else "") + why

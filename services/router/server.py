@@ -92,7 +92,7 @@ class RouterServicer(pb_grpc.RouterServicer):
         mode = request.mode or self.mode
         if mode == "unified":
             worker, why, cached = await self._pick("unified", request.prompt_tokens + request.max_tokens, request)
-            decision = pb.RouteDecision(decode_worker=worker.address, mode=mode, reason=why)
+            decision = pb.RouteDecision(decode_worker=worker.address, mode=mode, reason=str(why))
         else:
             prefill, why_p, cached = await self._pick("prefill", request.prompt_tokens, request)
             decode, why_d, _ = await self._pick("decode", request.max_tokens, request, block_size=prefill.block_size,

@@ -87,6 +87,19 @@ class RouteContext:
     #                 equally good workers closer to it go first (services.common.host.distance)
 
 
+class Why:
+    """Why a policy picked a worker, formatted only when read (str()): the router sends it with every decision,
+    the simulator, which routes millions of requests, never reads it."""
+
+    __slots__ = ("_format", "_args")
+
+    def __init__(self, format, *args):
+        self._format, self._args = format, args
+
+    def __str__(self) -> str:
+        return self._format(*self._args)
+
+
 def closeness(worker: WorkerView, ctx: RouteContext | None) -> int:
     """The tie-break between equally good workers: distance to ctx.near (0 when there is nothing to be near)."""
     return host.distance(worker.topology, ctx.near) if ctx is not None and ctx.near else 0

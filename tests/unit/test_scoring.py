@@ -50,6 +50,7 @@ def test_load_guard(loads, abs_t, rel_t, imbalanced):
 ])
 def test_prefix_aware_picks(loads, cached, expected, guarded):
     pick, why = PrefixAware().select(workers(*loads), 100, RouteContext(8, cached))
+    why = str(why)
     assert pick.worker_id == expected
     assert why.startswith("load guard") is guarded
     assert "prefix=" in why or guarded
