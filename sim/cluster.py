@@ -193,7 +193,7 @@ class Cluster:
                 self.spec.kv_pool_blocks), "name": f"cell-{len(self.routers)}"})
         del self.routers[len(cells):]
         for router, cell in zip(self.routers, cells):
-            router["workers"] = cell
+            router["workers"], router["roles"] = cell, {}
             for w in cell:
                 w.router = router
                 self.views[w.id].host, self.views[w.id].kv_pool = router["name"], self.spec.kv_pool
@@ -336,10 +336,12 @@ class Cluster:
     def _pick(self, role: str, sim: SimRequest, cost: int, tokens: list | None):
         """(worker, its prompt's block hashes when computed, the leading blocks to fetch from the pool)."""
         router = self._router(sim)
-        workers = [w for w in router["workers"] if w.role == role]
+        roles = router["roles"]
+        if role not in roles:
+            roles[role] = _of_role(router["workers"], role)  # kept until the cells change
+        workers, by_id = roles[role]
         if not workers:
-            workers = self.serving(role)
-        by_id = {w.id: w for w in workers}
+            workers, by_id = _of_role(self._serving, role)
         views, _ = candidates([self._view(w) for w in workers], Need(role))
         if not views:
             return None, [], 0
@@ -480,6 +482,12 @@ class Cluster:
 
     def _mark_timeline(self) -> None:
         self.timeline.append((round(self.now, 6), len(self.serving()), self.starting))
+
+
+def _of_role(workers: list, role: str) -> tuple[list, dict]:
+    """The workers of one role, and the same by id."""
+    ws = [w for w in workers if w.role == role]
+    return ws, {w.id: w for w in ws}
 
 
 class Gateway:
