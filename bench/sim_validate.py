@@ -32,6 +32,7 @@ import asyncio
 import json
 import math
 import random
+import statistics
 import tempfile
 import time
 from dataclasses import dataclass, replace
@@ -64,6 +65,9 @@ def add_flags(p) -> None:
     g.add_argument("--validate", default=",".join(WORKLOADS), help="the workloads to validate, comma-separated")
     g.add_argument("--keep", metavar="DIR", help="also write each real run (its summary, recorded trace, step logs, "
                    "cluster and cost model) under DIR, for --replay")
+    g.add_argument("--repeat", type=int, default=1, help="real runs of each workload (the same requests at the same "
+                   "times, each on a fresh mesh): the figures compared are each metric's median over them, beside "
+                   "how far apart the real runs came out")
     g.add_argument("--replay", metavar="DIR", help="no real runs: simulate the real runs kept under DIR by --keep "
                    "(their cost model too) and compare with their figures")
 
@@ -136,21 +140,22 @@ def _saturation(model_dir: Path, spec: MeshSpec, burst: list, keys: dict | None 
         return len(burst) / (time.perf_counter() - t)
 
 
-def mesh_mixed_case(model_dir: Path, cost: CostModel, args) -> tuple[dict, dict, dict]:
+def mesh_mixed_case(model_dir: Path, cost: CostModel, args) -> tuple:
     n = 32 if args.quick else 128
     reqs = random_requests(n, (32, 512), (16, 256), vocab=32000, seed=args.seed)
     spec = lambda: MeshSpec(str(model_dir), mode="unified", engine_args=mesh_mixed.ENGINE_ARGS)  # noqa: E731
     sat = _saturation(model_dir, spec(), random_requests(n, (32, 512), (16, 256), vocab=32000, seed=args.seed + 1))
     rate = 0.5 * sat
     log(f"mesh-mixed: saturation {sat:.2f} req/s, offered {rate:.2f} req/s")
-    real, trace, steps = _run_real(model_dir, spec(), reqs, poisson_arrivals(n, rate, args.seed))
+    arrivals = poisson_arrivals(n, rate, args.seed)
     cluster = ClusterSpec(mode="unified", workers=1, worker=WorkerSpec(
         num_blocks=_kv_blocks(cost, 1.0), max_num_seqs=256, max_num_batched_tokens=512, slot_policy="fair-deadline"),
         routing="least-outstanding", admission="fair-deadline")
-    return real, trace, cluster, steps, {"offered_req_per_s": round(rate, 3), "requests": n}
+    return lambda: _run_real(model_dir, spec(), reqs, arrivals), cluster, {"offered_req_per_s": round(rate, 3),
+                                                                           "requests": n}
 
 
-def prefix_shared_case(model_dir: Path, cost: CostModel, args) -> tuple[dict, dict, dict]:
+def prefix_shared_case(model_dir: Path, cost: CostModel, args) -> tuple:
     n = 60 if args.quick else 200
     systems, reqs = prefix_shared.workload(n, args.seed)
     mean_sys = sum(map(len, systems)) / len(systems)
@@ -162,15 +167,15 @@ def prefix_shared_case(model_dir: Path, cost: CostModel, args) -> tuple[dict, di
     sat = _saturation(model_dir, spec(), burst)
     rate = 0.5 * sat
     log(f"prefix-shared: saturation {sat:.2f} req/s, offered {rate:.2f} req/s")
-    real, trace, steps = _run_real(model_dir, spec(), reqs, poisson_arrivals(n, rate, args.seed))
+    arrivals = poisson_arrivals(n, rate, args.seed)
     cluster = ClusterSpec(mode="unified", workers=4, worker=WorkerSpec(
         num_blocks=blocks, block_size=prefix_shared.BLOCK, max_num_seqs=256, max_num_batched_tokens=512,
         slot_policy="fair-deadline"), routing="prefix-aware", admission="fair-deadline")
-    return real, trace, cluster, steps, {"offered_req_per_s": round(rate, 3), "requests": n,
-                                         "kv_blocks_per_worker": blocks}
+    return lambda: _run_real(model_dir, spec(), reqs, arrivals), cluster, {
+        "offered_req_per_s": round(rate, 3), "requests": n, "kv_blocks_per_worker": blocks}
 
 
-def tenants_case(model_dir: Path, cost: CostModel, args) -> tuple[dict, dict, dict]:
+def tenants_case(model_dir: Path, cost: CostModel, args) -> tuple:
     duration = 20.0 if args.quick else 60.0
     rng = random.Random(args.seed)
     workdir = Path(tempfile.mkdtemp(prefix="meshserve-simval-tenants-"))
@@ -197,13 +202,12 @@ def tenants_case(model_dir: Path, cost: CostModel, args) -> tuple[dict, dict, di
     schedule.sort(key=lambda e: e[0])
     log(f"tenants-overload: capacity {cap:.2f} req/s; {len(schedule)} requests over {duration:.0f} s")
     reqs, arrivals = [r for _, r in schedule], [at for at, _ in schedule]
-    real, trace, steps = _run_real(model_dir, spec(), reqs, arrivals, keys)
     cluster = ClusterSpec(mode="unified", workers=2, worker=WorkerSpec(
         num_blocks=_kv_blocks(cost, 0.25), max_num_seqs=16, max_num_batched_tokens=512, slot_policy="fair"),
         routing="least-outstanding", admission="fair",
         tenant_weights={t: w for t, (w, _) in tenants_overload.TENANTS.items()})
-    return real, trace, cluster, steps, {"capacity_req_per_s": round(cap, 3), "requests": len(reqs),
-                                         "duration_s": duration}
+    return lambda: _run_real(model_dir, spec(), reqs, arrivals, keys), cluster, {
+        "capacity_req_per_s": round(cap, 3), "requests": len(reqs), "duration_s": duration}
 
 
 def speed_factor(cost: CostModel, steps: list) -> float:
@@ -214,6 +218,8 @@ def speed_factor(cost: CostModel, steps: list) -> float:
     return rows[len(rows) // 2] if rows else 1.0
 
 
+# Each case sizes its workload on the real mesh and returns (run, cluster, config): run() serves the workload on a
+# fresh mesh (the same requests at the same offsets each call) and returns (summary, recorded trace, step logs).
 CASES = {"mesh-mixed": mesh_mixed_case, "prefix-shared": prefix_shared_case, "tenants-overload": tenants_case}
 
 
@@ -227,10 +233,14 @@ def compare(real: dict, sim: dict) -> tuple[dict, dict]:
     return errors, within
 
 
-def _keep(folder: Path, name: str, real: dict, trace: list, cluster: ClusterSpec, steps: list, cfg: dict) -> None:
+def _run_dir(folder: Path, name: str, i: int) -> Path:
+    """Where --keep writes a workload's real run i (0 = the first; a repeat goes beside it)."""
+    return folder / (name if i == 0 else f"{name}.{i + 1}")
+
+
+def _keep(d: Path, real: dict, trace: list, cluster: ClusterSpec, steps: list, cfg: dict) -> None:
     from dataclasses import asdict
 
-    d = folder / name
     (d / "steps").mkdir(parents=True, exist_ok=True)
     write_jsonl(trace, d / "trace.jsonl")
     for i, worker in enumerate(steps):
@@ -238,24 +248,55 @@ def _keep(folder: Path, name: str, real: dict, trace: list, cluster: ClusterSpec
     (d / "run.json").write_text(json.dumps({"real": real, "cluster": asdict(cluster), "config": cfg}, indent=1) + "\n")
 
 
-def _kept(folder: Path, name: str):
-    d = folder / name
-    if not (d / "run.json").exists():
+def _kept(folder: Path, name: str) -> tuple[list, ClusterSpec, dict]:
+    """A workload's kept real runs: ([(summary, trace, step logs) per run], cluster, config)."""
+    runs, cluster, cfg = [], None, {}
+    while (d := _run_dir(folder, name, len(runs))).joinpath("run.json").exists():
+        run = json.loads((d / "run.json").read_text())
+        c, cfg = run["cluster"], run["config"]
+        cluster = ClusterSpec(**{**c, "worker": WorkerSpec(**c["worker"]),
+                                 "prefill_worker": c["prefill_worker"] and WorkerSpec(**c["prefill_worker"]),
+                                 "autoscale": c["autoscale"] and AutoscaleSpec(**c["autoscale"])})
+        steps = [[json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+                 for f in sorted((d / "steps").glob("worker-*.jsonl"))]
+        runs.append((run["real"], read_jsonl(d / "trace.jsonl"), steps))
+    if not runs:
         raise ValueError(f"--replay: no kept run of {name} in {folder} (write one with --keep)")
-    run = json.loads((d / "run.json").read_text())
-    c = run["cluster"]
-    cluster = ClusterSpec(**{**c, "worker": WorkerSpec(**c["worker"]),
-                             "prefill_worker": c["prefill_worker"] and WorkerSpec(**c["prefill_worker"]),
-                             "autoscale": c["autoscale"] and AutoscaleSpec(**c["autoscale"])})
-    steps = [[json.loads(line) for line in f.read_text().splitlines() if line.strip()]
-             for f in sorted((d / "steps").glob("worker-*.jsonl"))]
-    return run["real"], read_jsonl(d / "trace.jsonl"), cluster, steps, run["config"]
+    return runs, cluster, cfg
+
+
+def _median_summary(summaries: list) -> dict:
+    """Each figure's median over repeated runs (per status for the failure counts); one run is itself."""
+    if len(summaries) == 1:
+        return summaries[0]
+    out = {}
+    for k, v in summaries[0].items():
+        if isinstance(v, dict):
+            codes = {c for s in summaries for c in s.get(k, {})}
+            out[k] = {c: statistics.median(s.get(k, {}).get(c, 0) for s in summaries) for c in sorted(codes)}
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            xs = [s[k] for s in summaries if s.get(k) is not None]
+            out[k] = round(statistics.median(xs), 4) if xs else None
+        else:
+            out[k] = v
+    return out
+
+
+def _spread(summaries: list) -> dict:
+    """How far apart repeated runs of one workload came out: max / min - 1 per metric."""
+    out = {}
+    for m in METRICS:
+        xs = [s[m] for s in summaries if s.get(m)]
+        out[m] = round(max(xs) / min(xs) - 1, 4) if len(xs) > 1 else None
+    return out
 
 
 def run(args) -> int:
     model_dir = Path(args.model) if args.model else default_model("bench")
     keep = Path(args.keep) if args.keep else None
     replay = Path(args.replay) if args.replay else None
+    if args.repeat < 1:
+        raise ValueError(f"--repeat must be 1 or more, got {args.repeat}")
     if replay:
         cost = CostModel.load(replay / "cost.json")
         log(f"replaying the real runs kept in {replay}")
@@ -272,27 +313,47 @@ def run(args) -> int:
             "prompt_tokens")
     for name in [w for w in WORKLOADS if w in args.validate.split(",")]:
         if replay:
-            real, trace, cluster, steps, cfg = _kept(replay, name)
+            runs, cluster, cfg = _kept(replay, name)
         else:
-            real, trace, cluster, steps, cfg = CASES[name](model_dir, cost, args)
-            if keep:
-                _keep(keep, name, real, trace, cluster, steps, cfg)
-        sim = simulate(cluster, cost, trace)["summary"]
+            serve, cluster, cfg = CASES[name](model_dir, cost, args)
+            runs = []
+            for i in range(args.repeat):
+                if args.repeat > 1:
+                    log(f"{name}: real run {i + 1} of {args.repeat}")
+                real, trace, steps = serve()
+                runs.append((real, trace, steps))
+                if keep:
+                    _keep(_run_dir(keep, name, i), real, trace, cluster, steps, cfg)
+        reals, sims, correcteds, factors = [], [], [], []
+        for real, trace, steps in runs:  # each real run against the simulation of its own recorded trace
+            factor = speed_factor(cost, steps)
+            reals.append(real)
+            sims.append(simulate(cluster, cost, trace)["summary"])
+            correcteds.append(simulate(cluster, replace(
+                cost, cores=0, base_s=cost.base_s * factor, per_seq_s=cost.per_seq_s * factor,
+                per_context_s=cost.per_context_s * factor, prefill_s_per_token=cost.prefill_s_per_token * factor,
+                prefill_context_s=cost.prefill_context_s * factor), trace)["summary"])
+            factors.append(factor)
+        real, sim, corrected = _median_summary(reals), _median_summary(sims), _median_summary(correcteds)
         errors, within = compare(real, sim)
-        factor = speed_factor(cost, steps)
-        corrected = simulate(cluster, replace(cost, cores=0, base_s=cost.base_s * factor, per_seq_s=cost.per_seq_s *
-                                              factor, per_context_s=cost.per_context_s * factor,
-                                              prefill_s_per_token=cost.prefill_s_per_token * factor,
-                                              prefill_context_s=cost.prefill_context_s * factor), trace)["summary"]
         errors2, within2 = compare(real, corrected)
         systems[name] = {"real": {k: real.get(k) for k in fields}, "sim": {k: sim.get(k) for k in fields},
                          "error": errors, "within": within,
                          "sim_speed_corrected": {k: corrected.get(k) for k in fields}, "error_speed_corrected": errors2,
                          "within_speed_corrected": within2}
-        config[name] = {**cfg, "speed_factor": round(factor, 4)}
-        if real.get("host_cores") is not None:  # the rest of the mesh's CPU: measured, and as the model has it
-            config[name]["host_cores"] = {"real": real["host_cores"], "model": round(cost.host_cores(
-                real["requests"] / real["seconds"], real["output_tokens_per_s"]), 4)}
+        config[name] = {**cfg, "speed_factor": round(statistics.median(factors), 4)}
+        if len(runs) > 1:  # the real figures' own spread, beside the simulator's error
+            systems[name].update(
+                runs=len(runs), real_spread=_spread(reals), sim_spread=_spread(sims),
+                per_run=[{"real": {m: r.get(m) for m in METRICS}, "sim": {m: s.get(m) for m in METRICS},
+                          "error": compare(r, s)[0], "speed_factor": round(f, 4)}
+                         for r, s, f in zip(reals, sims, factors)])
+        hosted = [r for r in reals if r.get("host_cores") is not None]
+        if hosted:  # the rest of the mesh's CPU: measured, and as the model has it
+            real_cores = statistics.median(r["host_cores"] for r in hosted)
+            model_cores = statistics.median(cost.host_cores(r["requests"] / r["seconds"], r["output_tokens_per_s"])
+                                            for r in hosted)
+            config[name]["host_cores"] = {"real": round(real_cores, 4), "model": round(model_cores, 4)}
         log(f"{name}: " + ", ".join(f"{m} real {real.get(m)} sim {sim.get(m)} ({errors[m]:+.1%})"
                                     if errors[m] is not None else f"{m} n/a" for m in METRICS))
     from dataclasses import asdict

@@ -115,8 +115,11 @@ class SimWorker:
         if self._outstanding[0] == self.changes:
             return self._outstanding[1]
         n = self.sched.waiting_tokens  # kept by the scheduler: a waiting request's part is fixed while it waits
-        for r in (*self.sched.running, *self.held):
-            n += max(r.num_tokens - r.num_computed, 0) + max(r.params.max_tokens - r.num_output, 0)
+        # The scheduler's _remaining, (tokens - computed) + (max_tokens - outputs), summed in one expression: here
+        # neither part is ever below zero (a finished request leaves at once), so the sum is prompt + max_tokens -
+        # computed.
+        n += sum(len(r.prompt_token_ids) + r.params.max_tokens - r.num_computed for r in self.sched.running)
+        n += sum(len(r.prompt_token_ids) + r.params.max_tokens - r.num_computed for r in self.held)
         self._outstanding = (self.changes, n)
         return n
 

@@ -50,7 +50,7 @@ class KVCacheManager:
             return True  # covered already (most decode steps)
         table = self.tables.setdefault(req.req_id, [])
         need = -(-num_tokens // self.block_size) - len(table) - len(prefix)
-        revived = sum(1 for b in prefix if self.pool.ref_count[b] == 0)
+        revived = sum(1 for b in prefix if self.pool.ref_count[b] == 0) if prefix else 0
         if need + revived > self.pool.num_available:
             if not table:
                 del self.tables[req.req_id]
