@@ -126,10 +126,11 @@ def _run_real(model_dir: Path, spec: MeshSpec, reqs: list, arrivals: list, keys:
         timings, phase = measured_drive(mesh, steps, reqs, arrivals, keys)
         log(f"real: {len(reqs)} requests" + (f" in {phase['seconds']:.1f} s" if phase else ""))
     logged = [[json.loads(line) for line in f.read_text().splitlines()] for f in sorted(steps.glob("steps-*.jsonl"))]
-    summary = latency_summary(_served(timings, reqs))
+    served = _served(timings, reqs)
+    summary = latency_summary(served)
     if phase is not None:  # the rest of the mesh's CPU over the run (sim/calibrate.py)
         summary["host_cores"], summary["seconds"] = round(phase["cpu_s"] / phase["seconds"], 4), phase["seconds"]
-    return summary, _recorded(trace_path), logged
+    return summary, _recorded(trace_path), logged, served
 
 
 def _saturation(model_dir: Path, spec: MeshSpec, burst: list, keys: dict | None = None) -> float:
@@ -238,9 +239,15 @@ def _run_dir(folder: Path, name: str, i: int) -> Path:
     return folder / (name if i == 0 else f"{name}.{i + 1}")
 
 
-def _keep(d: Path, real: dict, trace: list, cluster: ClusterSpec, steps: list, cfg: dict) -> None:
+def _keep(d: Path, real: dict, trace: list, cluster: ClusterSpec, steps: list, cfg: dict, served: list) -> None:
     from dataclasses import asdict
 
+    # every request as the client saw it (seconds from the first arrival), for looking into a figure
+    (d / "served.jsonl").parent.mkdir(parents=True, exist_ok=True)
+    (d / "served.jsonl").write_text("".join(json.dumps({
+        "tenant": s.trace.tenant, "prompt_tokens": s.trace.prompt_tokens, "arrival_s": round(s.arrival_s, 6),
+        "first_s": s.first_s and round(s.first_s, 6), "last_s": s.last_s and round(s.last_s, 6),
+        "tokens": s.tokens_out, "cached_tokens": s.cached_tokens, "error": s.error}) + "\n" for s in served))
     (d / "steps").mkdir(parents=True, exist_ok=True)
     write_jsonl(trace, d / "trace.jsonl")
     for i, worker in enumerate(steps):
@@ -320,10 +327,10 @@ def run(args) -> int:
             for i in range(args.repeat):
                 if args.repeat > 1:
                     log(f"{name}: real run {i + 1} of {args.repeat}")
-                real, trace, steps = serve()
+                real, trace, steps, served = serve()
                 runs.append((real, trace, steps))
                 if keep:
-                    _keep(_run_dir(keep, name, i), real, trace, cluster, steps, cfg)
+                    _keep(_run_dir(keep, name, i), real, trace, cluster, steps, cfg, served)
         reals, sims, correcteds, factors = [], [], [], []
         for real, trace, steps in runs:  # each real run against the simulation of its own recorded trace
             factor = speed_factor(cost, steps)
