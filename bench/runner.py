@@ -31,4 +31,8 @@ def add_bench_parser(sub, func) -> None:
 
 def run_workload(args: argparse.Namespace) -> int:
     args.command_line = "meshserve " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    return WORKLOADS[args.workload].run(args)
+    try:
+        return WORKLOADS[args.workload].run(args)
+    except ValueError as e:  # a flag or file the workload cannot use: say which, no traceback
+        print(f"meshserve bench {args.workload}: {e}", file=sys.stderr)
+        return 2

@@ -299,11 +299,11 @@ def _spread(summaries: list) -> dict:
 
 
 def run(args) -> int:
+    if args.repeat < 1:
+        raise ValueError(f"--repeat must be 1 or more, got {args.repeat}")
     model_dir = Path(args.model) if args.model else default_model("bench")
     keep = Path(args.keep) if args.keep else None
     replay = Path(args.replay) if args.replay else None
-    if args.repeat < 1:
-        raise ValueError(f"--repeat must be 1 or more, got {args.repeat}")
     if replay:
         cost = CostModel.load(replay / "cost.json")
         log(f"replaying the real runs kept in {replay}")
