@@ -97,7 +97,6 @@ class Cluster:
         self.events: list = []
         self._seq = 0
         self.processed = 0
-        self.busy_workers = 0
         self.workers: list[SimWorker] = []
         self.by_id: dict[str, SimWorker] = {}
         self.views: dict[str, WorkerView] = {}
