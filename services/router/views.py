@@ -93,8 +93,8 @@ class Why:
 
     __slots__ = ("_format", "_args")
 
-    def __init__(self, format, *args):
-        self._format, self._args = format, args
+    def __init__(self, fmt, *args):
+        self._format, self._args = fmt, args
 
     def __str__(self) -> str:
         return self._format(*self._args)

@@ -68,3 +68,19 @@ def test_step_cost_fit_learns_the_cost_of_a_sequence_from_varied_batches():
         same.update(16, 16, 0.006)  # one batch size only: the prior splits the time (a sequence = 1/8 of the base)
     base, per_seq = same.line
     assert base + 16 * per_seq == pytest.approx(0.006) and per_seq == pytest.approx(base / 8)
+
+
+def test_step_cost_fit_line_follows_every_decode_step():
+    fit = StepCostFit(alpha=1.0, forget=0.0)
+    for b in (1, 2, 4, 8) * 3:
+        fit.update(b, b, 0.002 + 0.0003 * b)
+    assert fit.line == pytest.approx((0.002, 0.0003))  # read (and kept) here
+    for b in (1, 2, 4, 8) * 30:  # the machine slowed: each step costs twice as much
+        fit.update(b, b, 2 * (0.002 + 0.0003 * b))
+    fit.update(4, 40, 0.05)  # a prompt step does not move the line
+    fresh = StepCostFit(alpha=1.0, forget=0.0)
+    for b in (1, 2, 4, 8) * 3:
+        fresh.update(b, b, 0.002 + 0.0003 * b)
+    for b in (1, 2, 4, 8) * 30:
+        fresh.update(b, b, 2 * (0.002 + 0.0003 * b))
+    assert fit.line == fresh.line and fit.line[0] > 0.0035  # the line read before the slowdown is not reused
