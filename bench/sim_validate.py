@@ -242,13 +242,12 @@ def _run_dir(folder: Path, name: str, i: int) -> Path:
 def _keep(d: Path, real: dict, trace: list, cluster: ClusterSpec, steps: list, cfg: dict, served: list) -> None:
     from dataclasses import asdict
 
+    (d / "steps").mkdir(parents=True, exist_ok=True)
     # every request as the client saw it (seconds from the first arrival), for looking into a figure
-    (d / "served.jsonl").parent.mkdir(parents=True, exist_ok=True)
     (d / "served.jsonl").write_text("".join(json.dumps({
         "tenant": s.trace.tenant, "prompt_tokens": s.trace.prompt_tokens, "arrival_s": round(s.arrival_s, 6),
         "first_s": s.first_s and round(s.first_s, 6), "last_s": s.last_s and round(s.last_s, 6),
         "tokens": s.tokens_out, "cached_tokens": s.cached_tokens, "error": s.error}) + "\n" for s in served))
-    (d / "steps").mkdir(parents=True, exist_ok=True)
     write_jsonl(trace, d / "trace.jsonl")
     for i, worker in enumerate(steps):
         (d / "steps" / f"worker-{i}.jsonl").write_text("".join(json.dumps(s) + "\n" for s in worker))
