@@ -131,6 +131,9 @@ class AdmissionSection(Section):
     policy: ArbitrationPolicyName = Field("fair-deadline", description="fcfs | priority | deadline | fair | "
                                                                        "fair-deadline")
     starvation_s: PositiveFloat = Field(30.0, description="the longest a request may wait to start")
+    no_worker_grace_s: PositiveFloat = Field(30.0, description="how long the gateway holds a request while the router "
+                                             "has no live worker for it (restarting, loading, none registered) "
+                                             "before failing it with UNAVAILABLE")
     max_prompt_bytes: NonNegativeInt = Field(0, description="the largest text prompt (or chat message text, or "
                                              "Tokenize text) in UTF-8 bytes, refused before tokenizing; 0 = 32 bytes "
                                              "per token of the model's context, at least 64 KiB")

@@ -76,6 +76,15 @@ class Unavailable(MeshError):
     code = "UNAVAILABLE"
 
 
+class NoWorker(Unavailable):
+    """No live worker can take the request right now (none registered for its role, or none passing the routing
+    filters): a state that passes, unlike a failed worker. The gateway holds the request and routes it again
+    (bounded by its deadline and admission.no_worker_grace_s); across gRPC it travels as UNAVAILABLE with the
+    trailing metadata REASON_KEY: NO_WORKER."""
+
+    REASON_KEY, NO_WORKER = "meshserve-reason", "no-worker"
+
+
 HTTP_STATUS = {"INVALID_ARGUMENT": 400, "OUT_OF_RANGE": 400, "NOT_FOUND": 404, "UNAUTHENTICATED": 401,
                "PERMISSION_DENIED": 403, "RESOURCE_EXHAUSTED": 429, "DEADLINE_EXCEEDED": 504, "UNAVAILABLE": 503,
                "CANCELLED": 499, "FAILED_PRECONDITION": 500, "INTERNAL": 500}

@@ -23,7 +23,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common.errors import CapacityExhausted, MeshError, PermissionDenied, Unavailable
+from services.common.errors import CapacityExhausted, MeshError, NoWorker, PermissionDenied, Unavailable
 from services.common.pb import meshserve_pb2
 
 log = logging.getLogger("meshserve.rpc")
@@ -80,6 +80,8 @@ def status_of(err: MeshError) -> grpc.StatusCode:
 async def abort(context: grpc.aio.ServicerContext, err: MeshError) -> None:
     if isinstance(err, CapacityExhausted):
         context.set_trailing_metadata((("retry-after-ms", str(err.retry_after_ms)),))
+    elif isinstance(err, NoWorker):
+        context.set_trailing_metadata(((NoWorker.REASON_KEY, NoWorker.NO_WORKER),))
     await context.abort(status_of(err), str(err))
 
 
@@ -118,7 +120,8 @@ def mapped(method):
 
 def forward_rpc_error(e: grpc.aio.AioRpcError, peer: str = "") -> MeshError:
     """A downstream failure (of the service at `peer`) as a MeshError with the same status, for the caller to see."""
-    err = MeshError(e.details() or e.code().name)
+    no_worker = (NoWorker.REASON_KEY, NoWorker.NO_WORKER) in tuple(e.trailing_metadata() or ())
+    err = NoWorker(e.details()) if no_worker else MeshError(e.details() or e.code().name)
     err.code, err.peer = e.code().name, peer
     return err
 

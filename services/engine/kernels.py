@@ -7,14 +7,22 @@ Each kernel is built per vector ISA level (ISA_LEVELS: avx512, avx2, generic), a
 (pick_isa) takes the widest level whose instructions the CPU has (/proc/cpuinfo flags), or the one
 MESHSERVE_ISA names when the CPU can run it. Built objects are cached by torch
 (TORCH_EXTENSIONS_DIR) under a name that carries the level, so one cache serves several levels and
-a machine never runs code compiled for instructions it lacks.
+a machine never runs code compiled for instructions it lacks, and in a folder per torch installation, so
+that two environments never rebuild each other's objects mid-run.
+
+They are built when the project is installed (scripts/setup.sh runs `python -m services.engine.kernels`),
+so that a start compiles nothing. A build at run time (a new ISA, a changed source) says so on the log
+first. Builds are serialized by an advisory lock (flock) that dies with its holder: torch's own lock file
+of a build that was killed midway is removed at once instead of being waited on forever.
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import logging
 import os
-import time
+import sys
 from functools import cache
 from pathlib import Path
 
@@ -79,19 +87,51 @@ def _put_ninja_on_path() -> None:
     os.environ["PATH"] = os.pathsep.join(dirs + [os.environ.get("PATH", "")])
 
 
-STALE_LOCK_S = 600.0  # a build takes a minute or two; a lock older than this was left by a build that was killed
+def build_directory(name: str) -> Path:
+    """Where kernel `name` is built and cached: torch's extension root (TORCH_EXTENSIONS_DIR, or its default), in a
+    folder per torch installation: torch writes the include paths of the interpreter that builds into its ninja
+    file, so a process of another environment sharing the folder rebuilt the kernels under a running one."""
+    import torch
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    tag = hashlib.sha256(str(Path(torch.__file__).resolve().parent).encode()).hexdigest()[:10]
+    return root / f"meshserve-torch-{tag}" / name
 
 
-def _clear_stale_lock(lock: Path) -> None:
-    """torch's build lock outlives a build killed midway, and every later load() then waits on it forever (every
-    worker started afterwards hung in its start-up): a lock older than STALE_LOCK_S is removed, with a warning."""
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return
-    if age > STALE_LOCK_S:
-        log.warning("removing a stale kernel build lock %s (%.0f s old: its build was killed)", lock, age)
-        lock.unlink(missing_ok=True)
+def _built(folder: Path, name: str) -> bool:
+    return (folder / f"{name}.so").exists()
+
+
+class _BuildLock:
+    """An advisory lock (flock) beside a kernel's build folder, held around torch's build: the kernel releases
+    it when its holder dies, however it dies. Holding it, a torch lock file in the folder was left by a
+    build that was killed (every build of ours runs under this lock) and is removed."""
+
+    def __init__(self, folder: Path, what: str):
+        self.folder, self.what = folder, what
+        self.path = folder.with_name(folder.name + ".meshserve-lock")
+        self.fd = -1
+
+    def __enter__(self) -> "_BuildLock":
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self.fd, 32, 0).decode(errors="replace").strip() or "?"
+            log.info("waiting for process %s, which is building or loading the %s kernel", holder, self.what)
+            fcntl.flock(self.fd, fcntl.LOCK_EX)
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, str(os.getpid()).encode(), 0)
+        stale = self.folder / "lock"
+        if stale.exists():
+            log.warning("removing %s: a build of the %s kernel was killed midway and left it", stale, self.what)
+            stale.unlink(missing_ok=True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        os.close(self.fd)  # releases the flock
 
 
 def _build(name: str, source: str, cflags: list[str], what: str):
@@ -99,11 +139,17 @@ def _build(name: str, source: str, cflags: list[str], what: str):
     if os.environ.get("MESHSERVE_KERNELS", "1") == "0":
         return None
     try:
-        from torch.utils.cpp_extension import _get_build_directory, load
+        from torch.utils.cpp_extension import load
 
         _put_ninja_on_path()
-        _clear_stale_lock(Path(_get_build_directory(name, verbose=False)) / "lock")
-        return load(name=name, sources=[str(CSRC / source)], extra_cflags=cflags, verbose=False)
+        folder = build_directory(name)
+        with _BuildLock(folder, what):
+            if not _built(folder, name):
+                log.warning("building the %s kernel (C++, about a minute; `python -m services.engine.kernels` builds "
+                            "every kernel ahead, as scripts/setup.sh does)", what)
+            folder.mkdir(parents=True, exist_ok=True)
+            return load(name=name, sources=[str(CSRC / source)], extra_cflags=cflags, build_directory=str(folder),
+                        verbose=False)
     except Exception as e:  # a missing compiler or ninja: fall back to PyTorch, loudly
         log.warning("%s kernel unavailable, using PyTorch: %s", what, e)
         return None
@@ -144,3 +190,28 @@ def lora(isa: str | None = None):
     """The segmented LoRA kernel (csrc/lora.cpp) for isa (default: host_isa()), or None."""
     isa = isa or host_isa()
     return _build(f"meshserve_lora_{isa}", "lora.cpp", ["-O3", "-ffast-math", *ISA_CFLAGS[isa]], f"LoRA ({isa})")
+
+
+KERNELS = (paged_attention, sampler, layer_ops, lora)
+
+
+def build_all(isa: str | None = None) -> dict[str, bool]:
+    """Build (or find built) every kernel for isa (default: host_isa()); {kernel: usable}."""
+    return {k.__name__: k(isa) is not None for k in KERNELS}
+
+
+def main() -> int:
+    """python -m services.engine.kernels: build every kernel for this CPU now (scripts/setup.sh runs it)."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    if os.environ.get("MESHSERVE_KERNELS", "1") == "0":
+        print("MESHSERVE_KERNELS=0: the kernels are off; nothing to build")
+        return 0
+    isa = host_isa()
+    built = build_all(isa)
+    print(f"kernels for {isa}: " + ", ".join(f"{k} {'ready' if ok else 'UNAVAILABLE (PyTorch fallback)'}"
+                                             for k, ok in built.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -54,7 +54,8 @@ async def serve(args, config: MeshConfig) -> None:
                     "restart, not shared with other gateways)", CACHE_SECRET_ENV)
     routers = args.router.split(",")
     servicer = GatewayServicer(model, Tokenizer(args.model), routers, args.kvstore, Authenticator(tenants),
-                               admission, SizeBounds.for_model(model.max_model_len, adm.max_prompt_bytes), secret)
+                               admission, SizeBounds.for_model(model.max_model_len, adm.max_prompt_bytes), secret,
+                               no_worker_grace_s=adm.no_worker_grace_s)
     admission.credits = CreditPool(servicer.channels, admission.pump)  # follows the workers watch_mesh finds
     if args.record_trace:
         from services.gateway.record import TraceRecorder

@@ -26,7 +26,8 @@ from opentelemetry import metrics
 from services.common import rpc
 from services.common.block_hash import pack_tokens, prompt_hashes
 from services.common.convert import client_request_from_pb, utf8, work_from_spec
-from services.common.errors import DeadlineExceeded, InvalidRequest, MeshError, NotFound, OutOfRange, Unavailable
+from services.common.errors import (DeadlineExceeded, InvalidRequest, MeshError, NotFound, NoWorker, OutOfRange,
+                                    Unavailable)
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.common.request import ClientRequest, RequestSpec
@@ -139,8 +140,9 @@ def _left(deadline_s: float | None, where: str) -> float | None:
 class GatewayServicer(pb_grpc.GenerationServicer):
     def __init__(self, model: ModelInfo, tokenizer: Tokenizer, routers: list[str], kvstore: str,
                  auth: Authenticator | None = None, admission: Admission | None = None, bounds: SizeBounds | None = None,
-                 cache_secret: bytes = b""):
+                 cache_secret: bytes = b"", no_worker_grace_s: float = 30.0):
         self.model, self.tokenizer, self.kvstore = model, tokenizer, kvstore
+        self.no_worker_grace_s = no_worker_grace_s  # how long a request is held while no worker can take it
         self.cache_secret = cache_secret or secrets.token_bytes(32)
         self.bounds = bounds or SizeBounds.for_model(model.max_model_len)
         self.auth = auth or Authenticator([])
@@ -296,9 +298,11 @@ class GatewayServicer(pb_grpc.GenerationServicer):
         the caller) with sampling counting them as outputs, so greedy and seeded requests continue exactly and the
         client sees no duplicated and no missing token. Bounded by MAX_ATTEMPTS and the deadline. Each attempt goes
         to a worker holding one of this gateway's credits when one does (the router avoids the others), and uses
-        it up (the admission ticket's)."""
+        it up (the admission ticket's). While the router has no live worker for it (NoWorker), the request is held
+        and routed again, without using an attempt (see _Held)."""
         avoid: set = set()
-        for attempt in range(MAX_ATTEMPTS):
+        attempt, held = 0, _Held(self.no_worker_grace_s)
+        while True:
             done = len(streamed)
             p = spec.sampling
             now = replace(spec, request_id=spec.request_id + (f".r{attempt}" if attempt else ""),
@@ -324,7 +328,11 @@ class GatewayServicer(pb_grpc.GenerationServicer):
                 except BaseException:  # cancelled too: the call may have ended before the worker saw it
                     self.admission.give_back(decision.decode_worker, work.credit_from, work.request_id)
                     raise
+            except NoWorker as e:
+                await held.wait(e, spec.request_id, spec.deadline_s)
+                continue
             except MeshError as e:
+                held.since = None
                 delay = min(RESUME_BACKOFF_S * 2 ** attempt, MAX_BACKOFF_S)
                 if (e.code != "UNAVAILABLE" or attempt + 1 == MAX_ATTEMPTS
                         or (spec.deadline_s is not None and time.monotonic() + delay >= spec.deadline_s)):
@@ -334,6 +342,7 @@ class GatewayServicer(pb_grpc.GenerationServicer):
                 log.warning("request %s: %s (from %s); attempt %d in %.2f s, resuming after %d streamed tokens",
                             spec.request_id, e, e.peer or "the gateway", attempt + 2, delay, len(streamed))
                 await asyncio.sleep(delay)
+                attempt += 1
 
     async def _route(self, request: pb.RouteRequest, timeout: float | None) -> pb.RouteDecision:
         """Route calls spread over the routers (stateless: each sees every worker's heartbeats and the Redis
@@ -469,6 +478,31 @@ class GatewayServicer(pb_grpc.GenerationServicer):
         bounded(request.model, "model", MAX_ID_BYTES)
         self.model.check(request.model)
         return pb.TokenizeResponse(token_ids=self.encode(utf8(request.text, "text"), "text"))
+
+
+class _Held:
+    """A request held while the router has no live worker for it: routed again after a short backoff (0.05 s
+    doubling to 0.5 s), until a worker appears, its deadline comes, or grace_s pass with none (a mesh without
+    workers for that long fails its requests with UNAVAILABLE naming the wait). A worker that is restarting or
+    still loading its model, or busy past its heartbeats, costs a wait, not the request."""
+
+    def __init__(self, grace_s: float):
+        self.grace_s, self.since, self.delay = grace_s, None, 0.05
+
+    async def wait(self, e: NoWorker, request_id: str, deadline_s: float | None) -> None:
+        now = time.monotonic()
+        if self.since is None:
+            self.since, self.delay = now, 0.05
+            log.info("request %s: %s; holding it until one is live (at most %g s)", request_id, e, self.grace_s)
+        if now - self.since >= self.grace_s:
+            err = NoWorker(f"{e} for {now - self.since:.0f} s (the gateway holds a request at most "
+                           f"admission.no_worker_grace_s = {self.grace_s:g} s for a worker)")
+            err.peer = e.peer
+            raise err
+        if deadline_s is not None and now + self.delay >= deadline_s:
+            raise DeadlineExceeded(f"the deadline passed while waiting for a worker ({e})")
+        await asyncio.sleep(self.delay)
+        self.delay = min(self.delay * 2, 0.5)
 
 
 async def _drain(events) -> None:

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import functools
 import gc
+import logging
 import os
 import time
 
@@ -21,6 +22,7 @@ from services.router.policies import make_policy
 from services.router.registry import Registry
 from services.router.server import RouterServicer
 
+log = logging.getLogger("meshserve.router")
 INDEX_HEALTH = "prefix-index"  # health service name: NOT_SERVING while Redis is unreachable
 
 
@@ -42,7 +44,8 @@ async def place_loop(servicer: RouterServicer, period_s: float = 1.0) -> None:
 
 
 async def serve(args, routing: RoutingSection) -> None:
-    registry = Registry(time.monotonic, ttl_s=args.worker_ttl_s)
+    registry = Registry(time.monotonic, ttl_s=args.worker_ttl_s, on_forget=lambda w, silent_s: log.warning(
+        "forgetting worker %s (%s): no heartbeat for %.1f s", w.worker_id, w.address, silent_s))
     index = PrefixIndex(connect_lookup(args.redis_url)) if args.redis_url else None
     server = rpc.Server(["Router"], args.port, args.host)
     policy = functools.partial(make_policy, routing.policy, routing.model_dump(include={"weights", "guard"}))

@@ -6,7 +6,7 @@ work and is forgotten.
 
 from __future__ import annotations
 
-from services.common.errors import Unavailable as NoWorker
+from services.common.errors import NoWorker
 from services.router.filters import Need, candidates
 from services.router.views import WorkerView
 
@@ -16,8 +16,9 @@ BEAT_FIELDS = ("block_size", "index_member", "decode_tps", "adapters", "max_num_
 
 
 class Registry:
-    def __init__(self, clock, ttl_s: float = 3.0):
-        self.clock, self.ttl_s = clock, ttl_s
+    def __init__(self, clock, ttl_s: float = 3.0, on_forget=None):
+        """on_forget(worker, silent_s): called for each worker forgotten for its silence (the router logs it)."""
+        self.clock, self.ttl_s, self.on_forget = clock, ttl_s, on_forget
         self.workers: dict[str, WorkerView] = {}
 
     def beat(self, worker_id: str, address: str, role: str, outstanding: int, capacity: int, **extra) -> None:
@@ -41,7 +42,9 @@ class Registry:
         """Forget workers silent for longer than ttl_s; returns the live ones."""
         now = self.clock()
         for wid in [k for k, w in self.workers.items() if now - w.last_seen_s > self.ttl_s]:
-            del self.workers[wid]
+            w = self.workers.pop(wid)
+            if self.on_forget is not None:
+                self.on_forget(w, now - w.last_seen_s)
         return list(self.workers.values())
 
     def beat_view(self, fields: dict) -> None:

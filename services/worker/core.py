@@ -14,7 +14,7 @@ multiprocessing pipe in pickled tuples:
                      ("abort", req_id)
                      ("stop",)                       exit the loop (closing the pipe alone does not reach a
                                                      core whose reader thread is blocked on it)
-  core -> servicer   ("ready", None)                 the engine is built
+  core -> servicer   ("ready", load)                 the engine is built (its EngineLoad, empty)
                      ("reply", seq, result, error)   a command's result or exception
                      ("step", outputs, stats)        ONE message per step: every request's new tokens
                                                      (StepOutput), counters, load
@@ -230,6 +230,9 @@ class EngineCore:
         self.running = True
         self.step_log = StepLog.from_env()  # what the simulator's calibration fits (sim/cost.py)
         self.last_seen = None  # the engine's last StepStats counted
+        # Tests and benchmarks: every step takes at least this long (a sleep: the step times of a model far larger
+        # than the one loaded, without its CPU; MESHSERVE_STEP_FLOOR_S)
+        self.step_floor_s = float(os.environ.get("MESHSERVE_STEP_FLOOR_S") or 0)
 
     def handle(self, msg: tuple) -> None:
         kind = msg[0]
@@ -338,8 +341,11 @@ class EngineCore:
 
     def step(self) -> None:
         engine = self.engine
+        t0 = time.monotonic()
         try:
             outputs = engine.step()
+            if self.step_floor_s:
+                time.sleep(max(self.step_floor_s - (time.monotonic() - t0), 0))
         except Exception as e:
             log.exception("engine step failed; aborting its requests")
             failed = sorted(self.live)
@@ -444,7 +450,7 @@ def core_main(conn, engine_config, parent_pid: int, threads: int | None) -> None
     except Exception as e:
         conn.send(("fatal", f"{type(e).__name__}: {e}"))
         return
-    conn.send(("ready", None))
+    conn.send(("ready", engine.load()))
     t0 = time.monotonic()
     core = EngineCore(engine, conn.send)
     core.run(conn)

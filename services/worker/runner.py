@@ -46,7 +46,7 @@ class EngineRunner:
         self._seq = itertools.count()
         self.busy_s, self.tokens_out, self.aborted = 0.0, 0, 0  # from the core's latest step
         self.cost = _Cost()
-        self.load = None  # the core's EngineLoad after its latest step
+        self.load = None  # the core's EngineLoad after its latest step (at first: when it became ready)
         self.dead: str | None = None
         os.environ["OMP_WAIT_POLICY"] = omp_wait_policy.upper()  # read by the core's OpenMP runtime at its start
         ctx = multiprocessing.get_context("spawn")
@@ -176,6 +176,7 @@ class EngineRunner:
             for req_id in req_ids:
                 self._fail(req_id, MeshError(message))
         elif kind == "ready":
+            self.load = msg[1]
             if not self._ready.done():
                 self._ready.set_result(None)
         elif kind == "fatal":

@@ -424,13 +424,14 @@ async def _nothing() -> tuple[str, None]:
 
 async def heartbeat_loop(runner: EngineRunner, router: str, worker_id: str, address: str, role: str,
                          on_first=None, publisher=None, kv_pool: bool = False, topology: str = "") -> None:
-    """Beat every interval the router asks for (1 s by default); retry quietly while it is away."""
+    """Beat every interval the router asks for (1 s by default); retry quietly while it is away. A beat never waits
+    for the engine (see current_load): on the real model a step under load takes seconds."""
     chan = rpc.channel(router)  # held for the loop's lifetime
     stub = pb_grpc.RouterStub(chan)
     interval, first, rate = 1.0, True, DecodeRate()
     while True:
         try:
-            load = await runner.call("load")
+            load = await current_load(runner)
             reply = await stub.Heartbeat(pb.WorkerLoad(
                 worker_id=worker_id, address=address, role=role, outstanding_tokens=load.outstanding_tokens,
                 kv_capacity_tokens=load.blocks_total * load.block_size,
@@ -450,6 +451,24 @@ async def heartbeat_loop(runner: EngineRunner, router: str, worker_id: str, addr
         except grpc.aio.AioRpcError as e:
             log.warning("heartbeat to router %s failed: %s", router, e.code().name)
         await asyncio.sleep(interval)
+
+
+async def current_load(runner: EngineRunner, wait_s: float = 0.2):
+    """The engine's load for a heartbeat: a fresh reading when the core answers within wait_s (it does between steps,
+    and at once when idle), else the one that came with its latest step. The core runs commands only between steps,
+    and a step of SmolLM2 at full batch takes 2-4 s on 2 cores: a beat that awaited a fresh reading went out every
+    3-5 s, and the router (3 s without a beat) dropped the busy worker (docs/BENCHMARKS.md, issue 36)."""
+    fresh = runner.call("load")
+    done, _ = await asyncio.wait({fresh}, timeout=wait_s)
+    if done:
+        return fresh.result()
+    fresh.add_done_callback(_ignore_result)  # answered at the step's end; nobody waits for it then
+    return runner.load
+
+
+def _ignore_result(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()  # retrieved: a core that died meanwhile logs no "exception never retrieved"
 
 
 async def index_loop(runner: EngineRunner, publisher, period_s: float = 0.05, keepalive_s: float = 2.0) -> None:
