@@ -1,6 +1,7 @@
 """Side-by-side table of `vllm bench serve` results saved by vllm_bench_serve.sh (argv[1] = their folder).
 
-Runs: inf and rate4 at the client's default sampling (temperature 1.0), inf-t0 and rate4-t0 greedy.
+Runs: inf, light (half of vLLM's measured capacity) and rate4 at the client's default sampling (temperature 1.0),
+the same with -t0 greedy; with each meshserve system's count of log lines reporting a worker missing or forgotten.
 """
 
 import json
@@ -12,10 +13,13 @@ METRICS = [("output_throughput", "output tok/s"), ("request_throughput", "req/s"
            ("completed", "completed")]
 
 
+SYSTEMS = ("vllm", "meshserve", "meshserve-disagg", "meshserve-default")
+
+
 def main(folder: str) -> None:
     out = {}
-    for run in ("inf", "rate4", "inf-t0", "rate4-t0"):
-        for system in ("meshserve", "meshserve-disagg", "vllm"):
+    for run in ("inf", "light", "rate4", "inf-t0", "light-t0", "rate4-t0"):
+        for system in SYSTEMS:
             path = Path(folder) / f"{system}-{run}.json"
             if path.exists():
                 out[(run, system)] = json.loads(path.read_text())
@@ -29,6 +33,15 @@ def main(folder: str) -> None:
         if cpu:
             summary[f"{system}:{run}"]["cpu_s_per_1k_output_tokens"] = cpu
             print(f"{run:10}{system:18}" + "  ".join(f"{name} {s:.3f}" for name, s in sorted(cpu.items())))
+    light = Path(folder) / "light_rate"
+    if light.exists():
+        summary["light_rate_req_s"] = float(light.read_text())
+        print(f"\nlight rate: {summary['light_rate_req_s']} req/s (half of vLLM's measured request throughput)")
+    for system in SYSTEMS:
+        missing = Path(folder) / f"{system}.missing.json"
+        if missing.exists():
+            summary[f"{system}:missing_workers"] = json.loads(missing.read_text())
+            print(f"{system}: {summary[f'{system}:missing_workers']}")
     (Path(folder) / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
 
 
