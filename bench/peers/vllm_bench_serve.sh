@@ -26,7 +26,7 @@ free_port() { "$HERE/.venv/bin/python" -c 'import socket; s=socket.socket(); s.b
 wants() { [[ " $SYSTEMS " == *" $1 "* ]]; }
 
 light_rate_from() {  # $1 = vLLM's inf result: half its request throughput, 2 decimals
-  "$HERE/.venv/bin/python" -c 'import json,sys; print(f"{json.load(open(sys.argv[1]))[\"request_throughput\"] / 2:.2f}")' "$1"
+  "$HERE/.venv/bin/python" -c 'import json,sys; print("%.2f" % (json.load(open(sys.argv[1]))["request_throughput"] / 2))' "$1"
 }
 
 bench() {  # $1 = system label, $2 = base url, $3 = the server's root pid (CPU seconds of its process tree)

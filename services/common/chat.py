@@ -56,7 +56,11 @@ def normalize(messages) -> list[dict]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise InvalidRequest(f"messages[{i}] must be an object with a role in {sorted(ROLES)}")
-        content = m.get("content")
+        if "content" not in m:
+            raise InvalidRequest(f"messages[{i}].content is required")
+        content = m["content"]
+        if content is None and m["role"] != "assistant":  # an assistant turn may be null (OpenAI: with tool calls)
+            raise InvalidRequest(f"messages[{i}].content must be a string or a list of text parts, not null")
         if isinstance(content, list):
             parts = []
             for part in content:

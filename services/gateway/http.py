@@ -33,7 +33,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from opentelemetry import trace
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -419,7 +419,12 @@ def _bearer(request: Request) -> str | None:
 
 
 async def _json(request: Request, limit: int) -> dict:
-    """The body as a JSON object, read only up to limit bytes (413 beyond: nothing larger is buffered)."""
+    """The body as a JSON object, read only up to limit bytes (413 beyond: nothing larger is buffered). A body that
+    declares a type other than JSON is 415 (none, and curl's default form type, are read as JSON, as vLLM does)."""
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if kind and kind not in JSON_TYPES and not kind.endswith("+json"):
+        raise OpenAIError(415, f"the request body must be JSON (Content-Type: application/json), not {kind}",
+                          code="unsupported_media_type")
     too_large = OpenAIError(413, f"the request body is over the limit of {limit} bytes", code="body_too_large")
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
@@ -435,6 +440,9 @@ async def _json(request: Request, limit: int) -> dict:
     except TimeoutError:
         raise OpenAIError(408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s",
                           code="body_timeout") from None
+    except ClientDisconnect:  # it sent less than its Content-Length, then closed
+        raise OpenAIError(400, "the request body ended before its Content-Length (the client went away)",
+                          code="incomplete_body") from None
     raw = b"".join(chunks)
     try:
         body = json.loads(raw.decode("utf-8"))
@@ -442,10 +450,15 @@ async def _json(request: Request, limit: int) -> dict:
         raise OpenAIError(400, "the request body is not valid UTF-8", code="invalid_json") from None
     except json.JSONDecodeError as e:
         raise OpenAIError(400, f"the request body is not valid JSON ({e})", code="invalid_json") from None
+    except RecursionError:
+        raise OpenAIError(400, "the request body is nested too deeply to parse (arrays or objects inside one "
+                               "another)", code="invalid_json") from None
     if not isinstance(body, dict):
         raise OpenAIError(400, "the request body must be a JSON object", code="invalid_json")
     return body
 
+
+JSON_TYPES = ("application/json", "application/x-www-form-urlencoded")  # the latter: what curl -d sends
 
 HTTP_IDLE_S = 10.0  # a connection must send a request's headers within this long of opening, or of its last response
 BODY_TIMEOUT_S = 30.0  # and the body within this long of its headers

@@ -410,15 +410,18 @@ class EngineCore:
         """Serve commands and step until the pipe closes."""
         engine = self.engine
         while self.running:
-            busy = engine.has_unfinished()
+            busy, aborted = engine.has_unfinished(), False
             try:
                 while conn.poll(0 if busy else idle_poll_s):
-                    self.handle(conn.recv())
-                    busy = engine.has_unfinished()
+                    msg = conn.recv()
+                    self.handle(msg)
+                    busy, aborted = engine.has_unfinished(), aborted or msg[0] == "abort"
             except (EOFError, OSError):
                 return  # the servicer is gone
             if busy:
                 self.step()
+            elif aborted:  # no step follows (an abort emptied the engine): the servicer's load would stay stale
+                self.send(("step", [], self.stats()))
 
 
 def _picklable(e: Exception) -> Exception:

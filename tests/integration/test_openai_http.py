@@ -4,6 +4,7 @@ status for its cause; a client disconnect frees the request's KV blocks."""
 
 import http.client
 import json
+import socket
 import time
 import urllib.error
 import urllib.request
@@ -248,3 +249,31 @@ def test_a_half_sent_request_is_disconnected(mesh):
         assert time.monotonic() - t0 < HTTP_IDLE_S + 5
     # while a complete request on a fresh connection is served as ever
     assert post(mesh, b'{"model": "tiny", "prompt": "x", "max_tokens": 2}')[0] == 200
+
+
+def test_bodies_an_outside_probe_found_get_a_clear_4xx(mesh):
+    """Issue 43: nesting past the parser's depth, a body declared as another type, a chat message without content,
+    a body shorter than its Content-Length: each a 4xx naming it (a 500, a 200 or a traceback before)."""
+    code, reply = post(mesh, b"[" * 100_000)
+    assert code == 400 and "nested too deeply" in reply["error"]["message"], reply
+    req = urllib.request.Request(mesh.http + "/v1/completions", data=b'{"model": "tiny", "prompt": "x"}', headers={
+        "authorization": f"Bearer {KEY}", "content-type": "text/plain"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=30)
+    assert e.value.code == 415 and "application/json" in json.loads(e.value.read())["error"]["message"]
+    code, reply = post(mesh, json.dumps({"model": "tiny", "max_tokens": 2, "messages": [{"role": "user"}]}).encode(),
+                       "/v1/chat/completions")
+    assert code == 400 and "messages[0].content is required" in reply["error"]["message"], reply
+    host, port = mesh.http.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.putrequest("POST", "/v1/completions")
+    for name, value in (("authorization", f"Bearer {KEY}"), ("content-type", "application/json"),
+                        ("content-length", "400")):
+        conn.putheader(name, value)
+    conn.endheaders(b'{"model": "tiny", "prompt": "aaaa')
+    conn.sock.shutdown(socket.SHUT_WR)  # 33 of its 400 bytes, then the client closes its side
+    response = conn.getresponse()  # the handler has ended once it answers
+    assert response.status == 400 and "Content-Length" in json.loads(response.read())["error"]["message"]
+    conn.close()
+    log = (mesh.log_dir / "gateway.log").read_text()
+    assert "Traceback" not in log, log[-3000:]

@@ -29,13 +29,21 @@ def slow_mesh(tiny_model, tmp_path_factory):
     mesh.stop()
 
 
-async def stream_all(gateway: str, prompts: list) -> list:
+async def stream_all(gateway: str, prompts: list, after_tokens: int = 0, then=None) -> list:
+    """Each prompt's (tokens, status name or None); then() is called once after_tokens tokens arrived in all."""
+    received = 0
+
     async def one(stub, ids):
+        nonlocal received, then
         tokens = []
         try:
             async for r in stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), sampling=pb.Sampling(
                     max_tokens=NEW, temperature=0.0, ignore_eos=True)), timeout=600):
                 tokens += r.token_ids
+                received += len(r.token_ids)
+                if then is not None and received >= after_tokens:
+                    then, act = None, then
+                    act()
         except grpc.aio.AioRpcError as e:
             return tokens, f"{e.code().name}: {e.details()}"
         return tokens, None
@@ -55,6 +63,26 @@ def test_a_saturated_mesh_of_slow_steps_loses_no_request_and_no_worker(slow_mesh
     gateway_log = (slow_mesh.log_dir / "gateway.log").read_text()
     assert "forgetting worker" not in router_log, router_log
     assert "no live" not in gateway_log and "resuming" not in gateway_log, gateway_log
+
+
+def test_a_worker_killed_during_the_saturation_is_detected_and_its_requests_resumed(slow_mesh, tiny_model):
+    """Liveness that a busy worker cannot lose must still lose a dead one: decode-1 is killed (SIGKILL) with its
+    batch in flight at 3.5 s a step; its streams resume on decode-0, token-identical, and the router forgets it."""
+    import os
+    import signal
+
+    prompts = random_prompts(12, seed=37, lo=4, hi=40, vocab=4000)
+    victim = slow_mesh.proc("decode-1")
+    # 8 tokens in: the first 4 prompts' first tokens came from the prefill worker, and the decode workers hold them
+    got = asyncio.run(stream_all(slow_mesh.gateway, prompts, after_tokens=8,
+                                 then=lambda: os.killpg(victim.popen.pid, signal.SIGKILL)))
+    victim.popen.wait(30)
+    assert victim.popen.poll() is not None
+    assert [status for _, status in got] == [None] * len(prompts), got
+    assert [tokens for tokens, _ in got] == run_all(make_engine(tiny_model), prompts, greedy(NEW))
+    gateway_log = (slow_mesh.log_dir / "gateway.log").read_text()
+    assert "resuming after" in gateway_log, gateway_log
+    _wait_for(slow_mesh.log_dir / "router.log", lambda text: "forgetting worker decode-1" in text, timeout_s=30)
 
 
 def _generate(gateway: str, deadline_ms: int = 0):
