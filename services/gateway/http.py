@@ -60,7 +60,7 @@ class OpenAIError(Exception):
 
     def response(self) -> JSONResponse:
         kind = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                404: "not_found_error", 408: "timeout_error", 413: "invalid_request_error", 429: "rate_limit_error", 504: "timeout_error",
+                404: "not_found_error", 408: "timeout_error", 413: "invalid_request_error", 415: "invalid_request_error", 429: "rate_limit_error", 504: "timeout_error",
                 503: "service_unavailable_error"}.get(self.status, "internal_error")
         headers = {}
         if self.retry_after_ms is not None and self.status == 429:
