@@ -11,7 +11,6 @@ import signal
 import threading
 import time
 
-import grpc
 import pytest
 
 from services.common.pb import meshserve_pb2 as pb
@@ -19,6 +18,7 @@ from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.launcher import Mesh, MeshSpec, client_channel, serving
 from tests.integration.conftest import ENGINE
 from tests.support.reference import random_prompts
+from tests.support.streams import greedy_streams
 
 STREAMS, NEW = 32, 40
 
@@ -43,25 +43,11 @@ def prompts():
 
 async def run_streams(gateway: str, prompts: list, started: asyncio.Event | None = None, start_after: int = 0):
     """Each prompt's (tokens, status name or None); `started` is set once start_after tokens arrived in all."""
-    received = 0
+    def on_tokens(received: int) -> None:
+        if started is not None and received >= start_after:
+            started.set()
 
-    async def one(stub, ids):
-        nonlocal received
-        tokens = []
-        try:
-            async for r in stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), sampling=pb.Sampling(
-                    max_tokens=NEW, temperature=0.0, ignore_eos=True)), timeout=120):
-                tokens += r.token_ids
-                received += len(r.token_ids)
-                if started is not None and received >= start_after:
-                    started.set()
-        except grpc.aio.AioRpcError as e:
-            return tokens, f"{e.code().name}: {e.details()}"
-        return tokens, None
-
-    async with grpc.aio.insecure_channel(gateway) as ch:
-        stub = pb_grpc.GenerationStub(ch)
-        return await asyncio.gather(*(one(stub, p) for p in prompts))
+    return await greedy_streams(gateway, prompts, NEW, on_tokens=on_tokens)
 
 
 @pytest.fixture(scope="module")

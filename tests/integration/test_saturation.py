@@ -15,6 +15,7 @@ from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.launcher import Mesh, MeshSpec
 from tests.support.reference import greedy, make_engine, random_prompts, run_all
+from tests.support.streams import greedy_streams
 
 STEP_FLOOR_S, SLOTS, STREAMS, NEW = 3.5, 4, 24, 4  # 2 decode workers x 4 slots: 24 streams are 3 batches each
 
@@ -31,26 +32,13 @@ def slow_mesh(tiny_model, tmp_path_factory):
 
 async def stream_all(gateway: str, prompts: list, after_tokens: int = 0, then=None) -> list:
     """Each prompt's (tokens, status name or None); then() is called once after_tokens tokens arrived in all."""
-    received = 0
+    def on_tokens(received: int) -> None:
+        nonlocal then
+        if then is not None and received >= after_tokens:
+            then, act = None, then
+            act()
 
-    async def one(stub, ids):
-        nonlocal received, then
-        tokens = []
-        try:
-            async for r in stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), sampling=pb.Sampling(
-                    max_tokens=NEW, temperature=0.0, ignore_eos=True)), timeout=600):
-                tokens += r.token_ids
-                received += len(r.token_ids)
-                if then is not None and received >= after_tokens:
-                    then, act = None, then
-                    act()
-        except grpc.aio.AioRpcError as e:
-            return tokens, f"{e.code().name}: {e.details()}"
-        return tokens, None
-
-    async with grpc.aio.insecure_channel(gateway) as ch:
-        stub = pb_grpc.GenerationStub(ch)
-        return await asyncio.gather(*(one(stub, p) for p in prompts))
+    return await greedy_streams(gateway, prompts, NEW, timeout_s=600, on_tokens=on_tokens)
 
 
 def test_a_saturated_mesh_of_slow_steps_loses_no_request_and_no_worker(slow_mesh, tiny_model):
