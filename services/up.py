@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import signal
 import sys
 import threading
@@ -18,6 +17,7 @@ from services.common.config import ConfigError, MeshConfig, load_mesh_config
 from services.common.errors import MeshError
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
+from services.common.prefix_index import redacted
 
 TINY_MODEL = Path("models/tiny")  # `--model tiny`, and the fallback when the default cannot be fetched
 MESH_KV_CACHE_GB = 0.25  # per worker, when the file does not say: three workers fit a small machine
@@ -128,13 +128,16 @@ def cmd_up(args) -> int:
         print(f"try: meshserve client --target {mesh.gateway} --input requests.jsonl --output out.jsonl", flush=True)
         print("metrics (Prometheus text): " + ", ".join(f"{p.name} {p.metrics_url}" for p in mesh.procs if p.metrics_url),
               flush=True)
-        redis = re.sub(r"//:[^@]*@", "//:***@", mesh.redis_url)
+        redis = redacted(mesh.redis_url)
         if mesh.tls_dir:
             print(f"internal services speak mutual TLS (certificates in {mesh.tls_dir}; the gateway's public ports "
                   + ("use TLS too: clients trust ca.pem there)" if mesh.spec.public_tls else "are plain)"), flush=True)
         pools = mesh.pools()
-        control, control_address = supervisor.serve(mesh, lock, pools, args.supervisor_port, say=say)
-        print(f"scaling: meshserve scale POOL N --supervisor {control_address} (pools: {', '.join(pools)})", flush=True)
+        control, control_address = supervisor.serve(mesh, lock, pools, args.supervisor_port, say=say,
+                                                    tls_dir=mesh.tls_dir)
+        tls = f" --tls-dir {mesh.tls_dir}" if mesh.tls_dir else ""
+        print(f"scaling: meshserve scale POOL N --supervisor {control_address}{tls} (pools: {', '.join(pools)})",
+              flush=True)
         if scaling.enabled:
             with lock:
                 scaler = mesh.start_autoscaler(autoscaler_port or args.autoscaler_port or free_port(), control_address,
@@ -219,12 +222,24 @@ def cmd_client(args) -> int:
 
 
 def cmd_scale(args) -> int:
-    with grpc.insecure_channel(args.supervisor) as ch:
+    from services.launcher import client_channel
+
+    try:
+        ch = client_channel(args.supervisor, args.tls_dir)  # as the operator (`client`) over the mesh's mutual TLS
+    except OSError as e:
+        print(f"meshserve scale: cannot read the mesh's certificates in {args.tls_dir}: {e}", file=sys.stderr)
+        return 2
+    with ch:
         try:
             state = pb_grpc.SupervisorStub(ch).Scale(pb.ScaleRequest(pool=args.pool, replicas=args.replicas,
                                                                      reason="meshserve scale"), timeout=30)
         except grpc.RpcError as e:
-            print(f"meshserve scale: {e.code().name}: {e.details()}", file=sys.stderr)
+            hint = ""
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                hint = (" (is `meshserve up` running there? Its Supervisor speaks mutual TLS: pass --tls-dir, the "
+                        "folder it printed)" if not args.tls_dir else " (is `meshserve up` running there, with these "
+                        "certificates?)")
+            print(f"meshserve scale: {e.code().name}: {e.details()}{hint}", file=sys.stderr)
             return 1
     print(f"{state.pool}: {state.ready} ready, {state.starting} starting, {state.draining} draining "
           f"({', '.join(state.workers)})")
@@ -255,6 +270,9 @@ def add_parsers(sub) -> None:
     scale.add_argument("replicas", type=int)
     scale.add_argument("--supervisor", default=f"127.0.0.1:{DEFAULT_PORTS['supervisor']}",
                        help="the Supervisor address `meshserve up` printed")
+    scale.add_argument("--tls-dir", default=os.environ.get(rpc.TLS_DIR_ENV, ""),
+                       help="the mesh's certificates folder `meshserve up` printed (its Supervisor speaks mutual TLS; "
+                            f"env {rpc.TLS_DIR_ENV})")
     scale.set_defaults(func=cmd_scale)
     client = sub.add_parser("client", help="send JSONL requests through a running gateway")
     client.add_argument("--target", required=True, help="gateway HOST:PORT")

@@ -104,7 +104,7 @@ class _Traces(trace_service_pb2_grpc.TraceServiceServicer):
 
 def make_actuator(args):
     if args.actuator == "local":
-        return LocalActuator(args.supervisor)
+        return LocalActuator(args.supervisor, args.supervisor_tls_dir)
     if args.actuator == "compose":
         services = dict(pair.split("=", 1) for pair in args.compose_services.split(",")) if args.compose_services \
             else {}
@@ -149,6 +149,8 @@ def main() -> None:
                     default=os.environ.get("AUTOSCALER_ACTUATOR", "local"))
     ap.add_argument("--supervisor", default=os.environ.get("MESHSERVE_SUPERVISOR", "127.0.0.1:50055"),
                     help="local actuator: the Supervisor address `meshserve up` printed")
+    ap.add_argument("--supervisor-tls-dir", default=os.environ.get("MESHSERVE_SUPERVISOR_TLS_DIR", ""),
+                    help="local actuator: the mesh's certificates folder, when the Supervisor speaks mutual TLS")
     ap.add_argument("--compose-file", default="deploy/docker-compose.yml")
     ap.add_argument("--compose-project", default="meshserve")
     ap.add_argument("--compose-services", default="", help="pool=service pairs, e.g. decode=decode,prefill=prefill")

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from services.common import rpc
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
 
@@ -31,9 +32,11 @@ class PoolStatus:
 class LocalActuator:
     name = "local"
 
-    def __init__(self, supervisor: str):
+    def __init__(self, supervisor: str, tls_dir: str = ""):
+        """tls_dir: the mesh's certificates, when its Supervisor speaks mutual TLS (we present `autoscaler`)."""
         self.address = supervisor
-        self.channel = grpc.aio.insecure_channel(supervisor)
+        self.channel = grpc.aio.secure_channel(supervisor, rpc.channel_credentials(rpc.read_tls(tls_dir, "autoscaler"))) \
+            if tls_dir else grpc.aio.insecure_channel(supervisor)
         self.stub = pb_grpc.SupervisorStub(self.channel)
 
     async def state(self, pool: str) -> PoolStatus:

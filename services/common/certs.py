@@ -17,7 +17,7 @@ import ipaddress
 import os
 from pathlib import Path
 
-IDENTITIES = ("gateway", "router", "kvstore", "worker", "client")
+IDENTITIES = ("gateway", "router", "kvstore", "worker", "client", "supervisor", "autoscaler")
 DEFAULT_HOSTS = ("127.0.0.1", "localhost")
 VALID_DAYS = 825
 

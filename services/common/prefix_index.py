@@ -22,6 +22,7 @@ routes by load alone and reports the degradation.
 from __future__ import annotations
 
 import logging
+import re
 import time
 import uuid
 
@@ -81,6 +82,11 @@ def new_member(worker_id: str) -> str:
 
 def worker_of(member: str) -> str:
     return member.rsplit("#", 1)[0]
+
+
+def redacted(url: str) -> str:
+    """A Redis URL fit for a log: its password (redis://:PASSWORD@ or redis://USER:PASSWORD@) masked."""
+    return re.sub(r"(//[^:/@]*:)[^@]*@", r"\1***@", url)
 
 
 def connect(url: str, timeout_s: float = 0.5) -> aioredis.Redis:

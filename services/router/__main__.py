@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2
 from services.common import rpc
 from services.common.config import RoutingSection, add_config_flag, add_section_flags, config_from_args
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
-from services.common.prefix_index import PrefixIndex, connect_lookup
+from services.common.prefix_index import PrefixIndex, connect_lookup, redacted
 from services.common.telemetry import add_metrics_flag, setup_telemetry
 from services.router.placement import AdapterPlacement
 from services.router.policies import make_policy
@@ -57,7 +57,7 @@ async def serve(args, routing: RoutingSection) -> None:
     watch = asyncio.create_task(watch_index(index, server, servicer)) if index else None
     placing = asyncio.create_task(place_loop(servicer)) if placement is not None else None
     print(f"router listening on {server.address} (policy {routing.policy}, mode {args.mode}, "
-          f"prefix index {'redis ' + args.redis_url if index else 'off'})", flush=True)
+          f"prefix index {'redis ' + redacted(args.redis_url) if index else 'off'})", flush=True)
     await server.run(grace_s=args.grace_s)
     for task in (watch, placing):
         if task:

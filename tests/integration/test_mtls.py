@@ -3,6 +3,7 @@ is refused by the router, the kvstore and every worker; a certificate of the wro
 route, read a transfer or generate; the public gateway port still serves plain gRPC; Redis wants its password."""
 
 import asyncio
+import os
 from pathlib import Path
 
 import grpc
@@ -123,3 +124,73 @@ def test_the_public_ports_serve_tls_when_asked(tiny_model, tmp_path_factory):
             urllib.request.urlopen(m.http + "/v1/models", context=ssl.create_default_context(), timeout=30)
     finally:
         m.stop()
+
+
+@pytest.fixture(scope="module")
+def supervisor(mesh):
+    """The Supervisor service as `meshserve up` hosts it beside this mesh: over the mesh's mutual TLS."""
+    import threading
+
+    from services.supervisor import serve
+
+    server, address = serve(mesh, threading.Lock(), mesh.pools(), 0, say=lambda line: None, tls_dir=mesh.tls_dir)
+    yield address
+    server.stop(0)
+
+
+def test_the_supervisor_wants_an_operator_certificate(mesh, supervisor):
+    pools = lambda ch: pb_grpc.SupervisorStub(ch).Pools(pb.PoolsRequest(), timeout=5)  # noqa: E731
+    scale_to_0 = lambda ch: pb_grpc.SupervisorStub(ch).Scale(pb.ScaleRequest(pool="decode", replicas=0),  # noqa: E731
+                                                            timeout=5)
+    with grpc.insecure_channel(supervisor) as ch:  # plaintext, as any local process could call it
+        for call in (pools, scale_to_0):
+            with pytest.raises(grpc.RpcError) as exc:
+                call(ch)
+            assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
+    with client_channel(supervisor, str(make_certs(Path(mesh.log_dir) / "stranger-ca")), "client") as ch:
+        with pytest.raises(grpc.RpcError) as exc:  # a certificate, but not of this mesh's CA
+            scale_to_0(ch)
+        assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
+    with client_channel(supervisor, mesh.tls_dir, "worker") as ch:  # the mesh's, but a worker may not scale
+        with pytest.raises(grpc.RpcError) as exc:
+            scale_to_0(ch)
+        assert exc.value.code() == grpc.StatusCode.PERMISSION_DENIED and "worker" in exc.value.details()
+    assert len(mesh.workers("decode")) == 1  # nothing above scaled anything
+    for identity in ("client", "autoscaler"):
+        with client_channel(supervisor, mesh.tls_dir, identity) as ch:
+            assert {p.pool: p.ready for p in pools(ch).pools} == {"prefill": 1, "decode": 1}
+
+
+def test_meshserve_scale_presents_the_operator_certificate(mesh, supervisor):
+    import subprocess
+    import sys
+
+    cli = [sys.executable, "-m", "services.cli", "scale", "--supervisor", supervisor, "decode", "1"]
+    plain = subprocess.run(cli, capture_output=True, text=True, timeout=60, env={**os.environ, "MESHSERVE_TLS_DIR": ""})
+    assert plain.returncode == 1 and "UNAVAILABLE" in plain.stderr and "--tls-dir" in plain.stderr
+    ok = subprocess.run(cli + ["--tls-dir", mesh.tls_dir], capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0 and "decode: 1 ready, 0 starting, 0 draining (decode-0)" in ok.stdout, ok.stderr
+    missing = subprocess.run(cli + ["--tls-dir", str(Path(mesh.log_dir) / "nowhere")], capture_output=True, text=True,
+                             timeout=60)
+    assert missing.returncode == 2 and "cannot read the mesh's certificates" in missing.stderr
+
+
+def test_the_redis_password_is_in_no_command_line_and_no_log(mesh):
+    from bench.proc_cpu import descendants
+
+    password = mesh.redis_password
+    assert password and password in mesh.redis_url  # the services do use it
+    for p in mesh.procs:
+        for pid in descendants(p.popen.pid):
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+            except OSError:
+                continue
+            assert password not in argv, f"{p.name} (pid {pid}) has the Redis password in its command line"
+    logs = [f for f in Path(mesh.log_dir).rglob("*") if f.is_file() and f.suffix != ".pem"]
+    assert any(f.name == "router.log" for f in logs)
+    for f in logs:
+        if f.name != "redis.conf":  # the password's one home: owner-only
+            assert password not in f.read_text(errors="replace"), f"the Redis password is in {f}"
+    conf = Path(mesh.log_dir) / "redis.conf"
+    assert password in conf.read_text() and conf.stat().st_mode & 0o077 == 0

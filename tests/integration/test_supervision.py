@@ -64,7 +64,7 @@ def serves_again(gateway: str, within_s: float) -> list:
 @pytest.fixture
 def up(tmp_path):
     proc, gateway, lines = start_up(tmp_path)
-    yield tmp_path, proc, gateway
+    yield tmp_path, proc, gateway, lines
     os.killpg(proc.pid, signal.SIGTERM)
     proc.communicate(timeout=60)
 
@@ -73,7 +73,7 @@ def up(tmp_path):
 @pytest.mark.parametrize("marker", ["redis-server", "services.router", "services.kvstore",
                                     "--worker-id decode-0", "--worker-id prefill-0", "services.gateway"])
 def test_a_killed_service_is_started_again_and_the_mesh_serves(up, marker):
-    folder, proc, gateway = up
+    folder, proc, gateway, lines = up
     want = generate(gateway)
     victim = service_pid(folder, marker)
     assert victim, f"no process with {marker!r}"
@@ -84,6 +84,23 @@ def test_a_killed_service_is_started_again_and_the_mesh_serves(up, marker):
         time.sleep(0.1)
     assert serves_again(gateway, within_s=30) == want  # greedy: the same tokens as before the kill
     assert proc.poll() is None, "up itself stopped"
+    if marker.startswith("--worker-id"):  # its pool, as the Supervisor reports it: whole again, start-up measured afresh
+        pool = marker.split()[1].rsplit("-", 1)[0]
+        deadline = time.monotonic() + 30
+        while (state := pool_state(lines, pool)).ready < len(state.workers):
+            assert state.startup_s >= 0, state  # issue 43: a restart kept its old healthy time (negative start-ups)
+            assert time.monotonic() < deadline, f"{pool} not whole again within 30 s: {state}"
+            time.sleep(0.2)
+        assert state.startup_s > 0, state
+
+
+def pool_state(lines: list, pool: str) -> pb.PoolState:
+    """The Supervisor's view of a pool, asked as the operator over the mesh's mutual TLS (as `meshserve scale`)."""
+    from services.launcher import client_channel
+
+    found = re.search(r"--supervisor (\S+) --tls-dir (\S+)", "".join(lines))
+    with client_channel(found.group(1), found.group(2)) as ch:
+        return next(p for p in pb_grpc.SupervisorStub(ch).Pools(pb.PoolsRequest(), timeout=5).pools if p.pool == pool)
 
 
 def test_killing_up_leaves_no_process(tmp_path):
