@@ -380,6 +380,7 @@ class GatewayServicer(pb_grpc.GenerationServicer):
         try:
             first = await anext(prefill_events)
             drain = asyncio.ensure_future(_drain(prefill_events))  # the call ends once its KV has landed
+            drain.add_done_callback(lambda f: self._handoff_ended(f, work.transfer_id))
             prompt = first
             yield first
             if first.finish_reason:
@@ -398,6 +399,13 @@ class GatewayServicer(pb_grpc.GenerationServicer):
             for call in (prefill, decode):
                 call.cancel()
             asyncio.ensure_future(self._release(work.transfer_id))
+
+    def _handoff_ended(self, drain: asyncio.Future, transfer_id: str) -> None:
+        """The prefill call ended. If it failed (its worker died after the first token), its KV may never reach the
+        kvstore, which then never hears of the transfer: release it now, so that the decode side's pull fails at once
+        (NOT_FOUND) and it computes the prompt itself, instead of waiting out its 60 s for blocks nobody sends."""
+        if not drain.cancelled() and drain.exception() is not None:
+            asyncio.ensure_future(self._release(transfer_id))
 
     async def _release(self, transfer_id: str) -> None:
         """Drop the transfer; waits up to 5 s for a kvstore that is coming back (its new incarnation may already

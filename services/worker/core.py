@@ -277,15 +277,25 @@ class EngineCore:
     # ---- the kvstore's arena and imports (CORE_METHODS) -------------------------------------------
 
     def map_arena(self, path: str, generation: str, slot_bytes: int, slots: int) -> None:
-        """Map the kvstore's segment (as its Attach told the servicer); the previous one stays mapped until the
-        next change, for exports still writing to it."""
+        """Map the kvstore's segment (as its Attach told the servicer); the one it replaces (a restarted kvstore's
+        predecessor) is unmapped once no export writes to it (retire_arenas)."""
         from services.kvstore.arena import MappedArena
 
         if generation in self.arenas:
             return
         self.arenas[generation] = MappedArena(path, generation, slot_bytes, slots)
-        while len(self.arenas) > 2:
-            self.arenas.pop(next(iter(self.arenas))).close()
+        self.retire_arenas()
+
+    def retire_arenas(self) -> None:
+        """Unmap every arena but the newest that no export still writes to. A mapping is populated whole, so each
+        one left mapped kept a dead kvstore's segment resident: 1 GB more per worker after every kvstore restart
+        (issue 36's soak). An import from one retired fails (KVTransferFailed) and is computed instead."""
+        if len(self.arenas) < 2:
+            return
+        current = next(reversed(self.arenas))
+        writing = {id(e.arena) for e in self.exports.values()}
+        for generation in [g for g, a in self.arenas.items() if g != current and id(a) not in writing]:
+            self.arenas.pop(generation).close()
 
     def _arena(self, generation: str):
         if not generation:
@@ -374,8 +384,11 @@ class EngineCore:
         for out in outs:
             if out.finished:
                 self._forget(out.req_id)
+        self.retire_arenas()
         if pieces:
             self.send(("kv", pieces))
+        if not engine.has_unfinished():  # the last word before idling is the idle load (no step follows to say it)
+            self.send(("step", [], self.stats()))
 
     def _export(self) -> list:
         engine, pieces = self.engine, []
@@ -418,6 +431,7 @@ class EngineCore:
                     busy, aborted = engine.has_unfinished(), aborted or msg[0] == "abort"
             except (EOFError, OSError):
                 return  # the servicer is gone
+            self.retire_arenas()  # an abort may have ended the last export into a superseded arena
             if busy:
                 self.step()
             elif aborted:  # no step follows (an abort emptied the engine): the servicer's load would stay stale

@@ -177,6 +177,8 @@ class EngineRunner:
                 self._fail(req_id, MeshError(message))
         elif kind == "ready":
             self.load = msg[1]
+            if self.metrics is not None:  # the gauges read 0 from the start, not nothing until the first step
+                self.metrics.load = msg[1]
             if not self._ready.done():
                 self._ready.set_result(None)
         elif kind == "fatal":

@@ -99,6 +99,7 @@ def wait_for(what: str, check, within_s: float):
 def test_a_killed_service_loses_no_stream(mesh, prompts, reference, victim):
     proc = mesh.proc(victim)
     pid = proc.popen.pid
+    decode_logs = {p.log: p.log.stat().st_size for p in mesh.workers("decode")}
 
     async def scenario():
         started = asyncio.Event()
@@ -113,6 +114,10 @@ def test_a_killed_service_loses_no_stream(mesh, prompts, reference, victim):
     assert not failed, f"{len(failed)} of {STREAMS} streams failed: {failed[:4]}"
     wrong = [i for i, (tokens, _) in enumerate(got) if tokens != reference[i]]
     assert not wrong, f"streams {wrong} differ from the healthy mesh's (first: {got[wrong[0]][0]} vs {reference[wrong[0]]})"
+    for log, start in decode_logs.items():  # a prefill that died after its first token: its transfer is released
+        with open(log, errors="replace") as f:  # at once, and the decode side recomputes without waiting for it
+            f.seek(start)
+            assert "nothing landed for" not in f.read(), f"a decode worker waited out a dead prefill's KV ({log})"
 
     back = (lambda: mesh.proc(victim).popen.pid != pid) if victim == "redis" else (
         lambda: mesh.proc(victim).popen.pid != pid and serving(proc.address, tls_dir=mesh.tls_dir))
@@ -121,3 +126,52 @@ def test_a_killed_service_loses_no_stream(mesh, prompts, reference, victim):
     assert [t for t, _ in again] == reference[:4]
     wait_for("every block, sequence and transfer freed", lambda: not idle(mesh) or None, 15)
     wait_for("both routers seeing the same load", lambda: len(set(map(tuple, router_views(mesh)))) == 1, 5)
+
+
+def gauges(mesh, p) -> dict:
+    """A worker's running and waiting gauges as its Prometheus endpoint serves them (absent: missing)."""
+    import urllib.request
+
+    from services.launcher import metrics_url
+
+    url = metrics_url(p)  # a restarted worker serves its metrics on a new port
+    body = urllib.request.urlopen(url, timeout=5).read().decode()
+    got = {}
+    for line in body.splitlines():
+        for name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
+            if line.startswith(name + "{") and f'worker_id="{p.name}"' in line:
+                got[name] = float(line.rsplit(" ", 1)[1])
+    return got
+
+
+def test_every_gauge_returns_to_zero_after_a_cancel_storm_and_a_restart(mesh, prompts):
+    """Issue 43: the running gauge read 1 on idle workers (before any load, after 400 cancels, after a restart)."""
+    victim = mesh.proc("prefill-0")
+    pid = victim.popen.pid
+    os.killpg(pid, signal.SIGKILL)
+    wait_for("prefill-0 back", lambda: mesh.proc("prefill-0").popen.pid != pid and serving(
+        victim.address, tls_dir=mesh.tls_dir), 30)
+
+    async def storm():  # 96 streams, each cancelled at a different moment: before its prefill, mid-decode, ...
+        import grpc
+
+        async with grpc.aio.insecure_channel(mesh.gateway) as ch:
+            stub = pb_grpc.GenerationStub(ch)
+
+            async def one(i):
+                call = stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompts[i % len(prompts)]),
+                                                        sampling=pb.Sampling(max_tokens=NEW, ignore_eos=True)),
+                                     timeout=60)
+                got = 0
+                async for r in call:
+                    got += len(r.token_ids)
+                    if got >= i % (NEW // 2):
+                        call.cancel()
+                        break
+            await asyncio.gather(*(one(i) for i in range(96)), return_exceptions=True)
+    asyncio.run(storm())
+    workers = mesh.workers("prefill") + mesh.workers("decode")
+    zero = {"vllm:num_requests_running": 0.0, "vllm:num_requests_waiting": 0.0}
+    wait_for("every worker's engine idle", lambda: not idle(mesh) or None, 15)
+    wait_for("every worker's running and waiting gauges at 0",
+             lambda: all(gauges(mesh, p) == zero for p in workers) or None, 15)
