@@ -7,7 +7,13 @@ capacity frees. The queue adds what only it can know:
 - the starvation bound as a promise: every queued request must start within `starvation_s` of
   arrival. Waits are predicted from work, as list scheduling bounds them: with `slots`
   requests served at once, a request starts no later than (remaining predicted work of the
-  running requests + predicted work of those dispatched before it) / slots from now. Whenever
+  running requests + predicted work of those dispatched before it) / slots from now. That bound
+  holds only when slots are what holds requests back; when something else does (the workers'
+  credits or KV room, one prefill worker behind many decode slots), requests leave far slower
+  than `slots` says, and a 30 s promise measured 65-108 s waits (issue 36's soak). So the queue
+  also measures how fast it actually drains while backlogged (DrainRate: predicted work
+  dispatched per second of backlog, decayed over half a minute) and predicts no shorter a wait
+  than the work ahead divided by that rate. Whenever
   dispatching the policy's choice out of arrival order would push some request past its
   start-by time (arrival + bound), the oldest goes next instead. Under the fair policies a
   tenant's queue is bounded first, by its own share: a newcomer whose tenant's queued work would
@@ -208,6 +214,36 @@ class _Dispatched:
         return float(np.maximum(self.predicted * calibration - (now - self.dispatched), 0.0).sum())
 
 
+class DrainRate:
+    """How fast the queue empties while it is backlogged: predicted work (seconds) of the requests that waited and
+    were dispatched, per second during which some request was queued, both decayed with time constant tau_s. Only
+    requests that waited count (one dispatched at its arrival says nothing about capacity), and the rate is known
+    only after min_backlog_s of backlog with a dispatch in it: an idle or briefly busy mesh keeps the slot bound."""
+
+    def __init__(self, tau_s: float = 30.0, min_backlog_s: float = 5.0):
+        self.tau_s, self.min_backlog_s = tau_s, min_backlog_s
+        self.work = self.backlog_s = 0.0
+        self.last: float | None = None
+
+    def advance(self, now: float, backlogged: bool) -> None:
+        """Time passes up to now; backlogged: whether a request was queued all along since the last call."""
+        if self.last is not None and now > self.last:
+            dt = now - self.last
+            decay = math.exp(-dt / self.tau_s)
+            self.work *= decay
+            self.backlog_s = self.backlog_s * decay + (dt if backlogged else 0.0)
+        self.last = now if self.last is None else max(self.last, now)
+
+    def dispatched(self, predicted_s: float) -> None:
+        self.work += predicted_s
+
+    def rate(self) -> float | None:
+        """Predicted work dispatched per second of backlog (None until measured)."""
+        if self.backlog_s < self.min_backlog_s or self.work <= 0:
+            return None
+        return self.work / self.backlog_s
+
+
 @dataclass
 class AdmissionQueue:
     policy: ArbitrationPolicy
@@ -222,6 +258,7 @@ class AdmissionQueue:
     trust_predictions: bool = True  # may a predicted service time alone reject a request with a deadline?
     _seq: int = 0
     _dispatched: _Dispatched = field(default_factory=_Dispatched, repr=False, compare=False)
+    drain: DrainRate = field(default_factory=DrainRate, repr=False, compare=False)
 
     def backlogged(self) -> set[str]:
         return {p.tenant for p in self.queue}
@@ -237,6 +274,7 @@ class AdmissionQueue:
         tenant with the most queued work per unit of weight (push-out from the longest weighted
         queue, as fair queueing manages its buffer), which is the newcomer only if its own tenant
         is that one. Returns the requests pushed out, for the caller to reject."""
+        self.drain.advance(now, bool(self.queue))
         if p.deadline_s is not None:
             if p.deadline_s <= now:
                 raise DeadlineExceeded("the deadline has already passed")
@@ -288,8 +326,14 @@ class AdmissionQueue:
         return weighted_shares(max(self.slots, 1), weights)[tenant]
 
     def tenant_wait(self, tenant: str, ahead: list, weight: float) -> float:
-        """How long `ahead` (requests of `tenant`) take at the tenant's share of the slots."""
-        return sum(q.predicted_s for q in ahead) * self.calibration / self.tenant_share(tenant, weight)
+        """How long `ahead` (requests of `tenant`) take at the tenant's share of the slots, or at its share of the
+        measured drain rate when that is slower."""
+        work, share = sum(q.predicted_s for q in ahead), self.tenant_share(tenant, weight)
+        wait = work * self.calibration / share
+        rate = self.drain.rate()
+        if rate is not None:
+            wait = max(wait, work / (rate * share / max(self.slots, 1)))
+        return wait
 
     def deadline_service_s(self, p: Pending) -> float:
         """p's service time as deadline requests have actually been served: until the first token as predicted plus
@@ -319,11 +363,14 @@ class AdmissionQueue:
     def predicted_wait(self, now: float, ahead: list) -> float:
         """Latest start, from now, of a request dispatched after `ahead` (list-scheduling bound), with
         predictions scaled by how long dispatched requests have actually taken (calibration)."""
-        remaining = self._dispatched.remaining(now, self.calibration)
-        return (remaining + sum(p.predicted_s for p in ahead) * self.calibration) / max(self.slots, 1)
+        remaining, work = self._dispatched.remaining(now, self.calibration), sum(p.predicted_s for p in ahead)
+        wait = (remaining + work * self.calibration) / max(self.slots, 1)
+        rate = self.drain.rate()
+        return wait if rate is None else max(wait, work / rate)
 
     def next(self, now: float, can_run=lambda p: True) -> Pending | None:
         """Remove and return the request to dispatch now (None if none may run)."""
+        self.drain.advance(now, bool(self.queue))
         runnable = [p for p in self.queue if can_run(p)]
         if not runnable:
             return None
@@ -332,6 +379,8 @@ class AdmissionQueue:
         if choice is not oldest[0] and self._would_starve(oldest, choice, now):
             choice = oldest[0]
         self.queue.remove(choice)
+        if now > choice.arrival_s:
+            self.drain.dispatched(choice.predicted_s)
         choice.dispatched_s = now
         self.running[id(choice)] = choice
         self._dispatched.add(id(choice), choice.predicted_s, now)
@@ -352,6 +401,7 @@ class AdmissionQueue:
 
     def expired(self, now: float) -> list[Pending]:
         """Remove and return requests that can no longer meet their deadline."""
+        self.drain.advance(now, bool(self.queue))
         out = [p for p in self.queue if p.deadline_s is not None and (p.deadline_s <= now or self._late(p, now))]
         for p in out:
             self.queue.remove(p)

@@ -134,6 +134,49 @@ def test_tenant_at_its_concurrency_limit_waits():
     assert q.next(0.2, can_run=lambda p: p.tenant != "A") is None
 
 
+def slow_drain(q, queued=40, every_s=2.0, until_s=20.0):
+    """40 requests of 1 s queued at once; the mesh takes one every 2 s, whatever its slots say (credits, KV room or a
+    lone prefill worker hold it back)."""
+    for i in range(queued):
+        q.offer(pending(f"a{i}", 0.0, predicted_s=1.0), 0.0)
+    t = 0.0
+    while t < until_s:
+        t += every_s
+        assert q.next(t) is not None
+    return t
+
+
+def test_the_wait_is_predicted_from_how_fast_the_queue_drains_not_only_from_its_slots():
+    """Issue 36's soak: with 100 slots the slot bound predicted sub-second waits while requests waited 65-108 s."""
+    q = AdmissionQueue(make_policy("fcfs"), starvation_s=30.0, slots=100)
+    now = slow_drain(q)
+    assert q.drain.rate() == pytest.approx(0.5, rel=0.1)  # a request of 1 s every 2 s
+    assert q.predicted_wait(now, q.queue) == pytest.approx(30 / 0.5, rel=0.1)  # 30 left: a minute, not 0.3 s
+    with pytest.raises(CapacityExhausted, match="predicted queue wait 6[0-9.]+ s exceeds the 30 s bound") as e:
+        q.offer(pending("late", now, predicted_s=1.0), now)
+    assert e.value.retry_after_ms > 25_000
+
+
+def test_a_fair_tenant_is_turned_away_by_the_measured_drain_too():
+    q = AdmissionQueue(FairPolicy(), starvation_s=30.0, slots=100)
+    now = slow_drain(q)  # 40 were let in: 0.4 s at 100 slots; 30 left at 0.5 per second is a minute
+    with pytest.raises(CapacityExhausted, match=r"tenant 'A' is over its share of the mesh: its queued work would "
+                                                r"wait 6[0-9.]+ s"):
+        q.offer(pending("more", now, predicted_s=1.0), now)
+    q.offer(pending("b0", now, tenant="B", predicted_s=1.0), now)  # another tenant's share is still open
+
+
+def test_a_queue_that_empties_at_once_keeps_the_slot_bound():
+    q = AdmissionQueue(make_policy("fcfs"), starvation_s=30.0, slots=100)
+    for t in range(60):  # one arrival a second, each dispatched as it arrives: no backlog to measure
+        q.offer(pending(f"a{t}", float(t), predicted_s=1.0), float(t))
+        assert q.next(float(t)) is not None
+    assert q.drain.rate() is None
+    for i in range(50):
+        q.offer(pending(f"b{i}", 60.0, predicted_s=1.0), 60.0)
+    assert q.predicted_wait(60.0, q.queue) == pytest.approx(50 / 100)
+
+
 def test_cost_model():
     m = CostModel(prefill_s_per_token=0.001, decode_s_per_step=0.01)
     assert m.predict(100, 10) == pytest.approx(0.2)
