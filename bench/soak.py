@@ -1,7 +1,9 @@
 """Workload soak (issue 19; outside CI): mixed load with random cancels and one random SIGKILL per minute.
 
 A supervised mesh as `meshserve up` runs it (mutual TLS, 1 prefill + 2 decode workers, two routers) serves
-`--concurrency` client loops for `--soak-s` seconds. Each loop sends one of 64 fixed requests (prompts of 16-256
+`--concurrency` client loops for `--soak-s` seconds, or with `--rate R` an open loop of Poisson arrivals at R
+requests/s whatever the mesh completes (run a closed loop first: twice its completed/s is "2x the sustainable rate",
+and what the gateway sheds at its admission bound is counted as rejected, by reason, apart from errors). Each sends one of 64 fixed requests (prompts of 16-256
 tokens, 16-96 new tokens, half greedy and half seeded sampling at temperature 0.8) and cancels one in five at a random
 moment 0-2 s in. Every `--kill-every-s` seconds one service picked at random (a decode or the prefill worker, the
 kvstore, a router, Redis) is killed with SIGKILL; the supervisor starts it again.
@@ -19,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import re
 import signal
 import threading
 import time
@@ -41,7 +44,10 @@ def add_flags(p) -> None:
     g = p.add_argument_group("soak")
     g.add_argument("--soak-s", type=float, default=600.0, help="soak: seconds of load")
     g.add_argument("--kill-every-s", type=float, default=60.0, help="soak: one random SIGKILL this often (0 = none)")
-    g.add_argument("--concurrency", type=int, default=12, help="soak: client loops")
+    g.add_argument("--concurrency", type=int, default=12, help="soak: client loops (closed loop)")
+    g.add_argument("--rate", type=float, default=None,
+                   help="soak: open loop instead, Poisson arrivals at this many requests/s (e.g. 2x what a closed-loop "
+                        "run completes per second); rejections at the admission bound are counted apart")
 
 
 def _requests(seed: int) -> list[pb.GenerateRequest]:
@@ -76,6 +82,8 @@ class Soak:
         self.mesh, self.reqs, self.rng = mesh, reqs, random.Random(seed + 1)
         self.outcomes: Counter = Counter()
         self.errors: Counter = Counter()
+        self.rejections: Counter = Counter()  # RESOURCE_EXHAUSTED by reason (numbers stripped)
+        self.tokens = 0  # output tokens of completed requests
         self.first: dict[int, list] = {}  # request index -> its first completed tokens
         self.mismatches: list = []
         self.kills: list = []
@@ -83,29 +91,53 @@ class Soak:
         self.rss_end: dict = {}  # {service: MB} as the load stops
 
     async def client(self, stub, until: float) -> None:
+        """One closed-loop client: the next request as soon as the last one ends."""
         while time.monotonic() < until:
-            i = self.rng.randrange(len(self.reqs))
-            cancel_at = self.rng.uniform(0, 2.0) if self.rng.random() < 0.2 else None
-            call = stub.Generate(self.reqs[i], timeout=120)
-            tokens, t0 = [], time.monotonic()
-            try:
-                async for r in call:
-                    tokens += r.token_ids
-                    if cancel_at is not None and time.monotonic() - t0 >= cancel_at:
-                        call.cancel()
-                        break
-            except grpc.aio.AioRpcError as e:
-                if e.code() != grpc.StatusCode.CANCELLED:
-                    self.errors[f"{e.code().name}: {e.details()[:120]}"] += 1
-                    self.outcomes["error"] += 1
-                    continue
-            if cancel_at is not None and call.cancelled():
-                self.outcomes["cancelled"] += 1
+            await self.one(stub)
+
+    async def arrivals(self, stub, rate: float, until: float) -> None:
+        """Open loop: Poisson arrivals at `rate` per second whatever the mesh manages, each its own task."""
+        tasks = set()
+        next_at = time.monotonic()
+        while (now := time.monotonic()) < until:
+            if now < next_at:
+                await asyncio.sleep(next_at - now)
                 continue
-            self.outcomes["completed"] += 1
-            want = self.first.setdefault(i, tokens)
-            if tokens != want:
-                self.mismatches.append({"request": i, "got": len(tokens), "want": len(want)})
+            task = asyncio.ensure_future(self.one(stub))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+            next_at += self.rng.expovariate(rate)
+        await asyncio.gather(*tasks)
+
+    async def one(self, stub) -> None:
+        """Send one of the fixed requests, cancel one in five, and record the outcome."""
+        i = self.rng.randrange(len(self.reqs))
+        cancel_at = self.rng.uniform(0, 2.0) if self.rng.random() < 0.2 else None
+        call = stub.Generate(self.reqs[i], timeout=120)
+        tokens, t0 = [], time.monotonic()
+        try:
+            async for r in call:
+                tokens += r.token_ids
+                if cancel_at is not None and time.monotonic() - t0 >= cancel_at:
+                    call.cancel()
+                    break
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # shed at a bound, with its reason: not a failure
+                self.outcomes["rejected"] += 1
+                self.rejections[_reason(e.details())] += 1
+                return
+            if e.code() != grpc.StatusCode.CANCELLED:
+                self.errors[f"{e.code().name}: {_reason(e.details())}"] += 1
+                self.outcomes["error"] += 1
+                return
+        if cancel_at is not None and call.cancelled():
+            self.outcomes["cancelled"] += 1
+            return
+        self.outcomes["completed"] += 1
+        self.tokens += len(tokens)
+        want = self.first.setdefault(i, tokens)
+        if tokens != want:
+            self.mismatches.append({"request": i, "got": len(tokens), "want": len(want)})
 
     def killer(self, start: float, until: float, every_s: float, stop: threading.Event) -> None:
         next_kill = start + every_s
@@ -125,11 +157,19 @@ class Soak:
             if stop.wait(RSS_PERIOD_S):
                 return
 
-    async def drive(self, concurrency: int, duration_s: float) -> None:
+    async def drive(self, concurrency: int, duration_s: float, rate: float | None = None) -> None:
         until = time.monotonic() + duration_s
         async with grpc.aio.insecure_channel(self.mesh.gateway) as ch:
             stub = pb_grpc.GenerationStub(ch)
-            await asyncio.gather(*(self.client(stub, until) for _ in range(concurrency)))
+            if rate:
+                await self.arrivals(stub, rate, until)
+            else:
+                await asyncio.gather(*(self.client(stub, until) for _ in range(concurrency)))
+
+
+def _reason(details: str) -> str:
+    """A rejection's message with its figures replaced, so that rejections group by cause."""
+    return re.sub(r"\d+(\.\d+)?", "N", details)[:160]
 
 
 def _held(mesh: Mesh) -> dict:
@@ -161,9 +201,10 @@ def run(args) -> int:
                    threading.Thread(target=soak.sampler, args=(start, stop))]
         for t in threads:
             t.start()
-        log(f"soak: {duration:g} s, {args.concurrency} client loops, a kill every {args.kill_every_s:g} s")
+        load = f"{args.rate:g} req/s open loop" if args.rate else f"{args.concurrency} client loops"
+        log(f"soak: {duration:g} s, {load}, a kill every {args.kill_every_s:g} s")
         try:
-            asyncio.run(soak.drive(args.concurrency, duration))
+            asyncio.run(soak.drive(args.concurrency, duration, args.rate))
             soak.rss_end = {p.name: _rss_mb(p.popen.pid) for p in mesh.procs}
             stop.set()
             for t in threads:
@@ -184,7 +225,8 @@ def run(args) -> int:
     result = _result(args, soak, duration, held)
     write_result(result, args.out)
     s = result["systems"]["mesh-soak"]
-    print(f"soak {duration:g} s: {s['completed']} completed, {s['cancelled']} cancelled, {s['errors']} errors, "
+    print(f"soak {duration:g} s: {s['completed']} completed ({s['completed_per_s']:g}/s), {s['cancelled']} cancelled, "
+          f"{s['rejected']} rejected at a bound, {s['errors']} errors, "
           f"{s['mismatched']} mismatched, kills {len(soak.kills)}; held after: {held or 'nothing'}")
     for name, r in result["rss"].items():
         print(f"  {name:12} RSS {r['warm_mb']:8.1f} -> {r['end_mb']:8.1f} MB ({r['change']:+.1%})")
@@ -199,12 +241,16 @@ def _result(args, soak: Soak, duration: float, held: dict | None) -> dict:
                   "change": round(end[name] / warm[name] - 1, 4)}
            for name in warm if name not in killed and warm.get(name) and end.get(name)}
     return {"workload": "soak", "command": args.command_line, "machine": machine(),
-            "config": {"duration_s": duration, "concurrency": args.concurrency, "kill_every_s": args.kill_every_s,
+            "config": {"duration_s": duration, "concurrency": None if args.rate else args.concurrency,
+                       "rate_per_s": args.rate, "kill_every_s": args.kill_every_s,
                        "cancel_fraction": 0.2, "requests": 64, "engine_args": ENGINE_ARGS, "routers": 2, "tls": True},
             "systems": {"mesh-soak": {"completed": soak.outcomes["completed"], "cancelled": soak.outcomes["cancelled"],
-                                      "errors": soak.outcomes["error"], "mismatched": len(soak.mismatches),
+                                      "rejected": soak.outcomes["rejected"], "errors": soak.outcomes["error"],
+                                      "completed_per_s": round(soak.outcomes["completed"] / duration, 3),
+                                      "output_tok_per_s": round(soak.tokens / duration, 1),
+                                      "mismatched": len(soak.mismatches),
                                       "kills": len(soak.kills),
                                       "max_rss_change_unkilled": max((abs(r["change"]) for r in rss.values()),
                                                                      default=None)}},
-            "errors": dict(soak.errors), "mismatches": soak.mismatches[:20], "kills": soak.kills, "rss": rss,
+            "errors": dict(soak.errors), "rejections": dict(soak.rejections), "mismatches": soak.mismatches[:20], "kills": soak.kills, "rss": rss,
             "rss_samples": soak.rss, "held_after": held or {}}
