@@ -402,17 +402,18 @@ class GatewayServicer(pb_grpc.GenerationServicer):
 
     def _handoff_ended(self, drain: asyncio.Future, transfer_id: str) -> None:
         """The prefill call ended. If it failed (its worker died after the first token), its KV may never reach the
-        kvstore, which then never hears of the transfer: release it now, so that the decode side's pull fails at once
-        (NOT_FOUND) and it computes the prompt itself, instead of waiting out its 60 s for blocks nobody sends."""
+        kvstore, which then never hears of the transfer: abandon it now, so that the decode side's pull fails at once
+        (NOT_FOUND) and it computes the prompt itself, instead of waiting out its 60 s for blocks nobody sends. A
+        transfer already complete is left to the decode side, which may be copying its slots."""
         if not drain.cancelled() and drain.exception() is not None:
-            asyncio.ensure_future(self._release(transfer_id))
+            asyncio.ensure_future(self._release(transfer_id, abandoned=True))
 
-    async def _release(self, transfer_id: str) -> None:
+    async def _release(self, transfer_id: str, abandoned: bool = False) -> None:
         """Drop the transfer; waits up to 5 s for a kvstore that is coming back (its new incarnation may already
         hold blocks a prefill put there while this gateway's channel was still reconnecting)."""
         try:
             await pb_grpc.KVStoreStub(self.channels.get(self.kvstore)).Release(
-                pb.ReleaseRequest(transfer_id=transfer_id), timeout=5, wait_for_ready=True)
+                pb.ReleaseRequest(transfer_id=transfer_id, abandoned=abandoned), timeout=5, wait_for_ready=True)
         except grpc.aio.AioRpcError:
             pass  # the kvstore's TTL drops an unclaimed transfer anyway
 

@@ -238,6 +238,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         rpc.require_peer(context, "gateway", "worker")
         if self.store is None:
             return pb.ReleaseReply(released=False)
+        if request.abandoned:
+            return pb.ReleaseReply(released=await self.store.abandon(request.transfer_id))
         return pb.ReleaseReply(released=await self.store.release(request.transfer_id))
 
     @rpc.mapped

@@ -258,6 +258,14 @@ class BlockStore:
 
     # ---- ending ------------------------------------------------------------------------------------------
 
+    async def abandon(self, transfer_id: str) -> bool:
+        """The writer is gone: release the transfer (its readers hear NOT_FOUND at once, a later reader too) unless it
+        is complete, whose reader may be copying its slots right now and releases it once done; False then."""
+        t = self.transfers.get(transfer_id)
+        if t is not None and t.done:
+            return False
+        return await self.release(transfer_id)
+
     async def release(self, transfer_id: str) -> bool:
         """Unpin the transfer's blocks (if held) and refuse its id from now on; False if nothing was held."""
         self.released[transfer_id] = self.clock()

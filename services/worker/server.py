@@ -313,9 +313,17 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 delay = min(delay * 2, 0.2)
 
     async def _pull(self, request, link: KVLink) -> asyncio.Queue:
-        """Import blocks into the paged cache as they land in the kvstore; then join the batch."""
-        m, imports = await link.pull(request)
-        link.release_soon(request.transfer_id)
+        """Import blocks into the paged cache as they land in the kvstore; then join the batch.
+
+        The transfer is released only once every import has run: the core reads the arena slots when it runs the
+        import, between two steps, and a transfer released before that lets the kvstore give its slots to the next
+        prefill, whose writes then race the read (a block failing its checksum, or worse, overwritten between its
+        checksum and its copy: silently wrong KV and wrong tokens, seen once in eight prefill kills)."""
+        try:
+            m, imports = await link.pull(request)
+        except BaseException:
+            link.release_soon(request.transfer_id)
+            raise
         ending = asyncio.ensure_future(self.runner.end_import(
             request.request_id, token_ids=list(m.token_ids), num_prompt=m.num_prompt, num_computed=m.num_computed,
             num_blocks=m.num_blocks, sample_seed=m.sample_seed))
@@ -326,6 +334,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             with contextlib.suppress(BaseException):
                 await ending
             raise
+        finally:
+            link.release_soon(request.transfer_id)
         return await ending
 
     async def _next(self, q: asyncio.Queue):

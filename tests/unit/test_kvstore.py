@@ -178,6 +178,33 @@ def test_a_reader_hears_at_once_when_the_writer_gives_up_or_the_transfer_is_rele
     asyncio.run(scenario())
 
 
+def test_an_abandoned_transfer_fails_its_reader_at_once_unless_it_is_complete():
+    """The gateway abandons the transfer of a prefill worker that died after its first token: a reader waiting for
+    a transfer nobody reserved hears NOT_FOUND now (not after its 60 s), so does a reader that comes later; a
+    complete transfer stays, for its reader may be copying its slots."""
+    async def scenario():
+        s = store()
+
+        async def read(tid):
+            return [x async for x in s.get(tid, timeout_s=5)]
+
+        task = asyncio.create_task(read("never-reserved"))
+        await asyncio.sleep(0.01)
+        assert await s.abandon("never-reserved")
+        with pytest.raises(NotFound):
+            await task
+        assert await s.abandon("unknown") is False
+        with pytest.raises(NotFound):
+            await read("unknown")  # the decode side asked only after the gateway gave up on it
+        s.reserve("done", [h(1)], 1)
+        await land_all(s, "done", 0, [block(1)])
+        await s.finish("done", "META")
+        assert await s.abandon("done") is False
+        assert [first for first, _ in await read("done")] == [0, -1]
+
+    asyncio.run(scenario())
+
+
 def test_the_arena_is_a_segment_of_its_instance_mapped_only_as_announced(tmp_path):
     a = Arena("inst1", SIZE, 4, shm_dir=tmp_path)
     assert a.shared and segments_of("inst1", tmp_path) == [a.path]

@@ -535,10 +535,12 @@ class GetRequest(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., wait_ms: _Optional[int] = ..., shm: _Optional[bool] = ..., generation: _Optional[str] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("transfer_id",)
+    __slots__ = ("transfer_id", "abandoned")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    ABANDONED_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
-    def __init__(self, transfer_id: _Optional[str] = ...) -> None: ...
+    abandoned: bool
+    def __init__(self, transfer_id: _Optional[str] = ..., abandoned: _Optional[bool] = ...) -> None: ...
 
 class ReleaseReply(_message.Message):
     __slots__ = ("released",)
