@@ -24,7 +24,11 @@ capacity frees. The queue adds what only it can know:
   backlog. When the work queued would still make a newcomer wait past the bound in arrival
   order, the policy's victim is rejected: the newcomer itself under FCFS, the newest request of
   the most over-served tenant under the fair policies (push-out); so is a request that would
-  overflow its tenant's queue.
+  overflow its tenant's queue. With `queue_bursts` (the gateway's default) a request without a
+  deadline whose tenant is alone on the mesh is never turned away by the bound: shedding it would
+  serve nobody else, and a burst is queued and served in order as `vllm serve` queues it (issue
+  36); its tenant's queue limit still applies, and the bound (and push-out) applies again as soon
+  as another tenant has work.
 - deadlines: with a deadline-aware policy, a request is rejected at arrival with
   DEADLINE_EXCEEDED and its predicted finish in the message, rather than served late, when it
   cannot finish in time even served as soon as its place in the policy's order allows: its
@@ -256,6 +260,7 @@ class AdmissionQueue:
     deadline_first_extra_s: float = 0.0  # ... and how much later than predicted their first token came (EWMA)
     deadline_margin: float = 0.9  # a deadline request is admitted when predicted to finish within this much of it
     trust_predictions: bool = True  # may a predicted service time alone reject a request with a deadline?
+    queue_bursts: bool = False  # a lone tenant's request without a deadline is queued past the bound (module doc)
     _seq: int = 0
     _dispatched: _Dispatched = field(default_factory=_Dispatched, repr=False, compare=False)
     drain: DrainRate = field(default_factory=DrainRate, repr=False, compare=False)
@@ -288,6 +293,8 @@ class AdmissionQueue:
         if p.max_queued is not None and self.queued(p.tenant) >= p.max_queued:
             raise CapacityExhausted(f"tenant {p.tenant!r} already has {p.max_queued} requests queued (its limit)",
                                     retry_after_ms=math.ceil(self.predicted_wait(now, self.queue) * 1000) or 100)
+        if self._burst(p):
+            return self._queue(p)
         if isinstance(self.policy, FairPolicy):
             wait, limit = self.tenant_wait(p.tenant, [q for q in self.queue if q.tenant == p.tenant], p.weight), \
                 self.starvation_s * TENANT_HEADROOM
@@ -296,12 +303,7 @@ class AdmissionQueue:
                     f"tenant {p.tenant!r} is over its share of the mesh: its queued work would wait {wait:.1f} s at "
                     f"its weighted share, over {limit:g} s (half the {self.starvation_s:g} s bound)",
                     retry_after_ms=math.ceil((wait - limit) * 1000))
-        if self.policy.tracks_activation:
-            backlogged = self.backlogged()
-            if p.tenant not in backlogged:
-                self.policy.activate(p.tenant, backlogged)
-        p.seq_no, self._seq = self._seq, self._seq + 1
-        pushed = []
+        pushed = self._queue(p, append=False)
         while (wait := self.predicted_wait(now, self.queue)) > self.starvation_s:
             victim = self._push_out_victim(p, now)
             if victim is p:
@@ -315,6 +317,23 @@ class AdmissionQueue:
             pushed.append(victim)
         self.queue.append(p)
         return pushed
+
+    def _burst(self, p: Pending) -> bool:
+        """queue_bursts: p has no deadline and its tenant is alone on the mesh (nobody else queued or running), so
+        turning it away buys nobody anything: it waits its turn, as `vllm serve` queues a burst (issue 36)."""
+        return (self.queue_bursts and p.deadline_s is None
+                and all(q.tenant == p.tenant for q in (*self.queue, *self.running.values())))
+
+    def _queue(self, p: Pending, append: bool = True) -> list[Pending]:
+        """Number p and let the policy see its tenant arrive; append it unless the caller still judges it."""
+        if self.policy.tracks_activation:
+            backlogged = self.backlogged()
+            if p.tenant not in backlogged:
+                self.policy.activate(p.tenant, backlogged)
+        p.seq_no, self._seq = self._seq, self._seq + 1
+        if append:
+            self.queue.append(p)
+        return []
 
     def _predicts_deadlines(self) -> bool:
         return self.policy.uses_deadlines and self.trust_predictions

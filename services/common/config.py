@@ -131,6 +131,9 @@ class AdmissionSection(Section):
     policy: ArbitrationPolicyName = Field("fair-deadline", description="fcfs | priority | deadline | fair | "
                                                                        "fair-deadline")
     starvation_s: PositiveFloat = Field(30.0, description="the longest a request may wait to start")
+    queue_bursts: bool = Field(True, description="a tenant alone on the mesh, whose request has no deadline, is "
+                               "queued however long the wait (served in order, as vllm serve queues a burst) instead "
+                               "of turned away at the starvation bound; false: the bound sheds it too")
     no_worker_grace_s: PositiveFloat = Field(30.0, description="how long the gateway holds a request while the router "
                                              "has no live worker for it (restarting, loading, none registered) "
                                              "before failing it with UNAVAILABLE")

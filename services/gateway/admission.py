@@ -58,11 +58,11 @@ class GatewayMetrics:
 
 class Admission:
     def __init__(self, policy_name: str = "fair-deadline", starvation_s: float = 30.0, clock=time.monotonic,
-                 meter=None):
+                 meter=None, queue_bursts: bool = True):
         self.clock = clock
         self.cost = CostModel()
         self.queue = AdmissionQueue(make_policy(policy_name, starvation_s), starvation_s=starvation_s,
-                                    trust_predictions=self.cost.trusted)
+                                    trust_predictions=self.cost.trusted, queue_bursts=queue_bursts)
         self.view = MeshView()
         self.states: dict[str, TenantState] = {}
         self.waiters: dict[int, asyncio.Future] = {}

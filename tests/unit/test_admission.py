@@ -177,6 +177,23 @@ def test_a_queue_that_empties_at_once_keeps_the_slot_bound():
     assert q.predicted_wait(60.0, q.queue) == pytest.approx(50 / 100)
 
 
+def test_a_lone_tenants_burst_without_deadlines_is_queued_in_order_past_the_bound():
+    """queue_bursts (the gateway's default): 200 requests of one tenant with no deadline are queued as vllm serve
+    queues them, whatever the wait; the tenant's queue limit and another tenant's arrival still bound it."""
+    q = AdmissionQueue(FairDeadlinePolicy(30.0), starvation_s=30.0, slots=1, queue_bursts=True)
+    for i in range(200):
+        assert q.offer(pending(f"a{i}", 0.0, predicted_s=1.0), 0.0) == []  # 200 s of work ahead, over the bound
+    assert [q.next(0.0).req_id for _ in range(3)] == ["a0", "a1", "a2"]  # served in order
+    with pytest.raises(CapacityExhausted, match="its limit"):
+        q.offer(pending("a-limited", 0.0, predicted_s=1.0, max_queued=10), 0.0)
+    pushed = q.offer(pending("b0", 0.0, tenant="B", predicted_s=1.0), 0.0)  # B arrives: A's excess goes
+    assert pushed and {p.tenant for p in pushed} == {"A"} and "b0" in [p.req_id for p in q.queue]
+    strict = AdmissionQueue(FairDeadlinePolicy(30.0), starvation_s=30.0, slots=1)  # the pure default: bounded
+    with pytest.raises(CapacityExhausted):
+        for i in range(200):
+            strict.offer(pending(f"a{i}", 0.0, predicted_s=1.0), 0.0)
+
+
 def test_cost_model():
     m = CostModel(prefill_s_per_token=0.001, decode_s_per_step=0.01)
     assert m.predict(100, 10) == pytest.approx(0.2)
