@@ -294,7 +294,9 @@ class AdmissionQueue:
             raise CapacityExhausted(f"tenant {p.tenant!r} already has {p.max_queued} requests queued (its limit)",
                                     retry_after_ms=math.ceil(self.predicted_wait(now, self.queue) * 1000) or 100)
         if self._burst(p):
-            return self._queue(p)
+            self._enter(p)
+            self.queue.append(p)
+            return []
         if isinstance(self.policy, FairPolicy):
             wait, limit = self.tenant_wait(p.tenant, [q for q in self.queue if q.tenant == p.tenant], p.weight), \
                 self.starvation_s * TENANT_HEADROOM
@@ -303,7 +305,8 @@ class AdmissionQueue:
                     f"tenant {p.tenant!r} is over its share of the mesh: its queued work would wait {wait:.1f} s at "
                     f"its weighted share, over {limit:g} s (half the {self.starvation_s:g} s bound)",
                     retry_after_ms=math.ceil((wait - limit) * 1000))
-        pushed = self._queue(p, append=False)
+        self._enter(p)
+        pushed = []
         while (wait := self.predicted_wait(now, self.queue)) > self.starvation_s:
             victim = self._push_out_victim(p, now)
             if victim is p:
@@ -324,16 +327,13 @@ class AdmissionQueue:
         return (self.queue_bursts and p.deadline_s is None
                 and all(q.tenant == p.tenant for q in (*self.queue, *self.running.values())))
 
-    def _queue(self, p: Pending, append: bool = True) -> list[Pending]:
-        """Number p and let the policy see its tenant arrive; append it unless the caller still judges it."""
+    def _enter(self, p: Pending) -> None:
+        """Number p and let the policy see its tenant arrive (before p joins the queue)."""
         if self.policy.tracks_activation:
             backlogged = self.backlogged()
             if p.tenant not in backlogged:
                 self.policy.activate(p.tenant, backlogged)
         p.seq_no, self._seq = self._seq, self._seq + 1
-        if append:
-            self.queue.append(p)
-        return []
 
     def _predicts_deadlines(self) -> bool:
         return self.policy.uses_deadlines and self.trust_predictions
