@@ -81,6 +81,7 @@ class LoRAConfig:
 class EngineConfig:
     model_dir: str  # Hugging Face model folder
     dtype: str = "float32"  # float32 or bfloat16
+    quantization: str = "none"  # none, gguf or auto (services.engine.quant.resolve)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
@@ -94,6 +95,10 @@ class EngineSection(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="weights and KV dtype")
+    quantization: Literal["auto", "none", "gguf"] = Field(
+        "auto", description="weights: gguf runs the GGUF's Q4_0/Q4_1/Q8_0 blocks as import-gguf kept them (float32 "
+                            "activations); none the float weights of dtype; auto takes gguf where the folder has "
+                            "them and dtype is float32")
     block_size: PositiveInt = Field(16, description="tokens per KV block")
     num_blocks: PositiveInt | None = Field(None, description="KV pool size in blocks (default: from kv_cache_gb)")
     kv_cache_gb: PositiveFloat = Field(2.0, description="KV pool memory when num_blocks is not given")
@@ -122,7 +127,8 @@ class EngineSection(BaseModel):
 
     def to_engine_config(self, model_dir: str) -> EngineConfig:
         return EngineConfig(
-            model_dir=str(model_dir), dtype=self.dtype, num_threads=self.threads, seed=self.seed,
+            model_dir=str(model_dir), dtype=self.dtype, quantization=self.quantization, num_threads=self.threads,
+            seed=self.seed,
             cache=CacheConfig(block_size=self.block_size, num_blocks=self.num_blocks,
                               kv_cache_bytes=int(self.kv_cache_gb * 1024**3), enable_prefix_caching=self.prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,

@@ -13,6 +13,7 @@ config; a request names one in spec.adapter, and a step's batch may mix any of t
 from __future__ import annotations
 
 import itertools
+import collections
 import logging
 import random
 import time
@@ -33,6 +34,7 @@ from services.engine.kv_transfer import KVExport, decode_block, encode_block
 from services.engine.loader import load_model
 from services.engine.lora import AdapterResidency, LoRABatch, LoRASnapshot
 from services.engine.model import LlamaModel
+from services.engine.quant import resolve as resolve_quantization
 from services.engine.request import Request, SamplingParams, Status
 from services.engine.sampler import Sampler
 from services.engine.scheduler import Scheduler, SchedulerOutput
@@ -119,9 +121,11 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config, self.clock = config, clock
-        loaded = load_model(config.model_dir, config.dtype)
+        self.weights_form = resolve_quantization(config.quantization, config.model_dir, config.dtype)
+        loaded = load_model(config.model_dir, config.dtype, self.weights_form)
         mc = self.model_config = loaded.config
         self.model = LlamaModel(mc, loaded.weights)
+        log.info("weights: %s", self.describe_weights())
         self.tokenizer = Tokenizer(config.model_dir) if (Path(config.model_dir) / "tokenizer.json").exists() else None
         cc, sc = config.cache, config.scheduler
         num_blocks = cc.num_blocks or max(1, cc.kv_cache_bytes // KVCache.bytes_per_block(
@@ -149,6 +153,15 @@ class LLMEngine:
         self.last_step: StepStats | None = None
         for name, path in _configured_adapters(lc):
             self.load_adapter(name, path)
+
+    def describe_weights(self) -> str:
+        """The weights' form and size, as start-up logs print it: "gguf (Q4_1 x210, Q8_0 x1; 98 MB)"."""
+        weights = self.model.weights()
+        mb = sum(w.nbytes for w in weights) / 1e6
+        if self.weights_form == "none":
+            return f"{self.config.dtype} ({mb:.0f} MB)"
+        kinds = collections.Counter(getattr(w, "kind", None) for w in weights)
+        return "gguf (" + ", ".join(f"{k} x{n}" for k, n in sorted((k, n) for k, n in kinds.items() if k)) + f"; {mb:.0f} MB)"
 
     # ---- requests -------------------------------------------------------------------------
 

@@ -6,7 +6,9 @@ projections of llama models (it interleaves the two rotary halves of each head; 
 permuted), and writes what our loader, transformers and vLLM read: `config.json`,
 `model.safetensors`, `tokenizer.json` (byte-level BPE rebuilt from the file's vocabulary and
 merges with the `tokenizers` library; control tokens become special tokens), `tokenizer_config.json`
-(chat template, special tokens) and `generation_config.json` (EOS).
+(chat template, special tokens) and `generation_config.json` (EOS). The blocks of the weights whose type the
+engine runs quantized (services.engine.quant: Q4_0, Q4_1, Q8_0) are also written as they are, in
+`quantized.safetensors`, for `engine.quantization: gguf`.
 
 Supported: architectures llama and qwen2; tensor types in QUANT_TYPES; tokenizer model gpt2
 (byte-level BPE). Anything else is a ModelLoadError naming the file and what is wrong, raised
@@ -28,6 +30,8 @@ import torch
 from safetensors.torch import save_file
 
 from services.common.errors import ModelLoadError
+from services.engine.quant import KINDS as QUANT_KINDS
+from services.engine.quant import QUANTIZED_FILE
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 # Every type gguf.quants dequantizes that quantized llama/qwen2 files commonly use.
@@ -205,7 +209,11 @@ def _f32(value) -> float:
 
 def _write_folder(model: GGUFModel, out: Path, dtype: str, progress: bool) -> None:
     cfg = dict(model.config, torch_dtype=dtype)
-    save_file(_weights(model, DTYPES[dtype], progress), str(out / "model.safetensors"), metadata={"format": "pt"})
+    weights, blocks = _weights(model, DTYPES[dtype], progress)
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    if blocks:
+        save_file({name: b for name, (b, _) in blocks.items()}, str(out / QUANTIZED_FILE),
+                  metadata={name: meta for name, (_, meta) in blocks.items()})
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     tk = model.tokenizer
     tokenizer_json(tk).save(str(out / "tokenizer.json"))
@@ -213,21 +221,30 @@ def _write_folder(model: GGUFModel, out: Path, dtype: str, progress: bool) -> No
     (out / "generation_config.json").write_text(json.dumps(generation_config(tk, cfg), indent=2) + "\n")
 
 
-def _weights(model: GGUFModel, dtype: torch.dtype, progress: bool) -> dict:
+def _weights(model: GGUFModel, dtype: torch.dtype, progress: bool) -> tuple[dict, dict]:
+    """({name: dequantized tensor}, {name: (uint8 blocks, "TYPE:IN_FEATURES")} for the types kept quantized)."""
     from gguf.quants import dequantize
     from tqdm import tqdm
 
-    cfg = model.config
-    out = {}
+    out, blocks = {}, {}
     for t in tqdm(model.tensors, desc=f"dequantizing {model.path.name}", unit="tensor", disable=not progress):
         shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dimensions innermost first
         array = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)  # a writable copy
-        if model.arch == "llama" and t.name.endswith("attn_q.weight"):
-            array = unpermute(array, cfg["num_attention_heads"])
-        elif model.arch == "llama" and t.name.endswith("attn_k.weight"):
-            array = unpermute(array, cfg["num_key_value_heads"])
-        out[_hf_name(t.name)] = torch.from_numpy(np.ascontiguousarray(array)).to(dtype)
-    return out
+        out[_hf_name(t.name)] = torch.from_numpy(np.ascontiguousarray(_unpermuted(model, t.name, array))).to(dtype)
+        if t.tensor_type.name in QUANT_KINDS and len(shape) == 2:
+            rows = np.array(t.data, dtype=np.uint8).reshape(shape[0], -1)
+            blocks[_hf_name(t.name)] = (torch.from_numpy(np.ascontiguousarray(_unpermuted(model, t.name, rows))),
+                                        f"{t.tensor_type.name}:{shape[1]}")
+    return out, blocks
+
+
+def _unpermuted(model: GGUFModel, name: str, rows: np.ndarray) -> np.ndarray:
+    """The tensor's rows in Hugging Face's order (rows: weights, or a quantized tensor's rows of blocks)."""
+    if model.arch == "llama" and name.endswith("attn_q.weight"):
+        return unpermute(rows, model.config["num_attention_heads"])
+    if model.arch == "llama" and name.endswith("attn_k.weight"):
+        return unpermute(rows, model.config["num_key_value_heads"])
+    return rows
 
 
 def unpermute(w: np.ndarray, heads: int) -> np.ndarray:

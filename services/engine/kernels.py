@@ -192,7 +192,17 @@ def lora(isa: str | None = None):
     return _build(f"meshserve_lora_{isa}", "lora.cpp", ["-O3", "-ffast-math", *ISA_CFLAGS[isa]], f"LoRA ({isa})")
 
 
-KERNELS = (paged_attention, sampler, layer_ops, lora)
+@cache
+def quant_linear(isa: str | None = None):
+    """Weight-only quantized linear layers over GGUF's Q4_0, Q4_1 and Q8_0 blocks (csrc/quant_linear.cpp) for isa
+    (default: host_isa()), or None. F16C (float16 scales) comes with every AVX2 and AVX-512 CPU."""
+    isa = isa or host_isa()
+    f16c = ["-mf16c"] if isa != "generic" else []
+    return _build(f"meshserve_quant_linear_{isa}", "quant_linear.cpp", ["-O3", "-fopenmp", "-ffp-contract=fast", *ISA_CFLAGS[isa], *f16c],
+                  f"quantized linear ({isa})")
+
+
+KERNELS = (paged_attention, sampler, layer_ops, lora, quant_linear)
 
 
 def build_all(isa: str | None = None) -> dict[str, bool]:

@@ -1,7 +1,8 @@
 """Load a Hugging Face model folder: config.json, safetensors weights, tokenizer.json, EOS ids.
 
 Supported: model_type llama, mistral (no sliding window shorter than the context) and qwen2;
-float32 and bfloat16. Anything else is a ModelLoadError naming the file and the field.
+float32 and bfloat16, and GGUF's quantized blocks where import-gguf kept them (quantization "gguf":
+services.engine.quant). Anything else is a ModelLoadError naming the file and the field.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 @dataclass(frozen=True)
 class LoadedModel:
     config: ModelConfig  # the parsed architecture
-    weights: dict  # Hugging Face tensor name -> tensor, in the requested dtype
+    weights: dict  # Hugging Face tensor name -> tensor in the requested dtype, or QuantizedWeight
     eos_token_ids: tuple  # ids that end generation (generation_config.json, else config.json)
     bos_token_id: int | None  # from config.json
 
@@ -98,14 +99,16 @@ def weight_files(model_dir: Path) -> list[Path]:
     return [single]
 
 
-def load_weights(model_dir: Path, dtype: torch.dtype) -> dict:
+def load_weights(model_dir: Path, dtype: torch.dtype, skip=frozenset()) -> dict:
+    """The folder's tensors in dtype, but for the names in skip."""
     weights = {}
     for f in weight_files(model_dir):
         if not f.exists():
             raise ModelLoadError(f"{f}: weight shard not found")
         with safe_open(str(f), framework="pt") as st:
             for name in st.keys():
-                weights[name] = st.get_tensor(name).to(dtype)
+                if name not in skip:
+                    weights[name] = st.get_tensor(name).to(dtype)
     return weights
 
 
@@ -119,8 +122,9 @@ def eos_ids(model_dir: Path, cfg: dict) -> tuple:
     return tuple(value) if isinstance(value, list) else (int(value),)
 
 
-def load_model(model_dir: str | Path, dtype: str = "float32") -> LoadedModel:
-    """Read a model folder into plain tensors (see module doc for what is supported)."""
+def load_model(model_dir: str | Path, dtype: str = "float32", quantization: str = "none") -> LoadedModel:
+    """Read a model folder into plain tensors, or with quantization "gguf" its quantized weights as QuantizedWeight
+    (see module doc for what is supported)."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ModelLoadError(f"{model_dir}: model folder not found")
@@ -129,5 +133,15 @@ def load_model(model_dir: str | Path, dtype: str = "float32") -> LoadedModel:
     path = model_dir / "config.json"
     raw = read_json(path)
     config = parse_config(raw, path)
-    return LoadedModel(config=config, weights=load_weights(model_dir, DTYPES[dtype]),
+    quantized = {}
+    if quantization == "gguf":
+        from services.engine.quant import load_quantized
+
+        if dtype != "float32":
+            raise ModelLoadError(f"quantized weights compute in float32, not {dtype}")
+        quantized = load_quantized(model_dir)
+    elif quantization != "none":
+        raise ModelLoadError(f"unknown quantization {quantization!r} (supported: none, gguf)")
+    weights = load_weights(model_dir, DTYPES[dtype], skip=quantized.keys())
+    return LoadedModel(config=config, weights={**weights, **quantized},
                        eos_token_ids=eos_ids(model_dir, raw), bos_token_id=raw.get("bos_token_id"))

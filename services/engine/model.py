@@ -21,11 +21,12 @@ import torch.nn.functional as F
 from services.common.errors import ModelLoadError
 from services.engine.config import ModelConfig
 from services.engine.kernels import layer_ops
+from services.engine.quant import QuantizedWeight, concat
 from services.engine.rope import RotaryEmbedding, apply_rotary
 
 
 @dataclass
-class LayerWeights:
+class LayerWeights:  # a projection's weight is a tensor or a QuantizedWeight (services.engine.quant)
     input_norm: torch.Tensor  # [hidden]
     qkv: torch.Tensor  # [(H + 2*KVH) * D, hidden]
     qkv_bias: torch.Tensor | None  # [(H + 2*KVH) * D]
@@ -96,18 +97,32 @@ LINEAR = _pick_linear()
 PACK_BATCH_HINT = 256  # the row count oneDNN lays packed weights out for (any row count still works)
 
 
-def _pack(weight: torch.Tensor) -> torch.Tensor:
+def _pack(weight):
     """The weight in oneDNN's blocked layout, once at load (vLLM's CPU path does the same): the same
-    results, ~5-35% faster per call on the shapes measured. Unchanged where oneDNN is not used."""
-    if LINEAR is not _onednn_linear or weight.dtype != torch.float32:
+    results, ~5-35% faster per call on the shapes measured. Unchanged where oneDNN is not used, and for
+    quantized weights (services.engine.quant)."""
+    if LINEAR is not _onednn_linear or isinstance(weight, QuantizedWeight) or weight.dtype != torch.float32:
         return weight
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_BATCH_HINT)
 
 
-def _proj(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora=None, layer: int = 0,
+def _fuse(parts: list):
+    """One weight of the rows of parts (q/k/v, gate/up): quantized where every part is, of one kind."""
+    if all(isinstance(p, QuantizedWeight) for p in parts) and len({(p.kind, p.in_features) for p in parts}) == 1:
+        return concat(parts)
+    return torch.cat([p.dequantize() if isinstance(p, QuantizedWeight) else p for p in parts])
+
+
+def _linear(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
+    if isinstance(weight, QuantizedWeight):
+        return weight(x, bias)
+    return LINEAR(x, weight, bias)
+
+
+def _proj(x: torch.Tensor, weight, bias: torch.Tensor | None, lora=None, layer: int = 0,
           group: str = "") -> torch.Tensor:
     """x @ weight.T + bias, plus each row's LoRA delta when the batch has adapters (lora: LoRABatch)."""
-    out = LINEAR(x, weight, bias)
+    out = _linear(x, weight, bias)
     if lora is not None:
         lora.apply(out, x, layer, group)
     return out
@@ -133,15 +148,22 @@ class LlamaModel:
         mlp = [f"{p}mlp.{n}_proj" for n in ("gate", "up")]
         return LayerWeights(
             input_norm=get(p + "input_layernorm.weight"),
-            qkv=_pack(torch.cat([get(n + ".weight") for n in attn])),
+            qkv=_pack(_fuse([get(n + ".weight") for n in attn])),
             qkv_bias=torch.cat([get(n + ".bias") for n in attn]) if c.qkv_bias else None,
             o=_pack(get(p + "self_attn.o_proj.weight")),
             o_bias=get(p + "self_attn.o_proj.bias") if c.o_bias else None,
             post_norm=get(p + "post_attention_layernorm.weight"),
-            gate_up=_pack(torch.cat([get(n + ".weight") for n in mlp])),
+            gate_up=_pack(_fuse([get(n + ".weight") for n in mlp])),
             gate_up_bias=torch.cat([get(n + ".bias") for n in mlp]) if c.mlp_bias else None,
             down=_pack(get(p + "mlp.down_proj.weight")),
             down_bias=get(p + "mlp.down_proj.bias") if c.mlp_bias else None)
+
+    def weights(self) -> list:
+        """Every weight the model holds, once each (a tied lm_head is the embedding)."""
+        found = [self.embed, self.norm, *([] if self.lm_head is self.embed else [self.lm_head])]
+        for w in self.layers:
+            found += [t for t in vars(w).values() if t is not None]
+        return found
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention, meta, kv_cache,
@@ -149,7 +171,7 @@ class LlamaModel:
         """Logits [len(logits_index), vocab] for the selected rows of the flat batch; lora (LoRABatch): the rows'
         adapters, None when no row has one."""
         c, ops = self.config, self.ops
-        h = F.embedding(input_ids, self.embed)
+        h = self.embed.rows(input_ids) if isinstance(self.embed, QuantizedWeight) else F.embedding(input_ids, self.embed)
         cos, sin = (t[:, 0].contiguous() for t in self.rotary.tables(positions, self.dtype))
         q_width, kv_width = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         pending = None  # the last MLP's output, added to h by the next norm (one pass for both)
@@ -165,7 +187,7 @@ class LlamaModel:
                             lora, i, "down")
         last = h[logits_index]
         h = ops.add_rms_norm_(last, pending[logits_index], self.norm, c.rms_norm_eps)
-        return LINEAR(h, self.lm_head, None).float()
+        return _linear(h, self.lm_head, None).float()
 
 
 class _Getter:
