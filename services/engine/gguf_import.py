@@ -8,7 +8,7 @@ permuted), and writes what our loader, transformers and vLLM read: `config.json`
 merges with the `tokenizers` library; control tokens become special tokens), `tokenizer_config.json`
 (chat template, special tokens) and `generation_config.json` (EOS). The blocks of the weights whose type the
 engine runs quantized (services.engine.quant: Q4_0, Q4_1, Q8_0) are also written as they are, in
-`quantized.safetensors`, for `engine.quantization: gguf`.
+`quantized.st`, for `engine.quantization: gguf`.
 
 Supported: architectures llama and qwen2; tensor types in QUANT_TYPES; tokenizer model gpt2
 (byte-level BPE). Anything else is a ModelLoadError naming the file and what is wrong, raised

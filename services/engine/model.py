@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from services.common.errors import ModelLoadError
 from services.engine.config import ModelConfig
 from services.engine.kernels import layer_ops
-from services.engine.quant import QuantizedWeight, concat
+from services.engine.quant import QuantizedWeight, concat, fusable
 from services.engine.rope import RotaryEmbedding, apply_rotary
 
 
@@ -107,8 +107,9 @@ def _pack(weight):
 
 
 def _fuse(parts: list):
-    """One weight of the rows of parts (q/k/v, gate/up): quantized where every part is, of one kind."""
-    if all(isinstance(p, QuantizedWeight) for p in parts) and len({(p.kind, p.in_features) for p in parts}) == 1:
+    """One weight of the rows of parts (q/k/v, gate/up): quantized where they can be fused (quant.fusable), else
+    float32."""
+    if fusable(parts):
         return concat(parts)
     return torch.cat([p.dequantize() if isinstance(p, QuantizedWeight) else p for p in parts])
 

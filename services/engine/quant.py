@@ -1,7 +1,7 @@
 """Weight-only quantized linear layers: GGUF's Q4_0, Q4_1 and Q8_0 blocks, kept as the file stores them.
 
 `meshserve model import-gguf` (and `model fetch`) write the GGUF's blocks of those types beside the dequantized
-float32 weights, in `quantized.safetensors`: one uint8 tensor [rows, row bytes] per weight, named as in
+float32 weights, in `quantized.st`: one uint8 tensor [rows, row bytes] per weight, named as in
 `model.safetensors`, the Q and K rows of llama files already unpermuted, and the GGML type of each in the file's
 metadata. With `engine.quantization: gguf` the loader reads those instead of their float32 copies; a
 QuantizedWeight stands where the model expects a weight matrix: projections call it, the embedding looks up its
@@ -22,7 +22,8 @@ import torch
 from services.common.errors import ModelLoadError
 from services.engine.kernels import quant_linear
 
-QUANTIZED_FILE = "quantized.safetensors"
+# A safetensors file, named so that loaders that take every *.safetensors of a folder (vLLM) skip it.
+QUANTIZED_FILE = "quantized.st"
 KINDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}  # the GGML types kept quantized, as the kernel numbers them
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # per 32 weights
 QUANTIZATIONS = ("auto", "none", "gguf")
@@ -31,9 +32,11 @@ QUANTIZATIONS = ("auto", "none", "gguf")
 @dataclass(frozen=True)
 class QuantizedWeight:
     """A [out_features, in_features] weight as packed GGUF blocks (see module doc)."""
-    packed: torch.Tensor  # uint8 [out_features, in_features / 32 * BLOCK_BYTES[kind]], the kernel's planar rows
+    packed: torch.Tensor  # uint8 [ceil(out_features / 16), 16 * in_features / 32 * BLOCK_BYTES[kind]]: the kernel's
+    # groups of 16 rows (csrc/quant_linear.cpp)
     kind: str  # Q4_0, Q4_1 or Q8_0
     in_features: int
+    out_features: int
 
     dtype = torch.float32  # what it computes in (the model reads its dtype off the embedding)
 
@@ -41,37 +44,59 @@ class QuantizedWeight:
     def from_blocks(cls, blocks: torch.Tensor, kind: str, in_features: int) -> "QuantizedWeight":
         """From GGUF's rows of blocks (uint8 [rows, row bytes])."""
         _check(blocks, kind, in_features)
-        return cls(_kernel().pack(blocks.contiguous(), KINDS[kind], in_features), kind, in_features)
+        return cls(_kernel().pack(blocks.contiguous(), KINDS[kind], in_features), kind, in_features, blocks.shape[0])
 
     @property
     def shape(self) -> tuple:
-        return (self.packed.shape[0], self.in_features)
+        return (self.out_features, self.in_features)
 
     @property
     def nbytes(self) -> int:
+        """What it holds in memory (the last group's padding rows included)."""
         return self.packed.numel()
+
+    @property
+    def data_bytes(self) -> int:
+        """Its rows' bytes in the GGUF file."""
+        return self.out_features * self.in_features // 32 * BLOCK_BYTES[self.kind]
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., in_features] (float32) @ W.T + bias."""
         lead = x.shape[:-1]
-        y = _kernel().linear(x.reshape(-1, self.in_features), self.packed, KINDS[self.kind], self.in_features, bias)
+        y = _kernel().linear(x.reshape(-1, self.in_features), self.packed, KINDS[self.kind], self.in_features,
+                             self.out_features, bias)
         return y.view(*lead, -1)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The float32 rows ids of W (an embedding lookup)."""
-        return _kernel().dequantize(self.packed[ids.reshape(-1)], KINDS[self.kind], self.in_features).view(
-            *ids.shape, self.in_features)
+        return _kernel().rows(self.packed, KINDS[self.kind], self.in_features, self.out_features,
+                              ids.reshape(-1).long()).view(*ids.shape, self.in_features)
 
     def dequantize(self) -> torch.Tensor:
-        return _kernel().dequantize(self.packed, KINDS[self.kind], self.in_features)
+        return self.rows(torch.arange(self.out_features))
+
+
+    def blocks(self) -> torch.Tensor:
+        """GGUF's rows of blocks again (uint8 [out_features, row bytes])."""
+        return _kernel().unpack(self.packed, KINDS[self.kind], self.in_features, self.out_features)
+
+
+def fusable(parts: list) -> bool:
+    """Whether parts can be one quantized weight of their rows: all quantized, of one kind and width."""
+    first = parts[0]
+    return all(isinstance(p, QuantizedWeight) and (p.kind, p.in_features) == (first.kind, first.in_features)
+               for p in parts)
 
 
 def concat(parts: list) -> QuantizedWeight:
-    """One weight of the rows of parts, all of one kind and width (the fused q/k/v and gate/up projections)."""
-    first = parts[0]
-    if any(p.kind != first.kind or p.in_features != first.in_features for p in parts):
+    """One weight of the rows of parts (the fused q/k/v and gate/up projections); see fusable()."""
+    if not fusable(parts):
         raise ValueError("fusing quantized weights of different kinds or widths")
-    return QuantizedWeight(torch.cat([p.packed for p in parts]), first.kind, first.in_features)
+    first = parts[0]
+    if all(p.out_features % 16 == 0 for p in parts[:-1]):  # whole groups: the packed bytes follow one another
+        return QuantizedWeight(torch.cat([p.packed for p in parts]), first.kind, first.in_features,
+                               sum(p.out_features for p in parts))
+    return QuantizedWeight.from_blocks(torch.cat([p.blocks() for p in parts]), first.kind, first.in_features)
 
 
 def _check(blocks: torch.Tensor, kind: str, in_features: int) -> None:
@@ -112,7 +137,7 @@ def resolve(quantization: str, model_dir: str | Path, dtype: str) -> str:
 
 
 def load_quantized(model_dir: str | Path) -> dict:
-    """{weight name: QuantizedWeight} from the folder's quantized.safetensors."""
+    """{weight name: QuantizedWeight} from the folder's quantized.st."""
     from safetensors import safe_open
 
     path = Path(model_dir) / QUANTIZED_FILE

@@ -80,10 +80,17 @@ def test_chat_prompts_equal_transformers_chat_template(smollm2_dir, hf_tokenizer
         assert ids == list(want), q
 
 
-def test_greedy_equals_transformers_on_chat_and_raw_prompts(smollm2_dir):
+@pytest.fixture(scope="module")
+def greedy_refs(smollm2_dir):
+    """The chat and raw prompts, and transformers' float32 greedy answers to them."""
     tokenizer = Tokenizer(smollm2_dir)
     prompts = chat_prompts(smollm2_dir) + [tokenizer.encode(p) for p in RAW]
-    refs = hf_greedy(smollm2_dir, prompts, NEW_TOKENS)
+    return prompts, hf_greedy(smollm2_dir, prompts, NEW_TOKENS)
+
+
+def test_greedy_equals_transformers_on_chat_and_raw_prompts(smollm2_dir, greedy_refs):
+    tokenizer = Tokenizer(smollm2_dir)
+    prompts, refs = greedy_refs
     engine = make_engine(smollm2_dir, num_blocks=512, budget=512)
     ties = assert_matches(run_all(engine, prompts, greedy(NEW_TOKENS)), refs)
     assert len(ties) <= 2, f"too many near-ties: {ties}"
@@ -101,3 +108,15 @@ def test_bfloat16_greedy_equals_transformers_in_bfloat16(smollm2_dir):
     outputs = run_all(engine, prompts, greedy(NEW_TOKENS))
     ties = assert_matches(outputs, refs)
     assert agreement(outputs, refs) >= 0.6, f"near-ties everywhere: {ties}"
+
+
+def test_quantized_greedy_equals_transformers_on_the_dequantized_weights(smollm2_dir, greedy_refs):
+    """The registry's Q4_1 (and Q8_0 embedding) blocks as the engine runs them, against transformers in float32 on
+    the folder's weights, which are those blocks dequantized: every difference at a float32 near-tie. The weights
+    the engine holds are the GGUF's bytes, a sixth of float32's."""
+    prompts, refs = greedy_refs
+    engine = make_engine(smollm2_dir, num_blocks=512, budget=512, quantization="gguf")
+    outputs = run_all(engine, prompts, greedy(NEW_TOKENS))
+    ties = assert_matches(outputs, refs)
+    assert len(ties) <= 2 and agreement(outputs, refs) >= 0.6, f"too many near-ties: {ties}"
+    assert sum(w.nbytes for w in engine.model.weights()) < 110e6  # the file is 98 MB; float32 holds 650

@@ -4,15 +4,20 @@
 //   Q4_0 (18 bytes): float16 d, 16 bytes of nibbles           w = d * (q - 8)
 //   Q4_1 (20 bytes): float16 d, float16 m, 16 bytes of nibbles w = d * q + m
 //   Q8_0 (34 bytes): float16 d, 32 int8                        w = d * q
-// where byte j of a 4-bit block holds weight j (low nibble) and weight j + 16 (high nibble). pack() lays each row
-// out planar, in the same bytes: the row's d (float16 each), then its m (Q4_1), then the blocks' quantized values,
-// so that one instruction converts 16 scales and the values are read as one stream.
+// where byte j of a 4-bit block holds weight j (low nibble) and weight j + 16 (high nibble).
 //
-// Decoding one sequence reads every weight once per token, so at small batches the step costs what the weights
-// weigh: a sixth of float32's bytes for Q4_1. One row of x takes sum_b d_b (q_b . x_b) + sum_b m_b S_b (S_b: x's sum
-// over block b, once per call); a tile of up to 8 rows decodes each block once (w = fma(q, d, m), the value gguf's
-// dequantize gives, rounded once instead of twice) and multiplies it into every row of the tile, so at large
-// batches the loop runs at the FMA units' rate. Rows of W are split between torch's intra-op threads.
+// pack() interleaves the rows in groups of 16 (the last group padded with zero rows), in the same bytes per row:
+// for each block of a group, the 16 rows' d (float16), then their m (Q4_1), then the values with the 16 rows
+// innermost (byte j of row i at j * 16 + i; Q8_0: value k of row i at k * 16 + i). One load then gives a weight
+// of 16 output rows, so every loop keeps 16 outputs per vector and never reduces across lanes.
+//
+// One row of x (decoding one sequence) reads every weight once per token, so the step costs what the weights weigh:
+// a sixth of float32's bytes for Q4_1. Each group's values are converted and multiplied by x's broadcast elements
+// as they are read (sum_b d_b (q_b . x_b) + m_b S_b, with S_b x's sum over block b); so are they for up to 8 rows,
+// each converted value multiplied into every row. More rows: each pair of groups is decoded once per panel of 64 rows of x into floats (w = fma(q, d, m): the value gguf's dequantize gives,
+// rounded once instead of twice) and multiplied into the panel 8 rows at a time, 16 accumulators for 2 weight loads
+// and 8 broadcasts per input element: the loop runs at the FMA units' rate, as a float32 GEMM does. Groups are split
+// between torch's intra-op threads.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cstring>
@@ -23,10 +28,13 @@
 #endif
 
 enum Kind : int64_t { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 };
+constexpr int64_t G = 16;      // rows per group
+constexpr int64_t PANEL = 64;  // rows of x per decoded pair of groups (the panel stays in L2)
+constexpr int64_t SMALL_BATCH = 8;  // up to this many rows of x, values are converted as they are read (no buffer)
 
 static inline int64_t block_bytes(int64_t kind) { return kind == Q4_0 ? 18 : kind == Q4_1 ? 20 : 34; }
-// Bytes of a packed row before its values: d (and m for Q4_1), float16 each.
-static inline int64_t scale_bytes(int64_t kind, int64_t nb) { return (kind == Q4_1 ? 4 : 2) * nb; }
+// Within a group's block: where the values start (after d, and m for Q4_1).
+static inline int64_t values_at(int64_t kind) { return kind == Q4_1 ? 4 * G : 2 * G; }
 
 static inline float half_to_float(const uint8_t* p) {
   uint16_t h;
@@ -54,247 +62,347 @@ static inline float half_to_float(const uint8_t* p) {
 #endif
 }
 
-// A packed row's K weights as floats, portable C++ (dequantize(), and the kernel where AVX-512 is absent).
+// Weight (lane i, element k) of one group's block gb, portable C++.
 template <int64_t KIND>
-static void decode_row(const uint8_t* row, int64_t nb, float* w) {
-  const uint8_t* qs = row + scale_bytes(KIND, nb);
-  for (int64_t b = 0; b < nb; ++b) {
-    const float d = half_to_float(row + 2 * b);
-    float* o = w + 32 * b;
-    if constexpr (KIND == Q8_0) {
-      const int8_t* q = reinterpret_cast<const int8_t*>(qs + 32 * b);
-      for (int j = 0; j < 32; ++j) o[j] = static_cast<float>(q[j]) * d;
-    } else {
-      const float m = KIND == Q4_1 ? half_to_float(row + 2 * nb + 2 * b) : -8.0f * d;
-      const uint8_t* q = qs + 16 * b;
-      for (int j = 0; j < 16; ++j) {
-        o[j] = std::fma(static_cast<float>(q[j] & 0x0F), d, m);
-        o[j + 16] = std::fma(static_cast<float>(q[j] >> 4), d, m);
-      }
-    }
+static inline float weight_at(const uint8_t* gb, int64_t i, int64_t k) {
+  const float d = half_to_float(gb + 2 * i);
+  const uint8_t* v = gb + values_at(KIND);
+  if constexpr (KIND == Q8_0) {
+    return static_cast<float>(reinterpret_cast<const int8_t*>(v)[k * G + i]) * d;
+  } else {
+    const float m = KIND == Q4_1 ? half_to_float(gb + 2 * G + 2 * i) : -8.0f * d;
+    const uint8_t byte = v[(k & 15) * G + i];
+    return std::fma(static_cast<float>(k < 16 ? byte & 0x0F : byte >> 4), d, m);
   }
+}
+
+// A group's K weights of 16 rows as floats, out[k * 16 + i], portable C++.
+template <int64_t KIND>
+static void decode_group_portable(const uint8_t* g, int64_t nb, float* out) {
+  const int64_t gbb = G * block_bytes(KIND);
+  for (int64_t b = 0; b < nb; ++b)
+    for (int64_t k = 0; k < 32; ++k)
+      for (int64_t i = 0; i < G; ++i) out[(b * 32 + k) * G + i] = weight_at<KIND>(g + b * gbb, i, k);
 }
 
 #if defined(__AVX512F__)
-// A row's float16 scales (n of them, at h) as floats at f.
-static inline void halves_to_floats(const uint8_t* h, float* f, int64_t n) {
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    _mm512_storeu_ps(f + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 2 * i))));
-  if (i < n) {
-    const __mmask16 k = static_cast<__mmask16>((1u << (n - i)) - 1);
-    _mm512_mask_storeu_ps(f + i, k, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, h + 2 * i)));
+template <int64_t KIND>
+static inline void group_scales(const uint8_t* gb, __m512& d, __m512& m) {
+  d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb)));
+  if constexpr (KIND == Q4_1) m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 2 * G)));
+  else if constexpr (KIND == Q4_0) m = _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
+  else m = _mm512_setzero_ps();
+}
+
+static inline __m512i load_bytes(const uint8_t* p, bool sign) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return sign ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v);
+}
+
+// A group's K weights of 16 rows as floats: out[k * 16 + i].
+template <int64_t KIND>
+static void decode_group(const uint8_t* g, int64_t nb, float* out) {
+  const int64_t gbb = G * block_bytes(KIND);
+  for (int64_t b = 0; b < nb; ++b, out += 32 * G) {
+    const uint8_t* gb = g + b * gbb;
+    const uint8_t* v = gb + values_at(KIND);
+    __m512 d, m;
+    group_scales<KIND>(gb, d, m);
+    if constexpr (KIND == Q8_0) {
+      for (int k = 0; k < 32; ++k)
+        _mm512_storeu_ps(out + k * G, _mm512_mul_ps(_mm512_cvtepi32_ps(load_bytes(v + k * G, true)), d));
+    } else {
+      for (int j = 0; j < 16; ++j) {
+        const __m512i z = load_bytes(v + j * G, false);
+        _mm512_storeu_ps(out + j * G, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(z, _mm512_set1_epi32(15))),
+                                                      d, m));
+        _mm512_storeu_ps(out + (j + 16) * G, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(z, 4)), d, m));
+      }
+    }
   }
 }
 
-// A row's scales d and offsets m (w = d * q + m) as floats; Q8_0 has no offset.
-template <int64_t KIND>
-static inline void row_scales(const uint8_t* row, int64_t nb, float* d, float* m) {
-  halves_to_floats(row, d, nb);
-  if constexpr (KIND == Q4_1) halves_to_floats(row + 2 * nb, m, nb);
-  if constexpr (KIND == Q4_0)
-    for (int64_t b = 0; b < nb; ++b) m[b] = -8.0f * d[b];
-}
-
-// Block b's 32 quantized values as floats, unscaled: lanes 0-15 in q0, 16-31 in q1.
-template <int64_t KIND>
-static inline void block_values(const uint8_t* qs, int64_t b, __m512& q0, __m512& q1) {
-  if constexpr (KIND == Q8_0) {
-    const __m128i* q = reinterpret_cast<const __m128i*>(qs + 32 * b);
-    q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q)));
-    q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1)));
-  } else {
-    const __m512i z = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16 * b)));
-    q0 = _mm512_cvtepi32_ps(_mm512_and_si512(z, _mm512_set1_epi32(0x0F)));
-    q1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(z, 4));
+// y[r, n + 16 j + i] for RT rows of x and NG decoded groups (w: NG groups of K x 16 floats).
+template <int RT, int NG>
+static inline void micro(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int64_t ldy, int64_t n,
+                         int64_t N, const float* bias) {
+  __m512 acc[RT][NG];
+  for (int r = 0; r < RT; ++r)
+    for (int j = 0; j < NG; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 wv[NG];
+    for (int j = 0; j < NG; ++j) wv[j] = _mm512_loadu_ps(w + (j * K + k) * G);
+    for (int r = 0; r < RT; ++r) {
+      const __m512 xv = _mm512_set1_ps(x[r * ldx + k]);
+      for (int j = 0; j < NG; ++j) acc[r][j] = _mm512_fmadd_ps(wv[j], xv, acc[r][j]);
+    }
+  }
+  for (int j = 0; j < NG; ++j) {
+    const int64_t n0 = n + j * G, live = std::min<int64_t>(G, N - n0);
+    if (live <= 0) break;
+    const __mmask16 k = static_cast<__mmask16>(live == G ? 0xFFFF : (1u << live) - 1);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(k, bias + n0) : _mm512_setzero_ps();
+    for (int r = 0; r < RT; ++r) _mm512_mask_storeu_ps(y + r * ldy + n0, k, _mm512_add_ps(acc[r][j], bv));
   }
 }
 
-// Rows [n0, n1) of y for a tile of RT >= 2 rows of x: each block decoded once (w = fma(q, d, m)) and multiplied into
-// every row of the tile.
-template <int64_t KIND, int RT>
-static void tile_avx512(const float* x, int64_t ldx, const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t n0,
-                        int64_t n1, float* y, int64_t ldy, const float* bias, float* d, float* m) {
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* row = w + n * row_bytes;
-    row_scales<KIND>(row, nb, d, m);
-    const uint8_t* qs = row + scale_bytes(KIND, nb);
-    __m512 acc0[RT], acc1[RT];
-    for (int r = 0; r < RT; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
+template <int NG>
+static void panel(const float* x, int64_t rows, int64_t K, const float* w, float* y, int64_t ldy, int64_t n,
+                  int64_t N, const float* bias) {
+  int64_t r = 0;
+  for (; r + 8 <= rows; r += 8) micro<8, NG>(x + r * K, K, w, K, y + r * ldy, ldy, n, N, bias);
+  const float* xr = x + r * K;
+  float* yr = y + r * ldy;
+  switch (rows - r) {
+    case 7: micro<7, NG>(xr, K, w, K, yr, ldy, n, N, bias); break;
+    case 6: micro<6, NG>(xr, K, w, K, yr, ldy, n, N, bias); break;
+    case 5: micro<5, NG>(xr, K, w, K, yr, ldy, n, N, bias); break;
+    case 4: micro<4, NG>(xr, K, w, K, yr, ldy, n, N, bias); break;
+    case 3: micro<3, NG>(xr, K, w, K, yr, ldy, n, N, bias); break;
+    case 2: micro<2, NG>(xr, K, w, K, yr, ldy, n, N, bias); break;
+    case 1: micro<1, NG>(xr, K, w, K, yr, ldy, n, N, bias); break;
+    default: break;
+  }
+}
+
+// One row of x against groups [g0, g1): values converted as they are read, two groups per pass so that each
+// broadcast of x serves 32 rows, block partial sums in four accumulators (their FMAs' latency hidden), then
+// scaled by the block's d and its m term added.
+template <int64_t KIND>
+static void gemv(const float* x, const float* S, const uint8_t* w, int64_t gstride, int64_t nb, int64_t g0,
+                 int64_t g1, float* y, int64_t N, const float* bias) {
+  const int64_t gbb = G * block_bytes(KIND);
+  for (int64_t g = g0; g < g1; g += 2) {
+    const int ng = g + 1 < g1 ? 2 : 1;
+    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
     for (int64_t b = 0; b < nb; ++b) {
-      __m512 w0, w1;
-      block_values<KIND>(qs, b, w0, w1);
-      const __m512 db = _mm512_set1_ps(d[b]);
-      if constexpr (KIND == Q8_0) {
-        w0 = _mm512_mul_ps(w0, db);
-        w1 = _mm512_mul_ps(w1, db);
-      } else {
-        const __m512 mb = _mm512_set1_ps(m[b]);
-        w0 = _mm512_fmadd_ps(w0, db, mb);
-        w1 = _mm512_fmadd_ps(w1, db, mb);
-      }
-      const float* xb = x + b * 32;
-      for (int r = 0; r < RT; ++r) {
-        acc0[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xb + r * ldx), acc0[r]);
-        acc1[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb + r * ldx + 16), acc1[r]);
+      const float* xb = x + 32 * b;
+      for (int j = 0; j < ng; ++j) {
+        const uint8_t* gb = w + (g + j) * gstride + b * gbb;
+        const uint8_t* v = gb + values_at(KIND);
+        __m512 d, m;
+        group_scales<KIND>(gb, d, m);
+        __m512 t0 = _mm512_setzero_ps(), t1 = t0, t2 = t0, t3 = t0;
+        if constexpr (KIND == Q8_0) {
+          for (int k = 0; k < 32; k += 4) {
+            t0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(load_bytes(v + k * G, true)), _mm512_set1_ps(xb[k]), t0);
+            t1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(load_bytes(v + (k + 1) * G, true)), _mm512_set1_ps(xb[k + 1]), t1);
+            t2 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(load_bytes(v + (k + 2) * G, true)), _mm512_set1_ps(xb[k + 2]), t2);
+            t3 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(load_bytes(v + (k + 3) * G, true)), _mm512_set1_ps(xb[k + 3]), t3);
+          }
+        } else {
+          const __m512i nib = _mm512_set1_epi32(15);
+          for (int k = 0; k < 16; k += 2) {
+            const __m512i z0 = load_bytes(v + k * G, false), z1 = load_bytes(v + (k + 1) * G, false);
+            t0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(z0, nib)), _mm512_set1_ps(xb[k]), t0);
+            t1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(z0, 4)), _mm512_set1_ps(xb[k + 16]), t1);
+            t2 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(z1, nib)), _mm512_set1_ps(xb[k + 1]), t2);
+            t3 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(z1, 4)), _mm512_set1_ps(xb[k + 17]), t3);
+          }
+        }
+        const __m512 t = _mm512_add_ps(_mm512_add_ps(t0, t1), _mm512_add_ps(t2, t3));
+        acc[j] = _mm512_fmadd_ps(t, d, acc[j]);
+        if constexpr (KIND != Q8_0) acc[j] = _mm512_fmadd_ps(m, _mm512_set1_ps(S[b]), acc[j]);
       }
     }
-    const float bn = bias ? bias[n] : 0.0f;
-    for (int r = 0; r < RT; ++r) y[r * ldy + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[r], acc1[r])) + bn;
+    for (int j = 0; j < ng; ++j) {
+      const int64_t n0 = (g + j) * G, live = std::min<int64_t>(G, N - n0);
+      const __mmask16 k = static_cast<__mmask16>(live == G ? 0xFFFF : (1u << live) - 1);
+      const __m512 bv = bias ? _mm512_maskz_loadu_ps(k, bias + n0) : _mm512_setzero_ps();
+      _mm512_mask_storeu_ps(y + n0, k, _mm512_add_ps(acc[j], bv));
+    }
   }
 }
 
-// One row of x (decoding a sequence): sum_b d_b (q_b . x_b) + sum_b m_b S_b with S_b the sum of x over block b,
-// taken once per call, so a block costs its conversion and three vector operations.
-template <int64_t KIND>
-static void row_avx512(const float* x, const float* S, const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t n0,
-                       int64_t n1, float* y, const float* bias, float* d, float* m) {
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* row = w + n * row_bytes;
-    row_scales<KIND>(row, nb, d, m);
-    const uint8_t* qs = row + scale_bytes(KIND, nb);
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, am = a0;
-    int64_t b = 0;
-    for (; b + 2 <= nb; b += 2) {
-      __m512 q0, q1, q2, q3;
-      block_values<KIND>(qs, b, q0, q1);
-      block_values<KIND>(qs, b + 1, q2, q3);
-      const float* xb = x + b * 32;
-      const __m512 t0 = _mm512_fmadd_ps(q1, _mm512_loadu_ps(xb + 16), _mm512_mul_ps(q0, _mm512_loadu_ps(xb)));
-      const __m512 t1 = _mm512_fmadd_ps(q3, _mm512_loadu_ps(xb + 48), _mm512_mul_ps(q2, _mm512_loadu_ps(xb + 32)));
-      a0 = _mm512_fmadd_ps(t0, _mm512_set1_ps(d[b]), a0);
-      a1 = _mm512_fmadd_ps(t1, _mm512_set1_ps(d[b + 1]), a1);
-    }
-    if (b < nb) {
-      __m512 q0, q1;
-      block_values<KIND>(qs, b, q0, q1);
-      const float* xb = x + b * 32;
-      const __m512 t0 = _mm512_fmadd_ps(q1, _mm512_loadu_ps(xb + 16), _mm512_mul_ps(q0, _mm512_loadu_ps(xb)));
-      a0 = _mm512_fmadd_ps(t0, _mm512_set1_ps(d[b]), a0);
-    }
-    if constexpr (KIND != Q8_0) {
-      int64_t c = 0;
-      for (; c + 16 <= nb; c += 16) am = _mm512_fmadd_ps(_mm512_loadu_ps(m + c), _mm512_loadu_ps(S + c), am);
-      if (c < nb) {
-        const __mmask16 k = static_cast<__mmask16>((1u << (nb - c)) - 1);
-        am = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, m + c), _mm512_maskz_loadu_ps(k, S + c), am);
+// A few rows of x (2 to 8: a small decode batch) against groups [g0, g1): as gemv, one group at a time, each
+// converted value multiplied into every row, two partial sums per row.
+template <int64_t KIND, int RT>
+static void gemv_rows(const float* x, int64_t ldx, const float* S, const uint8_t* w, int64_t gstride, int64_t nb,
+                      int64_t g0, int64_t g1, float* y, int64_t ldy, int64_t N, const float* bias) {
+  const int64_t gbb = G * block_bytes(KIND);
+  for (int64_t g = g0; g < g1; ++g) {
+    __m512 acc[RT];
+    for (int r = 0; r < RT; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* gb = w + g * gstride + b * gbb;
+      const uint8_t* v = gb + values_at(KIND);
+      __m512 d, m;
+      group_scales<KIND>(gb, d, m);
+      __m512 t0[RT], t1[RT];
+      for (int r = 0; r < RT; ++r) t0[r] = t1[r] = _mm512_setzero_ps();
+      const float* xb = x + 32 * b;
+      if constexpr (KIND == Q8_0) {
+        for (int k = 0; k < 32; k += 2) {
+          const __m512 q0 = _mm512_cvtepi32_ps(load_bytes(v + k * G, true));
+          const __m512 q1 = _mm512_cvtepi32_ps(load_bytes(v + (k + 1) * G, true));
+          for (int r = 0; r < RT; ++r) {
+            t0[r] = _mm512_fmadd_ps(q0, _mm512_set1_ps(xb[r * ldx + k]), t0[r]);
+            t1[r] = _mm512_fmadd_ps(q1, _mm512_set1_ps(xb[r * ldx + k + 1]), t1[r]);
+          }
+        }
+      } else {
+        for (int k = 0; k < 16; ++k) {
+          const __m512i z = load_bytes(v + k * G, false);
+          const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(z, _mm512_set1_epi32(15)));
+          const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(z, 4));
+          for (int r = 0; r < RT; ++r) {
+            t0[r] = _mm512_fmadd_ps(lo, _mm512_set1_ps(xb[r * ldx + k]), t0[r]);
+            t1[r] = _mm512_fmadd_ps(hi, _mm512_set1_ps(xb[r * ldx + k + 16]), t1[r]);
+          }
+        }
+      }
+      for (int r = 0; r < RT; ++r) {
+        acc[r] = _mm512_fmadd_ps(_mm512_add_ps(t0[r], t1[r]), d, acc[r]);
+        if constexpr (KIND != Q8_0) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(S[r * nb + b]), acc[r]);
       }
     }
-    y[n] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), am)) + (bias ? bias[n] : 0.0f);
+    const int64_t n0 = g * G, live = std::min<int64_t>(G, N - n0);
+    const __mmask16 k = static_cast<__mmask16>(live == G ? 0xFFFF : (1u << live) - 1);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(k, bias + n0) : _mm512_setzero_ps();
+    for (int r = 0; r < RT; ++r) _mm512_mask_storeu_ps(y + r * ldy + n0, k, _mm512_add_ps(acc[r], bv));
   }
+}
+
+template <int64_t KIND>
+static void small_batch(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t groups, int64_t gstride,
+                        int64_t N, float* y, const float* bias) {
+  const int64_t nb = K / 32;
+  std::vector<float> S(M * nb);
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t b = 0; b < nb; ++b)
+      S[r * nb + b] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_loadu_ps(x + r * K + 32 * b),
+                                                         _mm512_loadu_ps(x + r * K + 32 * b + 16)));
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    switch (M) {
+      case 2: gemv_rows<KIND, 2>(x, K, S.data(), w, gstride, nb, g0, g1, y, N, N, bias); break;
+      case 3: gemv_rows<KIND, 3>(x, K, S.data(), w, gstride, nb, g0, g1, y, N, N, bias); break;
+      case 4: gemv_rows<KIND, 4>(x, K, S.data(), w, gstride, nb, g0, g1, y, N, N, bias); break;
+      case 5: gemv_rows<KIND, 5>(x, K, S.data(), w, gstride, nb, g0, g1, y, N, N, bias); break;
+      case 6: gemv_rows<KIND, 6>(x, K, S.data(), w, gstride, nb, g0, g1, y, N, N, bias); break;
+      case 7: gemv_rows<KIND, 7>(x, K, S.data(), w, gstride, nb, g0, g1, y, N, N, bias); break;
+      default: gemv_rows<KIND, 8>(x, K, S.data(), w, gstride, nb, g0, g1, y, N, N, bias); break;
+    }
+  });
 }
 #endif
 
-// Portable: each weight row decoded into a float buffer, then a dot product with every row of x.
 template <int64_t KIND>
-static void rows_portable(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, int64_t n0,
-                          int64_t n1, float* y, int64_t ldy, const float* bias) {
-  std::vector<float> buf(K);
-  for (int64_t n = n0; n < n1; ++n) {
-    decode_row<KIND>(w + n * row_bytes, K / 32, buf.data());
-    const float b = bias ? bias[n] : 0.0f;
-    for (int64_t r = 0; r < M; ++r) {
-      const float* xr = x + r * K;
-      float s = 0.0f;
-      for (int64_t k = 0; k < K; ++k) s += buf[k] * xr[k];
-      y[r * ldy + n] = s + b;
-    }
-  }
-}
-
-constexpr int64_t PANEL = 64;  // rows of x per pass over a thread's weight rows (x's panel stays in L2)
-
-template <int64_t KIND>
-static void linear_impl(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, int64_t row_bytes,
-                        float* y, const float* bias) {
+static void linear_impl(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t groups, int64_t gstride,
+                        int64_t N, float* y, const float* bias) {
   const int64_t nb = K / 32;
 #if defined(__AVX512F__)
-  std::vector<float> S;
   if (M == 1) {
-    S.resize(nb);
+    std::vector<float> S(nb);
     for (int64_t b = 0; b < nb; ++b)
       S[b] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_loadu_ps(x + 32 * b), _mm512_loadu_ps(x + 32 * b + 16)));
+    at::parallel_for(0, (groups + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
+      gemv<KIND>(x, S.data(), w, gstride, nb, 2 * p0, std::min(groups, 2 * p1), y, N, bias);
+    });
+    return;
+  }
+  if (M <= SMALL_BATCH) {
+    small_batch<KIND>(x, M, K, w, groups, gstride, N, y, bias);
+    return;
   }
 #endif
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+  at::parallel_for(0, (groups + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
+    thread_local std::vector<float> wbuf;  // the decoded pair of groups, kept between calls (no allocation per call)
+    if (wbuf.size() < static_cast<size_t>(2 * K * G)) wbuf.resize(2 * K * G);
+    for (int64_t pair = p0; pair < p1; ++pair) {
+      const int64_t g = 2 * pair;
+      const int ng = g + 1 < groups ? 2 : 1;
+      for (int j = 0; j < ng; ++j) {
 #if defined(__AVX512F__)
-    std::vector<float> scales(2 * nb + 32);
-    float *d = scales.data(), *m = scales.data() + nb + 16;
-    if (M == 1) {
-      row_avx512<KIND>(x, S.data(), w, row_bytes, nb, n0, n1, y, bias, d, m);
-      return;
-    }
-    for (int64_t p = 0; p < M; p += PANEL) {
-      const int64_t pend = std::min(M, p + PANEL);
-      int64_t r = p;
-      for (; r + 8 <= pend; r += 8)
-        tile_avx512<KIND, 8>(x + r * K, K, w, row_bytes, nb, n0, n1, y + r * N, N, bias, d, m);
-      const float* xr = x + r * K;
-      float* yr = y + r * N;
-      switch (pend - r) {
-        case 7: tile_avx512<KIND, 7>(xr, K, w, row_bytes, nb, n0, n1, yr, N, bias, d, m); break;
-        case 6: tile_avx512<KIND, 6>(xr, K, w, row_bytes, nb, n0, n1, yr, N, bias, d, m); break;
-        case 5: tile_avx512<KIND, 5>(xr, K, w, row_bytes, nb, n0, n1, yr, N, bias, d, m); break;
-        case 4: tile_avx512<KIND, 4>(xr, K, w, row_bytes, nb, n0, n1, yr, N, bias, d, m); break;
-        case 3: tile_avx512<KIND, 3>(xr, K, w, row_bytes, nb, n0, n1, yr, N, bias, d, m); break;
-        case 2: tile_avx512<KIND, 2>(xr, K, w, row_bytes, nb, n0, n1, yr, N, bias, d, m); break;
-        case 1: {
-          std::vector<float> S1(nb);
-          for (int64_t b = 0; b < nb; ++b) {
-            float s = 0.0f;
-            for (int j = 0; j < 32; ++j) s += xr[32 * b + j];
-            S1[b] = s;
-          }
-          row_avx512<KIND>(xr, S1.data(), w, row_bytes, nb, n0, n1, yr, bias, d, m);
-          break;
-        }
-        default: break;
-      }
-    }
+        decode_group<KIND>(w + (g + j) * gstride, nb, wbuf.data() + j * K * G);
 #else
-    rows_portable<KIND>(x, M, K, w, row_bytes, n0, n1, y, N, bias);
+        decode_group_portable<KIND>(w + (g + j) * gstride, nb, wbuf.data() + j * K * G);
 #endif
+      }
+#if defined(__AVX512F__)
+      for (int64_t p = 0; p < M; p += PANEL) {
+        const int64_t rows = std::min(PANEL, M - p);
+        if (ng == 2) panel<2>(x + p * K, rows, K, wbuf.data(), y + p * N, N, g * G, N, bias);
+        else panel<1>(x + p * K, rows, K, wbuf.data(), y + p * N, N, g * G, N, bias);
+      }
+#else
+      for (int64_t r = 0; r < M; ++r)
+        for (int64_t i = 0; i < ng * G; ++i) {
+          const int64_t n = g * G + i;
+          if (n >= N) break;
+          const float* wr = wbuf.data() + (i / G) * K * G + (i % G);
+          float s = 0.0f;
+          for (int64_t k = 0; k < K; ++k) s += wr[k * G] * x[r * K + k];
+          y[r * N + n] = s + (bias ? bias[n] : 0.0f);
+        }
+#endif
+    }
   });
 }
 
-static void check_weight(const torch::Tensor& w, int64_t kind, int64_t K) {
+static void check_packed(const torch::Tensor& w, int64_t kind, int64_t K, int64_t N) {
   TORCH_CHECK(kind == Q4_0 || kind == Q4_1 || kind == Q8_0, "unknown quantization kind ", kind);
   TORCH_CHECK(K > 0 && K % 32 == 0, "the input width must be a positive multiple of 32, not ", K);
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(),
-              "weights: a contiguous uint8 [N, row bytes] tensor");
-  TORCH_CHECK(w.size(1) == K / 32 * block_bytes(kind), "weights: rows of ", w.size(1), " bytes, not ",
-              K / 32 * block_bytes(kind), " for width ", K);
+              "packed weights: a contiguous uint8 [groups, bytes] tensor");
+  TORCH_CHECK(w.size(1) == K / 32 * G * block_bytes(kind) && N > 0 && (N + G - 1) / G == w.size(0),
+              "packed weights: ", w.size(0), " groups of ", w.size(1), " bytes do not hold ", N, " rows of width ", K);
 }
 
-// GGUF's rows of blocks [N, K / 32 * block bytes] -> the planar rows the kernel reads (same size).
+// GGUF's rows of blocks [N, K / 32 * block bytes] -> groups of 16 rows [ceil(N / 16), 16 * that] (see the top).
 torch::Tensor pack(const torch::Tensor& w, int64_t kind, int64_t K) {
-  check_weight(w, kind, K);
-  const int64_t N = w.size(0), nb = K / 32, bb = block_bytes(kind), rb = w.size(1), sb = scale_bytes(kind, nb);
-  const int64_t vb = kind == Q8_0 ? 32 : 16;  // value bytes per block
-  torch::Tensor out = torch::empty_like(w);
-  const uint8_t* src = w.data_ptr<uint8_t>();
+  TORCH_CHECK(kind == Q4_0 || kind == Q4_1 || kind == Q8_0, "unknown quantization kind ", kind);
+  TORCH_CHECK(K > 0 && K % 32 == 0, "the input width must be a positive multiple of 32, not ", K);
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.size(1) == K / 32 * block_bytes(kind),
+              "weights: uint8 rows of ", K / 32 * block_bytes(kind), " bytes for width ", K);
+  const torch::Tensor src_t = w.contiguous();
+  const int64_t N = w.size(0), nb = K / 32, bb = block_bytes(kind), groups = (N + G - 1) / G, gbb = G * bb;
+  const int64_t scales = kind == Q4_1 ? 2 : 1, vb = kind == Q8_0 ? 32 : 16;  // value bytes per block
+  torch::Tensor out = torch::zeros({groups, nb * gbb}, w.options());
+  const uint8_t* src = src_t.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n)
+    for (int64_t n = n0; n < n1; ++n) {
+      const int64_t g = n / G, i = n % G;
       for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* blk = src + n * rb + b * bb;
-        uint8_t* row = dst + n * rb;
-        std::memcpy(row + 2 * b, blk, 2);
-        if (kind == Q4_1) std::memcpy(row + 2 * nb + 2 * b, blk + 2, 2);
-        std::memcpy(row + sb + vb * b, blk + (bb - vb), vb);
+        const uint8_t* blk = src + n * nb * bb + b * bb;
+        uint8_t* gb = dst + g * nb * gbb + b * gbb;
+        for (int64_t s = 0; s < scales; ++s) std::memcpy(gb + s * 2 * G + 2 * i, blk + 2 * s, 2);
+        const uint8_t* vals = blk + 2 * scales;
+        for (int64_t j = 0; j < vb; ++j) gb[values_at(kind) + j * G + i] = vals[j];
       }
+    }
   });
   return out;
 }
 
+// pack()'s inverse: the N rows of GGUF blocks again (to fuse weights whose rows are not whole groups).
+torch::Tensor unpack(const torch::Tensor& w, int64_t kind, int64_t K, int64_t N) {
+  check_packed(w, kind, K, N);
+  const int64_t nb = K / 32, bb = block_bytes(kind), gbb = G * bb;
+  const int64_t scales = kind == Q4_1 ? 2 : 1, vb = kind == Q8_0 ? 32 : 16;
+  torch::Tensor out = torch::empty({N, nb * bb}, w.options());
+  const uint8_t* src = w.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t g = n / G, i = n % G;
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* gb = src + g * nb * gbb + b * gbb;
+      uint8_t* blk = dst + n * nb * bb + b * bb;
+      for (int64_t s = 0; s < scales; ++s) std::memcpy(blk + 2 * s, gb + s * 2 * G + 2 * i, 2);
+      for (int64_t j = 0; j < vb; ++j) blk[2 * scales + j] = gb[values_at(kind) + j * G + i];
+    }
+  }
+  return out;
+}
+
 // y [M, N] = x [M, K] @ dequant(w).T (+ bias [N]), w packed.
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, int64_t kind, int64_t K,
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, int64_t kind, int64_t K, int64_t N,
                      const c10::optional<torch::Tensor>& bias) {
-  check_weight(w, kind, K);
+  check_packed(w, kind, K, N);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.scalar_type() == torch::kFloat32,
               "input: a float32 [M, ", K, "] tensor");
   const torch::Tensor xc = x.contiguous();
-  const int64_t M = x.size(0), N = w.size(0);
+  const int64_t M = x.size(0);
   torch::Tensor y = torch::empty({M, N}, x.options());
   const float* bp = nullptr;
   torch::Tensor bc;
@@ -308,34 +416,47 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, int64_t kin
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   switch (kind) {
-    case Q4_0: linear_impl<Q4_0>(xp, M, K, wp, N, w.size(1), yp, bp); break;
-    case Q4_1: linear_impl<Q4_1>(xp, M, K, wp, N, w.size(1), yp, bp); break;
-    default: linear_impl<Q8_0>(xp, M, K, wp, N, w.size(1), yp, bp); break;
+    case Q4_0: linear_impl<Q4_0>(xp, M, K, wp, w.size(0), w.size(1), N, yp, bp); break;
+    case Q4_1: linear_impl<Q4_1>(xp, M, K, wp, w.size(0), w.size(1), N, yp, bp); break;
+    default: linear_impl<Q8_0>(xp, M, K, wp, w.size(0), w.size(1), N, yp, bp); break;
   }
   return y;
 }
 
-// The float32 weights of packed rows w [R, row bytes] (an embedding lookup's rows, or a whole matrix).
-torch::Tensor dequantize(const torch::Tensor& w, int64_t kind, int64_t K) {
-  check_weight(w, kind, K);
-  const int64_t R = w.size(0), nb = K / 32, rb = w.size(1);
-  torch::Tensor out = torch::empty({R, K}, torch::kFloat32);
+// Rows ids [T] of the packed w as floats [T, K] (an embedding lookup, or the whole matrix).
+torch::Tensor rows(const torch::Tensor& w, int64_t kind, int64_t K, int64_t N, const torch::Tensor& ids) {
+  check_packed(w, kind, K, N);
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == torch::kInt64, "ids: int64 [T]");
+  const torch::Tensor idc = ids.contiguous();
+  const int64_t T = ids.size(0), nb = K / 32, gbb = G * block_bytes(kind), gstride = w.size(1);
+  const int64_t* ip = idc.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(ip[t] >= 0 && ip[t] < N, "row ", ip[t], " outside the ", N, " rows");
+  torch::Tensor out = torch::empty({T, K}, torch::kFloat32);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, R, 64, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      if (kind == Q4_0) decode_row<Q4_0>(wp + r * rb, nb, op + r * K);
-      else if (kind == Q4_1) decode_row<Q4_1>(wp + r * rb, nb, op + r * K);
-      else decode_row<Q8_0>(wp + r * rb, nb, op + r * K);
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const uint8_t* g = wp + (ip[t] / G) * gstride;
+      const int64_t i = ip[t] % G;
+      for (int64_t b = 0; b < nb; ++b)
+        for (int64_t k = 0; k < 32; ++k) {
+          float v;
+          if (kind == Q4_0) v = weight_at<Q4_0>(g + b * gbb, i, k);
+          else if (kind == Q4_1) v = weight_at<Q4_1>(g + b * gbb, i, k);
+          else v = weight_at<Q8_0>(g + b * gbb, i, k);
+          op[t * K + b * 32 + k] = v;
+        }
     }
   });
   return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("pack", &pack, "GGUF rows of blocks as the planar rows linear() reads", py::arg("w"), py::arg("kind"),
+  m.def("pack", &pack, "GGUF rows of blocks as the groups of 16 rows linear() reads", py::arg("w"), py::arg("kind"),
         py::arg("K"));
+  m.def("unpack", &unpack, "pack()'s inverse", py::arg("w"), py::arg("kind"), py::arg("K"), py::arg("N"));
   m.def("linear", &linear, "y = x @ dequant(w).T + bias over packed GGUF blocks", py::arg("x"), py::arg("w"),
-        py::arg("kind"), py::arg("K"), py::arg("bias") = py::none());
-  m.def("dequantize", &dequantize, "float32 rows of packed GGUF blocks", py::arg("w"), py::arg("kind"), py::arg("K"));
+        py::arg("kind"), py::arg("K"), py::arg("N"), py::arg("bias") = py::none());
+  m.def("rows", &rows, "float32 rows of packed GGUF blocks", py::arg("w"), py::arg("kind"), py::arg("K"),
+        py::arg("N"), py::arg("ids"));
 }

@@ -1,0 +1,83 @@
+"""One request at a time against an OpenAI-compatible server, with text prompts: the method of
+../shared/peers/llama_cpp/README.md, so llama.cpp's server (text prompts only, no ignore_eos, one request at a time)
+is measured as vLLM's and ours are.
+
+For each of N prompts of about 200 tokens (seeded English words), greedy:
+  TTFT = the wall time of a request for 1 token;
+  TPOT = (the wall time of a request for 128 tokens - that TTFT) / 127, its prompt differing from the first at its
+         first word, so that no server answers it from a prefix cache.
+Requests carry ignore_eos; for llama.cpp, which ignores it, --ban-end-tokens bans the end tokens with logit_bias
+instead (meshserve refuses logit_bias). Every answer's completion_tokens is checked. Warm-up: two requests first, not counted.
+
+    python -m bench.peers.single_stream --base-url http://127.0.0.1:PORT --model NAME --label LABEL --out FILE.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+import urllib.request
+
+WORDS = ("the of and to in is was for on that with as by at from his her an were which are this be had have not "
+         "but they their one all been has more its when who after first two new time year other also some city "
+         "river house people world state music school family water light mountain village market story morning "
+         "winter garden letter window history science language summer island forest church bridge station").split()
+FIRST = ("Alpha", "Bravo")  # two first words: the TTFT and the TPOT request never share a prefix
+END_TOKENS = (0, 2)  # SmolLM2's <|endoftext|> and <|im_end|>
+
+
+def prompt(i: int, variant: int, words: int = 150) -> str:
+    rng = random.Random(i)
+    return FIRST[variant] + " " + " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def complete(base_url: str, model: str, text: str, max_tokens: int, ban: bool) -> tuple[float, int]:
+    body = {"model": model, "prompt": text, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+    if ban:
+        body["logit_bias"] = {str(t): -100 for t in END_TOKENS}
+    req = urllib.request.Request(base_url.rstrip("/") + "/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    t = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=600) as r:
+        answer = json.loads(r.read())
+    return time.perf_counter() - t, int(answer["usage"]["completion_tokens"])
+
+
+def run(base_url: str, model: str, n: int, out_tokens: int, ban: bool) -> dict:
+    for i in range(2):
+        complete(base_url, model, prompt(1000 + i, 0), 8, ban)
+    ttft, tpot = [], []
+    for i in range(n):
+        t1, k1 = complete(base_url, model, prompt(i, 0), 1, ban)
+        tn, kn = complete(base_url, model, prompt(i, 1), out_tokens, ban)
+        if (k1, kn) != (1, out_tokens):
+            raise SystemExit(f"prompt {i}: {k1} and {kn} tokens came back, not 1 and {out_tokens}")
+        ttft.append(t1 * 1e3)
+        tpot.append((tn - t1) / (out_tokens - 1) * 1e3)
+        print(f"  prompt {i}: TTFT {ttft[-1]:.1f} ms, TPOT {tpot[-1]:.2f} ms", flush=True)
+    return {"prompts": n, "output_tokens": out_tokens, "ttft_ms": ttft, "tpot_ms": tpot,
+            "ttft_p50_ms": statistics.median(ttft), "tpot_p50_ms": statistics.median(tpot)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base-url", required=True)
+    ap.add_argument("--model", required=True, help="the name the server serves")
+    ap.add_argument("--label", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--prompts", type=int, default=12)
+    ap.add_argument("--output-tokens", type=int, default=128)
+    ap.add_argument("--ban-end-tokens", action="store_true", help="logit_bias -100 on the end tokens (llama.cpp)")
+    args = ap.parse_args()
+    result = {"label": args.label, **run(args.base_url, args.model, args.prompts, args.output_tokens,
+                                         args.ban_end_tokens)}
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"{args.label}: TTFT p50 {result['ttft_p50_ms']:.1f} ms, TPOT p50 {result['tpot_p50_ms']:.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
