@@ -42,6 +42,8 @@ def add_flags(p) -> None:
     g.add_argument("--top-p", type=float, default=0.9, help="top-p of the *-top-p rows when --temperature > 0")
     g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="weights, activations and KV cache of every system (default float32)")
+    g.add_argument("--with-quantized", action="store_true",
+                   help="also run meshserve on the folder's GGUF blocks (engine.quantization gguf; float32 only)")
 
 
 def run(args) -> int:
@@ -58,6 +60,8 @@ def run(args) -> int:
               "static_batch": STATIC_BATCH}
     sampled = with_sampling(reqs, args.temperature, 1.0)
     systems = {"meshserve": run_meshserve(model_dir, sampled, warm, args)}
+    if args.with_quantized:
+        systems["meshserve-gguf"] = run_meshserve(model_dir, sampled, warm, args, quantization="gguf")
     if args.temperature > 0:
         systems["meshserve-greedy"] = run_meshserve(model_dir, reqs, warm, args)
         systems["meshserve-top-p"] = run_meshserve(model_dir, with_sampling(reqs, args.temperature, args.top_p), warm, args)
@@ -80,6 +84,7 @@ def with_sampling(reqs: list, temperature: float, top_p: float) -> list:
 
 def ratios(systems: dict) -> dict:
     pairs = [("meshserve", other) for other in systems if other != "meshserve"]
+    pairs += [("meshserve-gguf", "vllm-cpu")]
     pairs.append(("meshserve-top-p", "vllm-cpu-top-p"))
     out = {}
     for ours, other in pairs:
@@ -89,19 +94,20 @@ def ratios(systems: dict) -> dict:
     return out
 
 
-def engine_for(model_dir: Path, args):
+def engine_for(model_dir: Path, args, quantization: str = "none"):
     from services.engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from services.engine.engine import LLMEngine
 
     return LLMEngine(EngineConfig(
-        str(model_dir), dtype=args.dtype, cache=CacheConfig(kv_cache_bytes=int(args.kv_cache_gb * 1024**3)),
+        str(model_dir), dtype=args.dtype, quantization=quantization,
+        cache=CacheConfig(kv_cache_bytes=int(args.kv_cache_gb * 1024**3)),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)))
 
 
-def run_meshserve(model_dir: Path, reqs: list, warm: list, args) -> dict:
+def run_meshserve(model_dir: Path, reqs: list, warm: list, args, quantization: str = "none") -> dict:
     from services.common.sampling import SamplingParams
 
-    engine = engine_for(model_dir, args)
+    engine = engine_for(model_dir, args, quantization)
     log("meshserve: warm-up")
     _drain(engine, warm, "w")
     engine.kv.pool.reset_prefix_cache()

@@ -7,9 +7,14 @@ For each of N prompts of about 200 tokens (seeded English words), greedy:
   TPOT = (the wall time of a request for 128 tokens - that TTFT) / 127, its prompt differing from the first at its
          first word, so that no server answers it from a prefix cache.
 Requests carry ignore_eos; for llama.cpp, which ignores it, --ban-end-tokens bans the end tokens with logit_bias
-instead (meshserve refuses logit_bias). Every answer's completion_tokens is checked. Warm-up: two requests first, not counted.
+instead (meshserve refuses logit_bias). Every answer's completion_tokens is checked. Warm-up: two requests first,
+not counted.
 
     python -m bench.peers.single_stream --base-url http://127.0.0.1:PORT --model NAME --label LABEL --out FILE.json
+    python -m bench.peers.single_stream --in-process MODEL_DIR [--quantization gguf] --label LABEL --out FILE.json
+
+--in-process runs meshserve's engine in this process instead (LLMEngine, 2 threads), as
+bench/peers/llama_cpp_inprocess.py runs llama.cpp's: what each engine does per token without a server.
 """
 
 from __future__ import annotations
@@ -46,7 +51,26 @@ def complete(base_url: str, model: str, text: str, max_tokens: int, ban: bool) -
     return time.perf_counter() - t, int(answer["usage"]["completion_tokens"])
 
 
-def run(base_url: str, model: str, n: int, out_tokens: int, ban: bool) -> dict:
+def in_process(model_dir: str, quantization: str):
+    """complete() over an LLMEngine in this process."""
+    from services.common.sampling import SamplingParams
+    from services.engine.config import EngineConfig
+    from services.engine.engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model_dir, quantization=quantization, num_threads=2))
+    seq = iter(range(1 << 30))
+
+    def complete_here(base_url, model, text, max_tokens, ban):
+        t = time.perf_counter()
+        req = engine.add_request(f"r{next(seq)}", prompt=text,
+                                 params=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step()
+        return time.perf_counter() - t, len(req.output_token_ids)
+    return complete_here
+
+
+def run(base_url: str, model: str, n: int, out_tokens: int, ban: bool, complete=complete) -> dict:
     for i in range(2):
         complete(base_url, model, prompt(1000 + i, 0), 8, ban)
     ttft, tpot = [], []
@@ -64,16 +88,21 @@ def run(base_url: str, model: str, n: int, out_tokens: int, ban: bool) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--base-url", required=True)
-    ap.add_argument("--model", required=True, help="the name the server serves")
+    ap.add_argument("--base-url")
+    ap.add_argument("--model", help="the name the server serves")
+    ap.add_argument("--in-process", metavar="MODEL_DIR", help="meshserve's engine in this process, no server")
+    ap.add_argument("--quantization", default="none", help="with --in-process: none, gguf or auto")
     ap.add_argument("--label", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--prompts", type=int, default=12)
     ap.add_argument("--output-tokens", type=int, default=128)
     ap.add_argument("--ban-end-tokens", action="store_true", help="logit_bias -100 on the end tokens (llama.cpp)")
     args = ap.parse_args()
+    if not (args.in_process or (args.base_url and args.model)):
+        ap.error("give --base-url and --model, or --in-process MODEL_DIR")
+    how = in_process(args.in_process, args.quantization) if args.in_process else complete
     result = {"label": args.label, **run(args.base_url, args.model, args.prompts, args.output_tokens,
-                                         args.ban_end_tokens)}
+                                         args.ban_end_tokens, how)}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"{args.label}: TTFT p50 {result['ttft_p50_ms']:.1f} ms, TPOT p50 {result['tpot_p50_ms']:.2f} ms")

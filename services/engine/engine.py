@@ -161,7 +161,8 @@ class LLMEngine:
         if self.weights_form == "none":
             return f"{self.config.dtype} ({mb:.0f} MB)"
         kinds = collections.Counter(getattr(w, "kind", None) for w in weights)
-        return "gguf (" + ", ".join(f"{k} x{n}" for k, n in sorted((k, n) for k, n in kinds.items() if k)) + f"; {mb:.0f} MB)"
+        kinds = ", ".join(f"{k} x{n}" for k, n in sorted((k, n) for k, n in kinds.items() if k))
+        return f"gguf ({kinds}; {mb:.0f} MB)"
 
     # ---- requests -------------------------------------------------------------------------
 

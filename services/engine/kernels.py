@@ -198,7 +198,8 @@ def quant_linear(isa: str | None = None):
     (default: host_isa()), or None. F16C (float16 scales) comes with every AVX2 and AVX-512 CPU."""
     isa = isa or host_isa()
     f16c = ["-mf16c"] if isa != "generic" else []
-    return _build(f"meshserve_quant_linear_{isa}", "quant_linear.cpp", ["-O3", "-fopenmp", "-ffp-contract=fast", *ISA_CFLAGS[isa], *f16c],
+    return _build(f"meshserve_quant_linear_{isa}", "quant_linear.cpp",
+                  ["-O3", "-fopenmp", "-ffp-contract=fast", *ISA_CFLAGS[isa], *f16c],
                   f"quantized linear ({isa})")
 
 

@@ -172,7 +172,8 @@ class LlamaModel:
         """Logits [len(logits_index), vocab] for the selected rows of the flat batch; lora (LoRABatch): the rows'
         adapters, None when no row has one."""
         c, ops = self.config, self.ops
-        h = self.embed.rows(input_ids) if isinstance(self.embed, QuantizedWeight) else F.embedding(input_ids, self.embed)
+        quantized = isinstance(self.embed, QuantizedWeight)
+        h = self.embed.rows(input_ids) if quantized else F.embedding(input_ids, self.embed)
         cos, sin = (t[:, 0].contiguous() for t in self.rotary.tables(positions, self.dtype))
         q_width, kv_width = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         pending = None  # the last MLP's output, added to h by the next norm (one pass for both)

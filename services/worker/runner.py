@@ -29,6 +29,18 @@ from services.worker.metrics import WorkerMetrics
 log = logging.getLogger("meshserve.runner")
 
 
+
+SPIN_COUNT = "20000"  # libgomp busy-wait iterations before a thread sleeps: tens of microseconds
+
+
+def set_omp_wait_policy(policy: str, env) -> None:
+    """engine.omp_wait_policy as libgomp's variables: spin is PASSIVE with a short GOMP_SPINCOUNT (one the user set
+    wins), so that the ~250 parallel regions of a step do not each wake sleeping threads, while threads idle
+    between steps sleep and leave the cores to the servicer and gateway."""
+    env["OMP_WAIT_POLICY"] = "ACTIVE" if policy == "active" else "PASSIVE"
+    if policy == "spin":
+        env.setdefault("GOMP_SPINCOUNT", SPIN_COUNT)
+
 class _Cost:
     prefill_s_per_token = 0.0
     decode_s_per_step = 0.0
@@ -37,7 +49,7 @@ class _Cost:
 
 class EngineRunner:
     def __init__(self, engine_config, loop: asyncio.AbstractEventLoop, metrics: WorkerMetrics | None = None,
-                 threads: int | None = None, on_dead=None, omp_wait_policy: str = "passive"):
+                 threads: int | None = None, on_dead=None, omp_wait_policy: str = "spin"):
         self.config, self.loop, self.metrics, self.on_dead = engine_config, loop, metrics, on_dead
         self.clock = time.monotonic  # the core's clock too (CLOCK_MONOTONIC is system-wide)
         self.streams: dict[str, asyncio.Queue] = {}
@@ -48,7 +60,7 @@ class EngineRunner:
         self.cost = _Cost()
         self.load = None  # the core's EngineLoad after its latest step (at first: when it became ready)
         self.dead: str | None = None
-        os.environ["OMP_WAIT_POLICY"] = omp_wait_policy.upper()  # read by the core's OpenMP runtime at its start
+        set_omp_wait_policy(omp_wait_policy, os.environ)  # read by the core's OpenMP runtime at its start
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe(duplex=True)
         self.process = ctx.Process(target=core_main, args=(child, engine_config, os.getpid(), threads),

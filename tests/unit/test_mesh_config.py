@@ -138,3 +138,19 @@ def test_wire_salts_are_keyed_by_the_secret_not_the_tenant_name():
     assert a == wire_salt(b"s1", "tenant:alice") and a != b  # stable under one secret, unrelated under another
     assert "alice" not in a and a != "tenant:alice" and a != wire_salt(b"s1", "tenant:bob")
     assert wire_salt(b"s1", "") == ""  # the open default tenant shares one cache
+
+
+def test_the_omp_wait_policies_as_libgomp_variables():
+    from services.worker.runner import set_omp_wait_policy
+
+    env = {}
+    set_omp_wait_policy("spin", env)
+    assert env == {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "20000"}
+    env = {"GOMP_SPINCOUNT": "500"}  # the user's own count wins
+    set_omp_wait_policy("spin", env)
+    assert env["GOMP_SPINCOUNT"] == "500"
+    env = {}
+    set_omp_wait_policy("active", env)
+    assert env == {"OMP_WAIT_POLICY": "ACTIVE"}
+    set_omp_wait_policy("passive", env)
+    assert env == {"OMP_WAIT_POLICY": "PASSIVE"}

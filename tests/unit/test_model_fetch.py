@@ -58,3 +58,13 @@ def test_a_transformers_5_folder_uses_its_chat_template_jinja(tiny_model, tmp_pa
     want = AutoTokenizer.from_pretrained(tmp_path).apply_chat_template(messages, tokenize=False,
                                                                        add_generation_prompt=True)
     assert ChatTemplate.from_model_dir(tmp_path).render(messages) == want == "[user] hi\n[assistant] "
+
+
+def test_a_folder_imported_before_quantized_weights_is_kept_when_the_registry_is_gone(no_registry, tmp_path):
+    """A cached folder without quantized.st is imported again to add them; offline, it is kept and served as it is."""
+    old = tmp_path / "cache" / "models" / "smollm2-135m-instruct"
+    old.mkdir(parents=True)
+    (old / "config.json").write_text("{}")
+    said = []
+    assert fetch("smollm2-135m-instruct", log=said.append) == old
+    assert (old / "config.json").exists() and any("serves its float32 weights" in m for m in said)

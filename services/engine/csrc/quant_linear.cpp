@@ -29,7 +29,9 @@
 
 enum Kind : int64_t { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 };
 constexpr int64_t G = 16;      // rows per group
-constexpr int64_t PANEL = 64;  // rows of x per decoded pair of groups (the panel stays in L2)
+constexpr int64_t PANEL = 64;  // rows of x per pass over the decoded groups (the panel stays in L2)
+constexpr int64_t KC = 128;    // inputs per chunk: 4 decoded groups' chunk is 32 KB, in L1
+constexpr int64_t GP = 4;      // groups decoded per pass: 64 outputs, 24 accumulators with 6 rows of x
 constexpr int64_t SMALL_BATCH = 8;  // up to this many rows of x, values are converted as they are read (no buffer)
 
 static inline int64_t block_bytes(int64_t kind) { return kind == Q4_0 ? 18 : kind == Q4_1 ? 20 : 34; }
@@ -122,14 +124,21 @@ static void decode_group(const uint8_t* g, int64_t nb, float* out) {
   }
 }
 
-// y[r, n + 16 j + i] for RT rows of x and NG decoded groups (w: NG groups of K x 16 floats).
+// y[r, n + 16 j + i] for RT rows of x and NG decoded groups (w: NG groups of K x 16 floats) over inputs [k0, k1):
+// the first chunk starts the sums, the others add to what y holds, the last adds the bias.
 template <int RT, int NG>
-static inline void micro(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int64_t ldy, int64_t n,
-                         int64_t N, const float* bias) {
+static inline void micro(const float* x, int64_t ldx, const float* w, int64_t K, int64_t k0, int64_t k1, float* y,
+                         int64_t ldy, int64_t n, int64_t N, const float* bias) {
   __m512 acc[RT][NG];
+  __mmask16 live[NG];
+  for (int j = 0; j < NG; ++j) {
+    const int64_t left = std::max<int64_t>(0, std::min<int64_t>(G, N - (n + j * G)));
+    live[j] = static_cast<__mmask16>(left == G ? 0xFFFF : (1u << left) - 1);
+  }
   for (int r = 0; r < RT; ++r)
-    for (int j = 0; j < NG; ++j) acc[r][j] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
+    for (int j = 0; j < NG; ++j)
+      acc[r][j] = k0 == 0 ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(live[j], y + r * ldy + n + j * G);
+  for (int64_t k = k0; k < k1; ++k) {
     __m512 wv[NG];
     for (int j = 0; j < NG; ++j) wv[j] = _mm512_loadu_ps(w + (j * K + k) * G);
     for (int r = 0; r < RT; ++r) {
@@ -138,30 +147,52 @@ static inline void micro(const float* x, int64_t ldx, const float* w, int64_t K,
     }
   }
   for (int j = 0; j < NG; ++j) {
-    const int64_t n0 = n + j * G, live = std::min<int64_t>(G, N - n0);
-    if (live <= 0) break;
-    const __mmask16 k = static_cast<__mmask16>(live == G ? 0xFFFF : (1u << live) - 1);
-    const __m512 bv = bias ? _mm512_maskz_loadu_ps(k, bias + n0) : _mm512_setzero_ps();
-    for (int r = 0; r < RT; ++r) _mm512_mask_storeu_ps(y + r * ldy + n0, k, _mm512_add_ps(acc[r][j], bv));
+    if (!live[j]) break;
+    const int64_t n0 = n + j * G;
+    const __m512 bv = bias && k1 == K ? _mm512_maskz_loadu_ps(live[j], bias + n0) : _mm512_setzero_ps();
+    for (int r = 0; r < RT; ++r) _mm512_mask_storeu_ps(y + r * ldy + n0, live[j], _mm512_add_ps(acc[r][j], bv));
   }
 }
 
-template <int NG>
+// A panel of rows of x against NG decoded groups, over chunks of KC inputs so that the groups' chunk stays in L1.
+template <int NG, int RT = 24 / NG>
 static void panel(const float* x, int64_t rows, int64_t K, const float* w, float* y, int64_t ldy, int64_t n,
                   int64_t N, const float* bias) {
-  int64_t r = 0;
-  for (; r + 8 <= rows; r += 8) micro<8, NG>(x + r * K, K, w, K, y + r * ldy, ldy, n, N, bias);
-  const float* xr = x + r * K;
-  float* yr = y + r * ldy;
-  switch (rows - r) {
-    case 7: micro<7, NG>(xr, K, w, K, yr, ldy, n, N, bias); break;
-    case 6: micro<6, NG>(xr, K, w, K, yr, ldy, n, N, bias); break;
-    case 5: micro<5, NG>(xr, K, w, K, yr, ldy, n, N, bias); break;
-    case 4: micro<4, NG>(xr, K, w, K, yr, ldy, n, N, bias); break;
-    case 3: micro<3, NG>(xr, K, w, K, yr, ldy, n, N, bias); break;
-    case 2: micro<2, NG>(xr, K, w, K, yr, ldy, n, N, bias); break;
-    case 1: micro<1, NG>(xr, K, w, K, yr, ldy, n, N, bias); break;
-    default: break;
+  for (int64_t k0 = 0; k0 < K; k0 += KC) {
+    const int64_t k1 = std::min(K, k0 + KC);
+    int64_t r = 0;
+    for (; r + RT <= rows; r += RT) micro<RT, NG>(x + r * K, K, w, K, k0, k1, y + r * ldy, ldy, n, N, bias);
+    const float* xr = x + r * K;
+    float* yr = y + r * ldy;
+    switch (rows - r) {
+      case 23: case 22: case 21: case 20: case 19: case 18: case 17: case 16: case 15: case 14: case 13: case 12:
+      case 11: case 10: case 9: case 8: {
+        const int64_t done = (rows - r) / 8 * 8;
+        for (int64_t q = 0; q < done; q += 8)
+          micro<8, NG>(xr + q * K, K, w, K, k0, k1, yr + q * ldy, ldy, n, N, bias);
+        xr += done * K;
+        yr += done * ldy;
+        switch (rows - r - done) {
+          case 7: micro<7, NG>(xr, K, w, K, k0, k1, yr, ldy, n, N, bias); break;
+          case 6: micro<6, NG>(xr, K, w, K, k0, k1, yr, ldy, n, N, bias); break;
+          case 5: micro<5, NG>(xr, K, w, K, k0, k1, yr, ldy, n, N, bias); break;
+          case 4: micro<4, NG>(xr, K, w, K, k0, k1, yr, ldy, n, N, bias); break;
+          case 3: micro<3, NG>(xr, K, w, K, k0, k1, yr, ldy, n, N, bias); break;
+          case 2: micro<2, NG>(xr, K, w, K, k0, k1, yr, ldy, n, N, bias); break;
+          case 1: micro<1, NG>(xr, K, w, K, k0, k1, yr, ldy, n, N, bias); break;
+          default: break;
+        }
+        break;
+      }
+      case 7: micro<7, NG>(xr, K, w, K, k0, k1, yr, ldy, n, N, bias); break;
+      case 6: micro<6, NG>(xr, K, w, K, k0, k1, yr, ldy, n, N, bias); break;
+      case 5: micro<5, NG>(xr, K, w, K, k0, k1, yr, ldy, n, N, bias); break;
+      case 4: micro<4, NG>(xr, K, w, K, k0, k1, yr, ldy, n, N, bias); break;
+      case 3: micro<3, NG>(xr, K, w, K, k0, k1, yr, ldy, n, N, bias); break;
+      case 2: micro<2, NG>(xr, K, w, K, k0, k1, yr, ldy, n, N, bias); break;
+      case 1: micro<1, NG>(xr, K, w, K, k0, k1, yr, ldy, n, N, bias); break;
+      default: break;
+    }
   }
 }
 
@@ -305,12 +336,12 @@ static void linear_impl(const float* x, int64_t M, int64_t K, const uint8_t* w, 
     return;
   }
 #endif
-  at::parallel_for(0, (groups + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
-    thread_local std::vector<float> wbuf;  // the decoded pair of groups, kept between calls (no allocation per call)
-    if (wbuf.size() < static_cast<size_t>(2 * K * G)) wbuf.resize(2 * K * G);
-    for (int64_t pair = p0; pair < p1; ++pair) {
-      const int64_t g = 2 * pair;
-      const int ng = g + 1 < groups ? 2 : 1;
+  at::parallel_for(0, (groups + GP - 1) / GP, 1, [&](int64_t p0, int64_t p1) {
+    thread_local std::vector<float> wbuf;  // the decoded groups, kept between calls (no allocation per call)
+    if (wbuf.size() < static_cast<size_t>(GP * K * G)) wbuf.resize(GP * K * G);
+    for (int64_t pass = p0; pass < p1; ++pass) {
+      const int64_t g = GP * pass;
+      const int ng = static_cast<int>(std::min<int64_t>(GP, groups - g));
       for (int j = 0; j < ng; ++j) {
 #if defined(__AVX512F__)
         decode_group<KIND>(w + (g + j) * gstride, nb, wbuf.data() + j * K * G);
@@ -321,8 +352,12 @@ static void linear_impl(const float* x, int64_t M, int64_t K, const uint8_t* w, 
 #if defined(__AVX512F__)
       for (int64_t p = 0; p < M; p += PANEL) {
         const int64_t rows = std::min(PANEL, M - p);
-        if (ng == 2) panel<2>(x + p * K, rows, K, wbuf.data(), y + p * N, N, g * G, N, bias);
-        else panel<1>(x + p * K, rows, K, wbuf.data(), y + p * N, N, g * G, N, bias);
+        switch (ng) {
+          case 4: panel<4>(x + p * K, rows, K, wbuf.data(), y + p * N, N, g * G, N, bias); break;
+          case 3: panel<3>(x + p * K, rows, K, wbuf.data(), y + p * N, N, g * G, N, bias); break;
+          case 2: panel<2>(x + p * K, rows, K, wbuf.data(), y + p * N, N, g * G, N, bias); break;
+          default: panel<1>(x + p * K, rows, K, wbuf.data(), y + p * N, N, g * G, N, bias); break;
+        }
       }
 #else
       for (int64_t r = 0; r < M; ++r)
