@@ -154,7 +154,24 @@ static inline void micro(const float* x, int64_t ldx, const float* w, int64_t K,
   }
 }
 
-// A panel of rows of x against NG decoded groups, over chunks of KC inputs so that the groups' chunk stays in L1.
+// The last rows of a panel (fewer than 8) against NG decoded groups.
+template <int NG>
+static inline void few_rows(int64_t left, const float* x, int64_t K, const float* w, int64_t k0, int64_t k1, float* y,
+                            int64_t ldy, int64_t n, int64_t N, const float* bias) {
+  switch (left) {
+    case 7: micro<7, NG>(x, K, w, K, k0, k1, y, ldy, n, N, bias); break;
+    case 6: micro<6, NG>(x, K, w, K, k0, k1, y, ldy, n, N, bias); break;
+    case 5: micro<5, NG>(x, K, w, K, k0, k1, y, ldy, n, N, bias); break;
+    case 4: micro<4, NG>(x, K, w, K, k0, k1, y, ldy, n, N, bias); break;
+    case 3: micro<3, NG>(x, K, w, K, k0, k1, y, ldy, n, N, bias); break;
+    case 2: micro<2, NG>(x, K, w, K, k0, k1, y, ldy, n, N, bias); break;
+    case 1: micro<1, NG>(x, K, w, K, k0, k1, y, ldy, n, N, bias); break;
+    default: break;
+  }
+}
+
+// A panel of rows of x against NG decoded groups, over chunks of KC inputs so that the groups' chunk stays in L1:
+// RT rows at a time (24 accumulators), then 8 at a time, then the rest.
 template <int NG, int RT = 24 / NG>
 static void panel(const float* x, int64_t rows, int64_t K, const float* w, float* y, int64_t ldy, int64_t n,
                   int64_t N, const float* bias) {
@@ -162,37 +179,9 @@ static void panel(const float* x, int64_t rows, int64_t K, const float* w, float
     const int64_t k1 = std::min(K, k0 + KC);
     int64_t r = 0;
     for (; r + RT <= rows; r += RT) micro<RT, NG>(x + r * K, K, w, K, k0, k1, y + r * ldy, ldy, n, N, bias);
-    const float* xr = x + r * K;
-    float* yr = y + r * ldy;
-    switch (rows - r) {
-      case 23: case 22: case 21: case 20: case 19: case 18: case 17: case 16: case 15: case 14: case 13: case 12:
-      case 11: case 10: case 9: case 8: {
-        const int64_t done = (rows - r) / 8 * 8;
-        for (int64_t q = 0; q < done; q += 8)
-          micro<8, NG>(xr + q * K, K, w, K, k0, k1, yr + q * ldy, ldy, n, N, bias);
-        xr += done * K;
-        yr += done * ldy;
-        switch (rows - r - done) {
-          case 7: micro<7, NG>(xr, K, w, K, k0, k1, yr, ldy, n, N, bias); break;
-          case 6: micro<6, NG>(xr, K, w, K, k0, k1, yr, ldy, n, N, bias); break;
-          case 5: micro<5, NG>(xr, K, w, K, k0, k1, yr, ldy, n, N, bias); break;
-          case 4: micro<4, NG>(xr, K, w, K, k0, k1, yr, ldy, n, N, bias); break;
-          case 3: micro<3, NG>(xr, K, w, K, k0, k1, yr, ldy, n, N, bias); break;
-          case 2: micro<2, NG>(xr, K, w, K, k0, k1, yr, ldy, n, N, bias); break;
-          case 1: micro<1, NG>(xr, K, w, K, k0, k1, yr, ldy, n, N, bias); break;
-          default: break;
-        }
-        break;
-      }
-      case 7: micro<7, NG>(xr, K, w, K, k0, k1, yr, ldy, n, N, bias); break;
-      case 6: micro<6, NG>(xr, K, w, K, k0, k1, yr, ldy, n, N, bias); break;
-      case 5: micro<5, NG>(xr, K, w, K, k0, k1, yr, ldy, n, N, bias); break;
-      case 4: micro<4, NG>(xr, K, w, K, k0, k1, yr, ldy, n, N, bias); break;
-      case 3: micro<3, NG>(xr, K, w, K, k0, k1, yr, ldy, n, N, bias); break;
-      case 2: micro<2, NG>(xr, K, w, K, k0, k1, yr, ldy, n, N, bias); break;
-      case 1: micro<1, NG>(xr, K, w, K, k0, k1, yr, ldy, n, N, bias); break;
-      default: break;
-    }
+    if constexpr (RT > 8)
+      for (; r + 8 <= rows; r += 8) micro<8, NG>(x + r * K, K, w, K, k0, k1, y + r * ldy, ldy, n, N, bias);
+    few_rows<NG>(rows - r, x + r * K, K, w, k0, k1, y + r * ldy, ldy, n, N, bias);
   }
 }
 
