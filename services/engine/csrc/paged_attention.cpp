@@ -1,12 +1,15 @@
 // Paged decode attention for the CPU: one query token per sequence, keys and values read in place
-// from the block pool (no gather copy). Parallel over sequences; each task walks its sequence's
-// slots in order, so every slot's K (then V) row of all KV heads is one contiguous read.
+// from the block pool (no gather copy). Parallel over sequences. On AVX-512 with a head size that is a
+// multiple of 64, one pass over the sequence (online softmax, as FlashAttention and vLLM's CPU kernel do):
+// each run of up to 16 consecutive slots has its K rows scored and its V rows summed while both are in L1,
+// and the next run is prefetched meanwhile. Elsewhere two plain passes (scores, then values).
 // The pool is float32 or bfloat16 (T); the query, the scores and every sum are float32.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -38,115 +41,217 @@ static inline float dot(const float* a, const T* b, int64_t n) {
   return s;
 }
 
-// Blocks sit anywhere in the pool, so the hardware prefetcher restarts at every block boundary: ask
-// for the next block's rows (n_elems elements of T) while this one is being read.
+// Everything one task needs for one sequence: the pool, the sequence's block table and length, its query
+// ([H, D] float32) and its output row.
 template <typename T>
-static inline void prefetch_block(const T* base, int64_t n_elems) {
-#if defined(__AVX512F__) || defined(__AVX2__)
-  const char* p = reinterpret_cast<const char*>(base);
-  for (int64_t i = 0; i < n_elems * static_cast<int64_t>(sizeof(T)); i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
-#endif
-}
+struct Seq {
+  const T *k, *v;
+  const int64_t* table;
+  int64_t L, block_size, H, G, D, row;  // row = KVH * D: the elements of one slot
+  float scale;
+  const float* q;
+  float* out;
+  const T* slot_k(int64_t l) const { return k + (table[l / block_size] * block_size + l % block_size) * row; }
+  const T* slot_v(int64_t l) const { return v + (table[l / block_size] * block_size + l % block_size) * row; }
+};
 
-// Scores of one query head against n consecutive key rows (row stride `row` elements) of one block.
-// AVX-512, D a multiple of 16: one accumulator per row, so the n dot products run side by side
-// instead of each waiting on its own chain of adds (the plain loop below is latency-bound, not
-// memory-bound: it read KV at 14-17 GB/s where a plain sum of the same pool reads 86-120). A full
-// group of 16 rows has its count fixed at compile time, so the 16 accumulators stay in registers (with
-// a run-time count they lived on the stack: a load and a store around every FMA).
-#if defined(__AVX512F__)
-template <int N, typename T>
-static inline void scores_avx512(const float* q, const T* k, int64_t row, int64_t D, float sc, float* out) {
-  __m512 acc[N];
-  for (int j = 0; j < N; ++j) acc[j] = _mm512_setzero_ps();
-  for (int64_t d = 0; d < D; d += 16) {
-    const __m512 qv = _mm512_loadu_ps(q + d);
-    for (int j = 0; j < N; ++j) acc[j] = _mm512_fmadd_ps(qv, load16(k + j * row + d), acc[j]);
-  }
-  for (int j = 0; j < N; ++j) out[j] = _mm512_reduce_add_ps(acc[j]) * sc;
-}
-#endif
-
+// Two plain passes: every head's scores, then the softmax-weighted sum of the values.
 template <typename T>
-static inline void block_scores(const float* q, const T* k, int64_t row, int64_t n, int64_t D, float sc,
-                                float* out) {
-#if defined(__AVX512F__)
-  if (D % 16 == 0) {
-    if (n == 16) return scores_avx512<16, T>(q, k, row, D, sc, out);
-    if (n >= 8) {
-      scores_avx512<8, T>(q, k, row, D, sc, out);
-      k += 8 * row, out += 8, n -= 8;
-    }
-    for (; n >= 4; n -= 4, k += 4 * row, out += 4) scores_avx512<4, T>(q, k, row, D, sc, out);
-    for (; n >= 1; n -= 1, k += row, out += 1) scores_avx512<1, T>(q, k, row, D, sc, out);
-    return;
-  }
-#endif
-  for (int64_t j = 0; j < n; ++j) out[j] = dot(q, k + j * row, D) * sc;
-}
-
-#if defined(__AVX512F__)
-// acc[h * D + d] = sum over slots l of scores[h * L + l] * V[l, g, d], for the NH heads h0.. of KV head g,
-// D a multiple of 64: the NH x 4 accumulators stay in registers and each V row is loaded once for all of
-// them (a loop over heads inside the slot loop kept them in memory: a load and a store per FMA).
-template <int NH, typename T>
-static void values_avx512(const T* vp, const int64_t* table, int64_t block_size, int64_t row, int64_t L,
-                          const float* scores, int64_t h0, int64_t g, int64_t D, float* acc) {
-  for (int64_t d0 = 0; d0 < D; d0 += 64) {
-    __m512 a[NH][4];
-    for (int i = 0; i < NH; ++i)
-      for (int c = 0; c < 4; ++c) a[i][c] = _mm512_setzero_ps();
-    for (int64_t l0 = 0; l0 < L; l0 += block_size) {
-      const T* vblock = vp + table[l0 / block_size] * block_size * row + g * D + d0;
-      const int64_t n = std::min(block_size, L - l0);
-      if (l0 + block_size < L) prefetch_block(vp + table[l0 / block_size + 1] * block_size * row, block_size * row);
-      for (int64_t j = 0; j < n; ++j) {
-        const T* v = vblock + j * row;
-        __m512 vv[4];
-        for (int c = 0; c < 4; ++c) vv[c] = load16(v + 16 * c);
-        for (int i = 0; i < NH; ++i) {
-          const __m512 p = _mm512_set1_ps(scores[(h0 + i) * L + l0 + j]);
-          for (int c = 0; c < 4; ++c) a[i][c] = _mm512_fmadd_ps(p, vv[c], a[i][c]);
-        }
-      }
-    }
-    for (int i = 0; i < NH; ++i)
-      for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc + (h0 + i) * D + d0 + 16 * c, a[i][c]);
-  }
-}
-#endif
-
-// acc[h * D + d] = sum over slots of scores[h * L + l] * V[l, h / G, d], every head.
-template <typename T>
-static void weighted_values(const T* vp, const int64_t* table, int64_t block_size, int64_t row, int64_t L,
-                            const float* scores, int64_t H, int64_t G, int64_t D, float* acc) {
-#if defined(__AVX512F__)
-  if (D % 64 == 0) {
-    for (int64_t g = 0; g < H / G; ++g) {
-      for (int64_t h0 = g * G; h0 < (g + 1) * G; h0 += 4) {
-        switch (std::min<int64_t>(4, (g + 1) * G - h0)) {
-          case 1: values_avx512<1, T>(vp, table, block_size, row, L, scores, h0, g, D, acc); break;
-          case 2: values_avx512<2, T>(vp, table, block_size, row, L, scores, h0, g, D, acc); break;
-          case 3: values_avx512<3, T>(vp, table, block_size, row, L, scores, h0, g, D, acc); break;
-          default: values_avx512<4, T>(vp, table, block_size, row, L, scores, h0, g, D, acc); break;
-        }
-      }
-    }
-    return;
-  }
-#endif
-  std::fill(acc, acc + H * D, 0.f);
-  for (int64_t l = 0; l < L; ++l) {
-    const T* vrow = vp + (table[l / block_size] * block_size + l % block_size) * row;
-    for (int64_t h = 0; h < H; ++h) {
-      const float p = scores[h * L + l];
-      const T* v = vrow + (h / G) * D;
-      float* a = acc + h * D;
+static void plain_sequence(const Seq<T>& s, std::vector<float>& scores, std::vector<float>& acc) {
+  const int64_t H = s.H, D = s.D, L = s.L;
+  scores.resize(H * L);
+  acc.assign(H * D, 0.f);
+  for (int64_t l = 0; l < L; ++l)
+    for (int64_t h = 0; h < H; ++h) scores[h * L + l] = dot(s.q + h * D, s.slot_k(l) + (h / s.G) * D, D) * s.scale;
+  for (int64_t h = 0; h < H; ++h) {
+    float* sh = scores.data() + h * L;
+    float m = sh[0], total = 0.f;
+    for (int64_t l = 1; l < L; ++l) m = std::max(m, sh[l]);
+    for (int64_t l = 0; l < L; ++l) { sh[l] = std::exp(sh[l] - m); total += sh[l]; }
+    for (int64_t l = 0; l < L; ++l) {
+      const T* v = s.slot_v(l) + (h / s.G) * D;
+      float* a = acc.data() + h * D;
+      const float p = sh[l] / total;
 #pragma omp simd
       for (int64_t i = 0; i < D; ++i) a[i] += p * f32(v[i]);
     }
   }
+  std::copy(acc.begin(), acc.end(), s.out);
 }
+
+#if defined(__AVX512F__)
+// Lane j of the result is the sum of v[j]'s 16 lanes: a tree of 15 adds and 30 shuffles, where 16 separate
+// _mm512_reduce_add_ps cost about three times as many instructions.
+__attribute__((always_inline)) static inline __m512 hsum16(const __m512* v) {
+  __m512 t[8], u[4], w[2];
+  // per 128-bit lane, t[i] = [a, b, a', b']: partial sums of rows 2i (a) and 2i + 1 (b)
+  for (int i = 0; i < 8; ++i) t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                                                   _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  // per lane, u[i] = rows 4i .. 4i + 3
+  for (int i = 0; i < 4; ++i) {
+    const __m512d x = _mm512_castps_pd(t[2 * i]), y = _mm512_castps_pd(t[2 * i + 1]);
+    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  // lanes 0 and 2 of u[2i] plus lanes 1 and 3, then the same one level up: rows 0..15 in order
+  for (int i = 0; i < 2; ++i)
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+}
+
+// Row j of the n (<= 16) rows from k (stride `row` elements); past the last, the last again (its lane is
+// masked off), so a run that ends mid-block reads nothing outside the rows it owns.
+template <bool Full, typename T>
+static inline const T* row_at(const T* k, int64_t row, int j, int64_t n) {
+  return k + (Full ? j : std::min<int64_t>(j, n - 1)) * row;
+}
+
+// Dot products of one query head with 16 key rows, DV vectors of 16 (D = 16 DV): the query in DV registers,
+// one accumulator per row, rows in turn (one pointer stepping by `row`), 16 independent chains for the
+// out-of-order core to overlap, then summed by hsum16. Every count is fixed at compile time, so nothing
+// leaves the registers (with a run-time D the accumulators and the row pointers were spilled).
+template <int DV, bool Full, typename T>
+static inline __m512 dots16(const float* q, const T* k, int64_t row, int64_t n) {
+  __m512 qv[DV], acc[16];
+  for (int c = 0; c < DV; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
+  for (int j = 0; j < 16; ++j) {
+    const T* r = row_at<Full>(k, row, j, n);
+    acc[j] = _mm512_mul_ps(qv[0], load16(r));
+    for (int c = 1; c < DV; ++c) acc[j] = _mm512_fmadd_ps(qv[c], load16(r + 16 * c), acc[j]);
+  }
+  return hsum16(acc);
+}
+
+// The same over a bfloat16 pool with AVX512_BF16 (Cooper Lake, Sapphire Rapids, Zen 4): the query rounded to
+// bfloat16 (exact, as the model's query is bfloat16) and one vdpbf16ps per 32 elements, which multiplies the
+// pairs exactly and sums them in float32, where the plain path widens every key element and runs two FMAs.
+// Compiled for that ISA alone and called only where the CPU has it (has_bf16_dot).
+template <int DV, bool Full>
+__attribute__((target("avx512bf16,avx512bw,avx512f")))
+static __m512 dots16_dpbf16(const bf16* q, const bf16* k, int64_t row, int64_t n) {
+  static_assert(DV % 2 == 0, "pairs of 16");
+  __m512bh qv[DV / 2];
+  __m512 acc[16];
+  for (int c = 0; c < DV / 2; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + 32 * c);
+  for (int j = 0; j < 16; ++j) {
+    const bf16* r = row_at<Full>(k, row, j, n);
+    acc[j] = _mm512_setzero_ps();
+    for (int c = 0; c < DV / 2; ++c) acc[j] = _mm512_dpbf16_ps(acc[j], qv[c], (__m512bh)_mm512_loadu_si512(r + 32 * c));
+  }
+  return hsum16(acc);
+}
+
+static bool has_bf16_dot() {
+  static const bool yes = __builtin_cpu_supports("avx512bf16");
+  return yes;
+}
+
+// Dot products of one query head (q, and qh: the same rounded to T) with n (<= 16) consecutive key rows.
+template <int DV, typename T>
+static inline __m512 dots(const float* q, const T* qh, const T* k, int64_t row, int64_t n) {
+  if constexpr (std::is_same_v<T, bf16>) {
+    if (has_bf16_dot()) return n == 16 ? dots16_dpbf16<DV, true>(qh, k, row, n) : dots16_dpbf16<DV, false>(qh, k, row, n);
+  }
+  return n == 16 ? dots16<DV, true, T>(q, k, row, n) : dots16<DV, false, T>(q, k, row, n);
+}
+
+// acc[i * D + d] = alpha[i] * acc[i * D + d] + sum over rows j < n of p[i * 16 + j] * V[j, d], for NH heads
+// sharing the value rows from v (stride `row`), D a multiple of 64: NH x 4 accumulators in registers and
+// each value row loaded once for all of them.
+template <int NH, typename T>
+static inline void values(const T* v, int64_t row, int64_t n, const float* p, const float* alpha, float* acc,
+                          int64_t D) {
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {
+    __m512 a[NH][4];
+    for (int i = 0; i < NH; ++i) {
+      const __m512 al = _mm512_set1_ps(alpha[i]);
+      for (int c = 0; c < 4; ++c) a[i][c] = _mm512_mul_ps(al, _mm512_loadu_ps(acc + i * D + d0 + 16 * c));
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      __m512 vv[4];
+      for (int c = 0; c < 4; ++c) vv[c] = load16(v + j * row + d0 + 16 * c);
+      for (int i = 0; i < NH; ++i) {
+        const __m512 pj = _mm512_set1_ps(p[i * 16 + j]);
+        for (int c = 0; c < 4; ++c) a[i][c] = _mm512_fmadd_ps(pj, vv[c], a[i][c]);
+      }
+    }
+    for (int i = 0; i < NH; ++i)
+      for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc + i * D + d0 + 16 * c, a[i][c]);
+  }
+}
+
+static inline __m512 exp16(__m512 x) {  // libmvec's 16-lane expf (GCC vectorizes this loop into one call)
+  alignas(64) float t[16];
+  _mm512_store_ps(t, x);
+#pragma omp simd
+  for (int i = 0; i < 16; ++i) t[i] = std::exp(t[i]);
+  return _mm512_load_ps(t);
+}
+
+// Ask for n rows of `bytes` each, `row_bytes` apart, to be brought into L1. Blocks sit anywhere in the pool, so
+// the hardware prefetcher would restart at every block.
+static inline void prefetch_rows(const void* base, int64_t n, int64_t row_bytes, int64_t bytes) {
+  const char* p = static_cast<const char*>(base);
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(p + j * row_bytes + i, _MM_HINT_T0);
+}
+
+// One pass over the sequence in runs of up to 16 slots (never crossing a block): each run's scores, a running
+// maximum and sum per head (online softmax: earlier sums are rescaled when the maximum grows), and the run's
+// values weighted at once, while its rows are in L1.
+// D = 16 DV, a multiple of 64.
+template <int DV, typename T>
+static void flash_sequence(const Seq<T>& s, std::vector<float>& acc, std::vector<float>& buf, const T* qh) {
+  const int64_t H = s.H, G = s.G, D = s.D, KVH = H / G, row = s.row, bs = s.block_size;
+  acc.assign(H * D, 0.f);
+  buf.assign(H * 16 + 3 * H, 0.f);
+  float* p = buf.data();          // [H, 16]: this run's weights
+  float* alpha = p + H * 16;      // [H]: the rescale of earlier sums
+  float* mx = alpha + H;          // [H]: running maximum
+  float* total = mx + H;          // [H]: running sum of weights
+  std::fill(mx, mx + H, -1e30f);  // finite: -ffast-math assumes no infinities
+  for (int64_t l0 = 0; l0 < s.L;) {
+    const int64_t n = std::min<int64_t>({16, bs - l0 % bs, s.L - l0});
+    const T* k = s.slot_k(l0);
+    const T* v = s.slot_v(l0);
+    // the next run, prefetched one KV head at a time (measured: 1.16x on a bfloat16 pool; two runs ahead, or into
+    // L2 only, did no better, and a float32 pool is bound by bandwidth either way)
+    const int64_t l1 = l0 + n, n1 = l1 < s.L ? std::min<int64_t>({16, bs - l1 % bs, s.L - l1}) : 0;
+    const __mmask16 live = static_cast<__mmask16>((1u << n) - 1);
+    for (int64_t g = 0; g < KVH; ++g) {
+      if (n1) prefetch_rows(s.slot_k(l1) + g * D, n1, row * sizeof(T), D * sizeof(T));
+      for (int64_t h = g * G; h < (g + 1) * G; ++h) {
+        __m512 sc = _mm512_mul_ps(dots<DV>(s.q + h * D, qh + h * D, k + g * D, row, n), _mm512_set1_ps(s.scale));
+        sc = _mm512_mask_blend_ps(live, _mm512_set1_ps(-1e30f), sc);
+        const float m = std::max(mx[h], _mm512_reduce_max_ps(sc));
+        const __m512 w = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(sc, _mm512_set1_ps(m))));
+        alpha[h] = std::exp(mx[h] - m);
+        total[h] = total[h] * alpha[h] + _mm512_reduce_add_ps(w);
+        mx[h] = m;
+        _mm512_storeu_ps(p + h * 16, w);
+      }
+    }
+    for (int64_t g = 0; g < KVH; ++g) {
+      if (n1) prefetch_rows(s.slot_v(l1) + g * D, n1, row * sizeof(T), D * sizeof(T));
+      for (int64_t h0 = g * G; h0 < (g + 1) * G; h0 += 4) {
+        const T* vg = v + g * D;
+        float *ph = p + h0 * 16, *al = alpha + h0, *a = acc.data() + h0 * D;
+        switch (std::min<int64_t>(4, (g + 1) * G - h0)) {
+          case 1: values<1, T>(vg, row, n, ph, al, a, D); break;
+          case 2: values<2, T>(vg, row, n, ph, al, a, D); break;
+          case 3: values<3, T>(vg, row, n, ph, al, a, D); break;
+          default: values<4, T>(vg, row, n, ph, al, a, D); break;
+        }
+      }
+    }
+    l0 = l1;
+  }
+  for (int64_t h = 0; h < H; ++h) {
+    const float inv = 1.f / total[h];
+    for (int64_t i = 0; i < D; ++i) s.out[h * D + i] = acc[h * D + i] * inv;
+  }
+}
+#endif
 
 // q: [B, H, D] float32; k_pool, v_pool: [slots, KVH, D] of T; tables: [B, max_blocks] int64; lens: [B] int64.
 template <typename T>
@@ -154,49 +259,27 @@ static void paged_decode_impl(const torch::Tensor& q, const torch::Tensor& k_poo
                               const torch::Tensor& tables, const torch::Tensor& lens, int64_t block_size, double scale,
                               torch::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KVH = k_pool.size(1), G = H / KVH;
-  const int64_t max_blocks = tables.size(1), row = KVH * D;
+  const int64_t max_blocks = tables.size(1);
   const float* qp = q.data_ptr<float>();
-  const T* kp = k_pool.data_ptr<T>();
-  const T* vp = v_pool.data_ptr<T>();
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
-  const float sc = static_cast<float>(scale);
+  Seq<T> proto{k_pool.data_ptr<T>(), v_pool.data_ptr<T>(), nullptr, 0, block_size, H, G, D, KVH * D,
+               static_cast<float>(scale), nullptr, nullptr};
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, acc(H * D);
-    std::vector<float> mx(H), sum(H);
+    std::vector<float> acc, buf;
+    std::vector<T> qh(H * D);  // the query in the pool's type (for bfloat16 dot products)
     for (int64_t b = begin; b < end; ++b) {
-      const int64_t L = lp[b];
-      const int64_t* table = tp + b * max_blocks;
-      const float* qb = qp + b * H * D;
-      scores.resize(H * L);
-      std::fill(mx.begin(), mx.end(), -INFINITY);
-      for (int64_t l0 = 0; l0 < L; l0 += block_size) {  // one KV block: its slots are consecutive rows
-        const int64_t n = std::min(block_size, L - l0);
-        const T* kblock = kp + table[l0 / block_size] * block_size * row;
-        if (l0 + block_size < L) prefetch_block(kp + table[l0 / block_size + 1] * block_size * row, block_size * row);
-        for (int64_t h = 0; h < H; ++h) {
-          for (int64_t j0 = 0; j0 < n; j0 += 16) {
-            const int64_t m = std::min<int64_t>(16, n - j0);
-            block_scores(qb + h * D, kblock + j0 * row + (h / G) * D, row, m, D, sc, &scores[h * L + l0 + j0]);
-          }
-          for (int64_t j = 0; j < n; ++j) mx[h] = std::max(mx[h], scores[h * L + l0 + j]);
-        }
+      Seq<T> s = proto;
+      s.table = tp + b * max_blocks, s.L = lp[b], s.q = qp + b * H * D, s.out = op + b * H * D;
+#if defined(__AVX512F__)
+      if (D == 64 || D == 128) {  // the head sizes of the models served (a fixed D keeps the dots in registers)
+        for (int64_t i = 0; i < H * D; ++i) qh[i] = static_cast<T>(s.q[i]);
+        D == 64 ? flash_sequence<4>(s, acc, buf, qh.data()) : flash_sequence<8>(s, acc, buf, qh.data());
+        continue;
       }
-      for (int64_t h = 0; h < H; ++h) {
-        float* sh = scores.data() + h * L;
-        const float m = mx[h];
-        float total = 0.f;
-#pragma omp simd reduction(+ : total)
-        for (int64_t l = 0; l < L; ++l) { sh[l] = std::exp(sh[l] - m); total += sh[l]; }
-        sum[h] = total;
-      }
-      weighted_values(vp, table, block_size, row, L, scores.data(), H, G, D, acc.data());
-      for (int64_t h = 0; h < H; ++h) {
-        float* o = op + (b * H + h) * D;
-        const float inv = 1.f / sum[h];
-        for (int64_t i = 0; i < D; ++i) o[i] = acc[h * D + i] * inv;
-      }
+#endif
+      plain_sequence(s, buf, acc);
     }
   });
 }
