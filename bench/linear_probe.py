@@ -8,21 +8,17 @@ and the largest difference between them. A probe for choosing the engine's linea
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 import torch.nn.functional as F
 
+from bench.kernel_probe import seconds_per_call
+
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
 
 
-def ms_per_call(fn, repeats: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    return (time.perf_counter() - start) / repeats * 1e3
+def ms_per_call(fn) -> float:
+    return seconds_per_call(fn) * 1e3
 
 
 def main() -> None:
