@@ -6,7 +6,8 @@
 # sets the light rate (half of it, printed and saved in OUT_DIR/light_rate), at which neither server queues, so
 # TTFT and TPOT mean latency there. Every system runs at unlimited rate, the light rate and 4 req/s, each at the
 # client's default sampling (no temperature sent: both servers sample at 1.0) and with --temperature 0 (greedy).
-# Systems: vllm; meshserve (one unified worker, both cores); meshserve-disagg (1 prefill + 1 decode worker);
+# Systems: vllm; meshserve (one unified worker, both cores; a model folder's GGUF weights stay quantized);
+# meshserve-f32 (the same in float32: quantization none); meshserve-disagg (1 prefill + 1 decode worker);
 # meshserve-default (`meshserve up`'s own topology: 1 prefill + 2 decode, no config). SYSTEMS, RATES ("inf light 4")
 # and TEMPS ("default 0") select a subset (the light rate needs vllm's inf run, or LIGHT_RATE=R).
 # Results: OUT_DIR/{system}-{inf,light,rate4}{,-t0}.json and a side-by-side table (bench/peers/summarize_bench_serve.py)
@@ -104,6 +105,8 @@ PY
 
 wants meshserve && mesh meshserve "mesh: {mode: unified, unified: 1}
 engine: {kv_cache_gb: 2, threads: 2, max_num_seqs: 256, max_num_batched_tokens: 2048}"
+wants meshserve-f32 && mesh meshserve-f32 "mesh: {mode: unified, unified: 1}
+engine: {kv_cache_gb: 2, threads: 2, max_num_seqs: 256, max_num_batched_tokens: 2048, quantization: none}"
 wants meshserve-disagg && mesh meshserve-disagg "mesh: {mode: disaggregated, prefill: 1, decode: 1}
 engine: {kv_cache_gb: 1, threads: 1, max_num_seqs: 256, max_num_batched_tokens: 2048}"
 wants meshserve-default && mesh meshserve-default ""
