@@ -13,7 +13,7 @@ METRICS = [("output_throughput", "output tok/s"), ("request_throughput", "req/s"
            ("completed", "completed")]
 
 
-SYSTEMS = ("vllm", "meshserve", "meshserve-disagg", "meshserve-default")
+SYSTEMS = ("vllm", "meshserve", "meshserve-f32", "meshserve-disagg", "meshserve-default")
 
 
 def main(folder: str) -> None:
