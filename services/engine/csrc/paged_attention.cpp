@@ -268,14 +268,21 @@ static void paged_decode_impl(const torch::Tensor& q, const torch::Tensor& k_poo
                static_cast<float>(scale), nullptr, nullptr};
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc, buf;
-    std::vector<T> qh(H * D);  // the query in the pool's type (for bfloat16 dot products)
+    std::vector<T> qh(std::is_same_v<T, bf16> ? H * D : 0);  // the query rounded to bfloat16, for vdpbf16ps
     for (int64_t b = begin; b < end; ++b) {
       Seq<T> s = proto;
       s.table = tp + b * max_blocks, s.L = lp[b], s.q = qp + b * H * D, s.out = op + b * H * D;
 #if defined(__AVX512F__)
       if (D == 64 || D == 128) {  // the head sizes of the models served (a fixed D keeps the dots in registers)
-        for (int64_t i = 0; i < H * D; ++i) qh[i] = static_cast<T>(s.q[i]);
-        D == 64 ? flash_sequence<4>(s, acc, buf, qh.data()) : flash_sequence<8>(s, acc, buf, qh.data());
+        const T* qr;  // the query in T: read only by the bfloat16 dot products
+        if constexpr (std::is_same_v<T, bf16>) {
+          if (has_bf16_dot())
+            for (int64_t i = 0; i < H * D; ++i) qh[i] = static_cast<T>(s.q[i]);
+          qr = qh.data();
+        } else {
+          qr = s.q;
+        }
+        D == 64 ? flash_sequence<4>(s, acc, buf, qr) : flash_sequence<8>(s, acc, buf, qr);
         continue;
       }
 #endif
