@@ -34,11 +34,12 @@ from services.common.admission import CostModel as AdmissionCost
 from services.common.arbitration import make_policy as make_arbitration
 from services.common.block_hash import extra_keys, hash_blocks
 from services.common.errors import MeshError
-from services.router.filters import Need, candidates
+from services.common.prefix_index import POOL_MEMBER
+from services.router.filters import Need
+from services.router.pick import Prompt, RolePicker
 from services.router.policies import make_policy as make_routing
 from services.router.recent import RecentRoutes
-from services.router.scoring import effective_blocks
-from services.router.views import RouteContext, WorkerView
+from services.router.views import WorkerView
 from sim.cost import CostModel
 from sim.worker import SimRequest, SimWorker, WorkerSpec
 
@@ -104,6 +105,7 @@ class Cluster:
         self.link_free: dict[str, float] = {}
         self.index: dict[bytes, set] = {}  # block hash -> worker ids holding it (the prefix index)
         self.done: list[SimRequest] = []
+        self.adapters: tuple = ()  # the trace's LoRA adapters (run() sets them)
         self.timeline: list[tuple[float, int, int]] = []  # (t, serving workers, starting workers)
         if spec.gateways < 1:
             raise ValueError(f"gateways must be >= 1, got {spec.gateways}")
@@ -139,6 +141,9 @@ class Cluster:
         """Serve the trace (sorted by arrival) to the end, or until a time. Arrivals are scheduled one ahead, so the
         event heap holds what is in flight, not the whole trace."""
         self.trace, self.arrived = trace, 0
+        self.adapters = tuple(sorted({t.adapter for t in trace if t.adapter}))  # registered on every worker
+        for v in self.views.values():
+            v.known_adapters = self.adapters
         if trace:
             self._schedule_arrival()
         if self.spec.autoscale is not None:
@@ -162,7 +167,7 @@ class Cluster:
         self.by_id[worker_id] = w
         self.views[worker_id] = WorkerView(worker_id, worker_id, spec.role, capacity_tokens=w.capacity_tokens,
                                            block_size=spec.block_size, max_num_seqs=spec.max_num_seqs,
-                                           index_member=worker_id)
+                                           index_member=worker_id, known_adapters=self.adapters)
         self.beat_at[worker_id] = -math.inf
         self._assign_cells()
         return w
@@ -188,7 +193,7 @@ class Cluster:
                 for i, w in enumerate(ws):
                     cells[i % n].append(w)
         while len(self.routers) < len(cells):
-            self.routers.append({"policies": {}, "recent": RecentRoutes(lambda: self.now), "pool": KVPool(
+            self.routers.append({"pickers": {}, "recent": RecentRoutes(lambda: self.now), "pool": KVPool(
                 self.spec.kv_pool_blocks), "name": f"cell-{len(self.routers)}"})
         del self.routers[len(cells):]
         for router, cell in zip(self.routers, cells):
@@ -332,8 +337,10 @@ class Cluster:
                 held[wid] = i + 1
         return held
 
-    def _pick(self, role: str, sim: SimRequest, cost: int, tokens: list | None):
-        """(worker, its prompt's block hashes when computed, the leading blocks to fetch from the pool)."""
+    def _pick(self, role: str, sim: SimRequest, cost: int, tokens: list | None, after: WorkerView | None = None):
+        """(worker, its prompt's block hashes when computed, the leading blocks to fetch from the pool), decided by
+        the router's own core (services.router.pick) on the cell's heartbeat-stale views; after: the prefill
+        worker's view, for the decode pick that takes its KV (its block size and topology)."""
         router = self._router(sim)
         roles = router["roles"]
         if role not in roles:
@@ -341,29 +348,25 @@ class Cluster:
         workers, by_id = roles[role]
         if not workers:
             workers, by_id = _of_role(self._serving, role)
-        views, _ = candidates([self._view(w) for w in workers], Need(role))
+        picker = router["pickers"].get(role)
+        if picker is None:
+            picker = router["pickers"][role] = RolePicker(role, make_routing(self.spec.routing,
+                                                                             self.spec.routing_config),
+                                                          router["recent"])
+        adapter = sim.trace.adapter
+        views, _ = picker.candidates([self._view(w) for w in workers],
+                                     Need(role, after.block_size if after else 0, adapter))
         if not views:
             return None, [], 0
-        policy = router["policies"].get(role)
-        if policy is None:
-            policy = router["policies"][role] = make_routing(self.spec.routing, self.spec.routing_config)
-        ctx, hashes, found, pooled = None, [], {}, 0
-        if (policy.uses_prefix or self.spec.kv_pool) and role != "decode" and tokens is not None:
-            bs = views[0].block_size
-            hashes = hash_blocks(tokens, bs, extra_keys(sim.trace.adapter, ""))
+        hashes, found, pooled = [], {}, 0
+        if (picker.wants_prompt or self.spec.kv_pool) and role != "decode" and tokens is not None:
+            hashes = hash_blocks(tokens, views[0].block_size, extra_keys(adapter, ""))
             found = self._longest(hashes, set(by_id))
             pooled = router["pool"].longest(hashes) if self.spec.kv_pool else 0
-        if policy.uses_prefix and hashes:
-            recent = router["recent"].longest(hashes)
-            cached = {v.worker_id: n for v in views if (n := max(found.get(v.worker_id, 0),
-                                                                   recent.get(v.worker_id, 0)))}
-            in_pool = {v.worker_id: pooled for v in views if pooled > cached.get(v.worker_id, 0)}
-            ctx = RouteContext(len(hashes), cached, sim.trace.adapter, in_pool)
-        view, _ = policy.select(views, cost, ctx)
-        spared = int(effective_blocks(view, ctx) * view.block_size) if ctx else 0
-        policy.on_routed(view, max(cost - spared, 1), sim.trace.adapter)
-        if hashes and policy.uses_prefix:
-            router["recent"].record(hashes, view.worker_id)
+        prompt = None
+        if hashes and picker.wants_prompt:
+            prompt = Prompt(hashes, {**found, f"{POOL_MEMBER}{router['name']}#0": pooled} if pooled else found)
+        view = picker.pick(views, cost, adapter, prompt, near=after.topology if after else "").worker
         fetch = pooled if pooled > found.get(view.worker_id, 0) else 0
         if hashes and view.block_size != views[0].block_size:
             hashes, fetch = [], 0  # hashed at another block size: nothing to reuse there
@@ -441,7 +444,7 @@ class Cluster:
 
     def _transfer(self, src: SimWorker, sim: SimRequest, tokens: list) -> None:
         """The prompt's KV: src -> kvstore over src's link, then kvstore -> the decode worker over its link."""
-        dst, _, _ = self._pick("decode", sim, sim.trace.output_tokens, None)
+        dst, _, _ = self._pick("decode", sim, sim.trace.output_tokens, None, after=self.views[src.id])
         if dst is None:
             return self._fail(sim, "UNAVAILABLE")
         took = self.cost.kv_transfer_s(sim.trace.prompt_tokens)

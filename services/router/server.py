@@ -1,9 +1,10 @@
 """The router's servicer: heartbeats in, routing decisions out.
 
 Route hashes the prompt's full blocks (services.common.block_hash, the engine's function and
-salt rules), asks the Redis prefix index for each worker's longest cached prefix in one round
-trip (only for policies that use it, and only for the role that computes the prompt), overlays
-what it routed in the last seconds (recent.py), lets the policy decide, then commits. With Redis
+salt rules) and asks the Redis prefix index for each worker's longest cached prefix in one round
+trip (only for policies that use it, and only for the role that computes the prompt); the decision
+itself, the overlay of what was routed in the last seconds included, is pick.py's I/O-free core,
+which the simulator runs too. With Redis
 away, prefix lookups return nothing at once and routing goes on by load; the degradation shows
 in health (service "prefix-index" NOT_SERVING), ListWorkers, a metric and the log.
 """
@@ -13,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import replace
 
 import grpc
 
@@ -23,17 +23,14 @@ from services.common import rpc
 from services.common.block_hash import pack_tokens, prompt_hashes
 from services.common.convert import load_from_pb, load_to_pb
 from services.common.errors import InvalidRequest
-from services.common.prefix_index import POOL_MEMBER, worker_of
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.router.filters import Need
 from services.router.recent import RecentRoutes
 from services.router.registry import Registry
-from services.router.scoring import effective_blocks
-from services.router.views import RouteContext
+from services.router.pick import Prompt, RolePicker
 
 log = logging.getLogger("meshserve.router")
-PREFIX_ROLES = ("prefill", "unified")  # roles that compute the prompt, where a cached prefix saves work
 
 
 class RouterMetrics:
@@ -67,8 +64,9 @@ class RouterServicer(pb_grpc.RouterServicer):
         self.registry, self.mode, self.beat_ms, self.index = registry, mode, beat_ms, index
         self.placement, self.channels = placement, rpc.ChannelPool()
         self.prefetches: set = set()  # prefetch calls in flight (held here so that none is collected mid-call)
-        self.policies = {role: policy_factory() for role in ("prefill", "decode", "unified")}
         self.recent = recent or RecentRoutes(registry.clock)
+        self.pickers = {role: RolePicker(role, policy_factory(), self.recent) for role in ("prefill", "decode",
+                                                                                            "unified")}
         self.metrics = RouterMetrics(registry, meter)
 
     @rpc.mapped
@@ -110,56 +108,31 @@ class RouterServicer(pb_grpc.RouterServicer):
         return decision
 
     async def _pick(self, role: str, cost: int, request, block_size: int = 0, near: str = ""):
-        """Filter, decide, then commit; returns (worker, why, cached prompt tokens on it per the index). near: the
-        topology the request's KV comes from (equally good workers nearer it go first)."""
-        policy, workers = self.policies[role], self.registry.live(
-            Need(role, block_size, request.adapter, frozenset(request.avoid)))
-        hashes, ctx = [], None
-        if policy.uses_prefix and role in PREFIX_ROLES and (request.prompt_u32 or request.prompt_token_ids
-                                                            or request.block_hashes):
-            hashes, ctx = await self._prefix_context(workers, request)
-        if request.adapter:  # the LoRA affinity scorer reads the adapter and where placement homed it
-            homes = self.placement.home(role, request.adapter) if self.placement is not None else frozenset()
-            ctx = replace(ctx, homes=homes) if ctx else RouteContext(adapter=request.adapter, homes=homes)
-        if near:
-            ctx = replace(ctx, near=near) if ctx else RouteContext(near=near)
-        worker, why = policy.select(workers, cost, ctx)
-        cached = ctx.cached_blocks.get(worker.worker_id, 0) * worker.block_size if ctx else 0
-        spared = int(effective_blocks(worker, ctx) * worker.block_size) if ctx else 0
-        policy.on_routed(worker, max(cost - spared, 1), request.adapter)  # a cached prefix is work it will not do
-        if hashes:
-            self.recent.record(hashes, worker.worker_id)
-        return worker, why, cached
+        """The live workers, the prompt's hashes and what the index holds of them (the I/O), then the core's
+        decision (pick.py); returns (worker, why, cached prompt tokens on it per the index). near: the topology the
+        request's KV comes from (equally good workers nearer it go first)."""
+        picker = self.pickers[role]
+        workers = self.registry.live(Need(role, block_size, request.adapter, frozenset(request.avoid)))
+        prompt = None
+        if picker.wants_prompt and (request.prompt_u32 or request.prompt_token_ids or request.block_hashes):
+            hashes = self._hashes(workers[0].block_size, request)
+            prompt = Prompt(hashes, self.index.longest_prefix(hashes) if self.index is not None else {})
+        homes = self.placement.home(role, request.adapter) if request.adapter and self.placement is not None \
+            else frozenset()
+        pick = picker.pick(workers, cost, request.adapter, prompt, homes, near)
+        return pick.worker, pick.why, pick.cached_tokens
 
-    async def _prefix_context(self, workers, request) -> tuple[list, RouteContext]:
-        bs = workers[0].block_size
+    @staticmethod
+    def _hashes(bs: int, request) -> list:
         if request.block_hashes and request.hash_block_size == bs:  # hashed once, by the gateway
             blob = request.block_hashes
             if len(blob) % 16:
                 raise InvalidRequest("block_hashes must hold whole 16-byte hashes")
-            hashes = [blob[i:i + 16] for i in range(0, len(blob), 16)]
-        else:
-            packed = request.prompt_u32 or pack_tokens(request.prompt_token_ids)
-            if len(packed) % 4:
-                raise InvalidRequest("prompt_u32 must hold whole uint32 token ids")
-            hashes = prompt_hashes(packed, bs, request.adapter, request.cache_salt)
-        found = self.index.longest_prefix(hashes) if self.index is not None else {}
-        recent = self.recent.longest(hashes)
-        pools: dict[str, int] = {}  # host -> the prefix its kvstore pool holds
-        for member, n in found.items():
-            if member.startswith(POOL_MEMBER):
-                host = worker_of(member)[len(POOL_MEMBER):]
-                pools[host] = max(pools.get(host, 0), n)
-        cached, pooled = {}, {}
-        for w in workers:
-            if w.block_size != bs:
-                continue  # hashed with another block size: not comparable
-            n = max(found.get(w.index_member, 0) if w.index_member else 0, recent.get(w.worker_id, 0))
-            if n:
-                cached[w.worker_id] = n
-            if w.kv_pool and pools.get(w.host, 0) > n:
-                pooled[w.worker_id] = pools[w.host]
-        return hashes, RouteContext(len(hashes), cached, request.adapter, pooled)
+            return [blob[i:i + 16] for i in range(0, len(blob), 16)]
+        packed = request.prompt_u32 or pack_tokens(request.prompt_token_ids)
+        if len(packed) % 4:
+            raise InvalidRequest("prompt_u32 must hold whole uint32 token ids")
+        return prompt_hashes(packed, bs, request.adapter, request.cache_salt)
 
     async def place(self) -> int:
         """One round of LoRA placement: the plan's prefetch orders, sent to the workers (without waiting for the
