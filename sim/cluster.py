@@ -1,12 +1,13 @@
 """The simulated cluster: gateway, routers, workers, KV links and the autoscaler as discrete events.
 
-What runs is the services' own policy code, imported unchanged:
-- gateway admission: services.common.admission (AdmissionQueue with the arbitration policy, the admission
-  CostModel that predicts service times and learns from completions, Pending), with the gateway's shell
-  rules (dispatch while a worker slot is free, the under-share bypass: services.common.admission.under_share);
-- routing: services.router (filters.candidates, the policies by name with their scorers, load guard and
-  in-flight charge, RecentRoutes for prefixes just routed, views.WorkerView refreshed by heartbeats every
-  heartbeat_s, so decisions see state as stale as the real router's);
+What runs is the services' own decision code, imported unchanged:
+- gateway admission: the gateway's I/O-free core (services.gateway.admission_core: tenants' limits, the
+  AdmissionQueue with its arbitration policy, the admission CostModel, room on the mesh, the under-share
+  bypass); the simulator supplies only its capacity (the gateway's share of the slots, the polled KV view);
+- routing: the router's I/O-free core (services.router.pick: the filters, the prefix context, the policies
+  by name with their scorers, load guard and in-flight charge, RecentRoutes for prefixes just routed) on
+  views.WorkerView refreshed by heartbeats every heartbeat_s, so decisions see state as stale as the real
+  router's; tests/unit/test_parity.py drives both sides with one trace and compares the decisions;
 - each worker: sim.worker (the engine's Scheduler, KVCacheManager, BlockPool, StepCostFit);
 - the autoscaler: services.autoscaler.policy (TokenPolicy, CpuPolicy, RatePolicy) deciding every interval_s
   on PoolSamples built as its signals build them; new workers take startup_s before they serve, drained
@@ -29,11 +30,11 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 
-from services.common.admission import AdmissionQueue, Pending, reported, under_share
-from services.common.admission import CostModel as AdmissionCost
-from services.common.arbitration import make_policy as make_arbitration
+from services.common.admission import reported
 from services.common.block_hash import extra_keys, hash_blocks
 from services.common.errors import MeshError
+from services.common.tenants import Tenant
+from services.gateway.admission_core import AdmissionCore, MeshView
 from services.common.prefix_index import POOL_MEMBER
 from services.router.filters import Need
 from services.router.pick import Prompt, RolePicker
@@ -77,6 +78,7 @@ class ClusterSpec:
     routing: str = "least-outstanding"
     routing_config: dict = field(default_factory=dict)
     admission: str = "fcfs"  # the gateway's queue policy; "none": no queue, straight to routing (workers queue)
+    queue_bursts: bool = True  # the gateway's admission.queue_bursts (services.common.admission)
     starvation_s: float = 30.0
     tenant_weights: dict = field(default_factory=dict)  # tenant -> weight (default 1)
     heartbeat_s: float = 1.0
@@ -364,8 +366,12 @@ class Cluster:
             found = self._longest(hashes, set(by_id))
             pooled = router["pool"].longest(hashes) if self.spec.kv_pool else 0
         prompt = None
-        if hashes and picker.wants_prompt:
-            prompt = Prompt(hashes, {**found, f"{POOL_MEMBER}{router['name']}#0": pooled} if pooled else found)
+        if hashes and picker.wants_prompt:  # routed by all but the prompt's last token, as the gateway hashes it
+            route = hashes[:(len(tokens) - 1) // views[0].block_size]  # (services.common.block_hash.prompt_hashes)
+            held = {w: min(n, len(route)) for w, n in found.items()}
+            if pooled:
+                held[f"{POOL_MEMBER}{router['name']}#0"] = min(pooled, len(route))
+            prompt = Prompt(route, held)
         view = picker.pick(views, cost, adapter, prompt, near=after.topology if after else "").worker
         fetch = pooled if pooled > found.get(view.worker_id, 0) else 0
         if hashes and view.block_size != views[0].block_size:
@@ -493,57 +499,63 @@ def _of_role(workers: list, role: str) -> tuple[list, dict]:
 
 
 class Gateway:
-    """One gateway replica: its admission queue (services.common.admission), what it has in flight, and its share
-    of the workers' slots. With several gateways (a load balancer spreading requests over them in turn) the
-    share is even: the real workers hand a freed slot to the gateway holding the fewest unused credits
-    (services.common.credits), which evens the shares out when the gateways' loads are even, as round robin
-    makes them."""
+    """One gateway replica: the gateway's own admission core (services.gateway.admission_core: tenants' limits, the
+    queue, room on the mesh, the fair bypass) on the simulated clock, what it has in flight, and its share of the
+    workers' slots. With several gateways (a load balancer spreading requests over them in turn) the share is
+    even: the real workers hand a freed slot to the gateway holding the fewest unused credits
+    (services.gateway.credits), which evens the shares out when the gateways' loads are even, as round robin
+    makes them. Its view of the mesh (KV capacity, outstanding tokens, step-cost fits) is polled every
+    GATEWAY_POLL_S, as the real gateway polls the router's."""
 
     def __init__(self, cluster: "Cluster"):
         spec = cluster.spec
         self.c = cluster
-        self.acost = AdmissionCost()
-        self.queue = AdmissionQueue(make_arbitration("fcfs" if spec.admission == "none" else spec.admission,
-                                                     spec.starvation_s), starvation_s=spec.starvation_s,
-                                    trust_predictions=False)
+        self.core = AdmissionCore("fcfs" if spec.admission == "none" else spec.admission, spec.starvation_s,
+                                  clock=lambda: cluster.now, queue_bursts=spec.queue_bursts)
+        self.tenants: dict[str, Tenant] = {}
         self.in_flight = 0
-        self.held: dict[str, int] = {}  # tenant -> requests dispatched and not finished
-        self.queued: dict[str, int] = {}
         self.sims: dict[int, SimRequest] = {}  # id(Pending) -> its request
         self.tick_armed = False
-        self.polled_s = -math.inf  # when it last read the workers' fits (reported_costs)
-        self.heard = -1  # the version of them it last took
+        self.polled_s = -math.inf  # when it last read the router's view of the workers
+        self.heard = -1  # the version of their fits it last took
+        self.kv = (0, 0)  # (KV token capacity, outstanding tokens) of the serving workers, as last polled
 
     def slots(self) -> int:
         return self.c._slot_count // len(self.c.gateways)
+
+    def _tenant(self, name: str) -> Tenant:
+        t = self.tenants.get(name)
+        if t is None:
+            t = self.tenants[name] = Tenant(name, weight=float(self.c.spec.tenant_weights.get(name, 1.0)))
+        return t
+
+    def _poll(self) -> None:
+        c = self.c
+        if c.now < self.polled_s + GATEWAY_POLL_S:
+            return
+        self.polled_s = c.now
+        version, reports = c.reported_costs()
+        if version != self.heard:
+            self.heard = version
+            self.core.cost.update(*reports)
+        views = [c.views[w.id] for w in c.serving() if w.role != "prefill"]
+        self.kv = (sum(v.capacity_tokens for v in views), sum(v.outstanding_tokens for v in views))
 
     def arrive(self, sim: SimRequest) -> None:
         c, t = self.c, sim.trace
         if c.spec.admission == "none":
             self._dispatch(sim)
             return
-        if c.now >= self.polled_s + GATEWAY_POLL_S:  # the gateway's poll of the router's view
-            self.polled_s = c.now
-            version, reports = c.reported_costs()
-            if version != self.heard:
-                self.heard = version
-                self.acost.update(*reports)
-        prioritized = sim.deadline_s is not None and self.queue.policy.uses_deadlines
-        predicted = (self.acost.predict_prioritized(t.prompt_tokens, t.output_tokens) if prioritized
-                     else self.acost.predict(t.prompt_tokens, t.output_tokens))
-        p = Pending(t.id, t.tenant, sim.weight, c.now, 0, t.prompt_tokens, t.output_tokens, priority=t.priority,
-                    deadline_s=sim.deadline_s, predicted_s=predicted,
-                    predicted_first_s=min(self.acost.predict_first(t.prompt_tokens), predicted))
-        sim.pending = p
+        self._poll()
         try:
-            pushed = self.queue.offer(p, c.now)
+            p, pushed = self.core.offer(self._tenant(t.tenant), t.id, t.prompt_tokens, t.output_tokens, t.priority,
+                                        sim.deadline_s)
         except MeshError as e:
             c._end(sim, e.code)
             return
+        sim.pending = p
         self.sims[id(p)] = sim
-        self.queued[t.tenant] = self.queued.get(t.tenant, 0) + 1
         for q in pushed:
-            self.queued[q.tenant] -= 1
             c._end(self.sims.pop(id(q)), "RESOURCE_EXHAUSTED")
         self.pump()
 
@@ -555,31 +567,17 @@ class Gateway:
         if sim.deadline_s is not None:
             c.at(max(sim.deadline_s, c.now), c._expire, sim)
 
-    def _can_run(self, p: Pending) -> bool:
-        slots = self.slots()
-        if self.in_flight < slots or self.in_flight == 0:
-            return True  # a free slot (the workers' credits), or an idle mesh, which never stalls
-        if not self.queue.policy.name.startswith("fair"):
-            return False
-        weights = {t: self.c.spec.tenant_weights.get(t, 1.0) for t in set(self.held) | set(self.queued)
-                   if self.held.get(t) or self.queued.get(t)}
-        weights[p.tenant] = p.weight
-        return under_share(p.tenant, weights, self.held, slots, self.queue.queue, self.c.now, self.queue.starvation_s)
-
     def pump(self) -> None:
-        c = self.c
-        self.queue.slots = max(self.slots(), 1)
-        for p in self.queue.expired(c.now):
-            self.queued[p.tenant] -= 1
+        c, core = self.c, self.core
+        self._poll()
+        core.set_view(MeshView(max(self.slots(), 1), *self.kv))
+        expired, dispatched = core.sweep()
+        for p in expired:
             c._end(self.sims.pop(id(p)), "DEADLINE_EXCEEDED")
-        while self.queue.queue:
-            p = self.queue.next(c.now, can_run=self._can_run)
-            if p is None:
-                break
-            self.queued[p.tenant] -= 1
-            self.held[p.tenant] = self.held.get(p.tenant, 0) + 1
+        for p in dispatched:
             self._dispatch(self.sims.pop(id(p)))
-        if self.queue.queue and not self.tick_armed and any(q.deadline_s is not None for q in self.queue.queue):
+        queue = core.queue.queue
+        if queue and not self.tick_armed and any(q.deadline_s is not None for q in queue):
             self.tick_armed = True  # deadlines pass without any event: the gateway's 50 ms tick
             c.at(c.now + 0.05, self._tick)
 
@@ -592,11 +590,7 @@ class Gateway:
         self.in_flight -= 1
         if p is None:  # admission "none"
             return
-        self.held[p.tenant] -= 1
-        if sim.first_s is not None and sim.last_s is not None and not sim.error:
-            self.acost.observe(p.input_tokens, sim.tokens_out, sim.first_s - sim.dispatched_s, sim.last_s - sim.first_s)
-            self.queue.trust_predictions = self.acost.trusted
-        self.queue.finished(p, sim.tokens_out, self.c.now, sim.first_s)
+        self.core.done(p, sim.tokens_out, sim.first_s, None if sim.error else sim.last_s)  # a failure teaches nothing
         self.pump()
 
 
@@ -707,7 +701,7 @@ class _Scaler:
             prompt_tokens_per_s=w.prompt_tokens / dt, output_tokens_per_s=w.output_tokens / dt,
             requests_per_s=w.requests / dt,
             queued_prefill_tokens=float(sum(r.num_tokens - r.num_computed for x in serving for r in x.sched.waiting)
-                                        + sum(p.input_tokens for g in c.gateways for p in g.queue.queue)),
+                                        + sum(p.input_tokens for g in c.gateways for p in g.core.queue.queue)),
             kv_usage=max((x.pool.num_used / x.pool.num_blocks for x in serving), default=0.0),
             ttft_p90_s=ttfts[int(0.9 * (len(ttfts) - 1))] if ttfts else None,
             cpu_util=sum(busy) / len(busy) if busy else 0.0)

@@ -430,9 +430,12 @@ class AdmissionQueue:
         """Predicted to miss its deadline (deadline-aware policies, trusted predictions only)."""
         return self._predicts_deadlines() and p.deadline_s - now < self.deadline_service_s(p)
 
-    def cancel(self, p: Pending) -> None:
+    def cancel(self, p: Pending) -> bool:
+        """Take a queued request out (its caller went away); whether it was queued."""
         if p in self.queue:
             self.queue.remove(p)
+            return True
+        return False
 
     def finished(self, p: Pending, output_tokens: int, now: float | None = None, first_s: float | None = None) -> None:
         """A dispatched request ended: refund the reserved output tokens it did not generate; with `now`, learn how

@@ -1,0 +1,193 @@
+"""The gateway's admission decisions, I/O-free: the core that the gateway (admission.py) and the simulator
+(sim/cluster.py) both run. The clock is injected; nothing here waits, sends or logs.
+
+A request is offered (offer(): the tenant's rate limits, then the admission queue, which may reject it or push
+out another), waits in the queue (services.common.admission.AdmissionQueue with its arbitration policy), and
+leaves it when sweep() finds room for it: the tenant's `max_concurrent` not reached, and either room on the mesh
+(has_room(): an unused credit of the workers' not yet routed against, or before the credit streams are known a
+free batch slot in the view; and KV room for its prompt and output) or, under the fair policies, its tenant
+below its weighted share of the slots (under_share). done() frees its share and teaches the cost model;
+withdraw() takes back a request whose caller left.
+
+The wrappers own what is not decided here: the gateway settles futures, counts metrics and builds the gRPC
+errors; the simulator schedules events. Capacity comes in as a MeshView (update_view() from the router's
+ListWorkers, or the simulator's own) and, at the gateway, the workers' credit streams (`credits`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from services.common.admission import AdmissionQueue, CostModel, Pending, under_share
+from services.common.arbitration import make_policy
+from services.common.tenants import Tenant, TenantState
+
+
+@dataclass
+class MeshView:
+    slots: int = 0  # batch slots of the serving workers (0 = unknown: admit one at a time)
+    kv_tokens: int = 0  # their KV token capacity
+    outstanding_tokens: int = 0  # what they report as outstanding
+    block_size: int = 0  # of the workers that compute prompts, when they all agree (0: none or mixed)
+
+
+class AdmissionCore:
+    def __init__(self, policy_name: str = "fair-deadline", starvation_s: float = 30.0, clock=time.monotonic,
+                 queue_bursts: bool = True):
+        self.clock = clock
+        self.cost = CostModel()
+        self.queue = AdmissionQueue(make_policy(policy_name, starvation_s), starvation_s=starvation_s,
+                                    trust_predictions=self.cost.trusted, queue_bursts=queue_bursts)
+        self.view = MeshView()
+        self.states: dict[str, TenantState] = {}
+        self.running_requests = 0
+        self.running_tokens = 0
+        self.unrouted = 0  # dispatched, not yet routed against a credit
+        self.credits = None  # CreditPool, once the gateway follows the workers' credit streams
+
+    def state(self, tenant: Tenant, now: float) -> TenantState:
+        st = self.states.get(tenant.name)
+        if st is None:
+            st = self.states[tenant.name] = TenantState(tenant, now)
+        return st
+
+    # ---- capacity ---------------------------------------------------------------------------------------------
+
+    def set_view(self, view: MeshView) -> None:
+        self.view = view
+        self.queue.slots = max(view.slots, 1)
+
+    def update_view(self, workers: list, role: str) -> None:
+        """From the router's ListWorkers: capacity and step costs of the workers of `role`."""
+        serving = [w for w in workers if w.role == role]
+        sizes = {w.block_size for w in workers if w.role in ("prefill", "unified")}
+        self.set_view(MeshView(sum(w.max_num_seqs for w in serving), sum(w.kv_capacity_tokens for w in serving),
+                               sum(w.outstanding_tokens for w in serving), sizes.pop() if len(sizes) == 1 else 0))
+        # Each cost from the role that measures it (decode workers never prefill a prompt: in disaggregated mode
+        # the prefill cost comes from the prefill workers); the model takes medians and clamps them.
+        decoders = [w for w in workers if w.role in ("decode", "unified")]
+        self.cost.update([w.prefill_s_per_token for w in workers if w.role in ("prefill", "unified")],
+                         [w.decode_s_per_step for w in decoders], [w.decode_s_floor for w in decoders])
+        if self.credits is not None:
+            self.credits.sync(w.address for w in serving)
+
+    def has_room(self, p: Pending) -> bool:
+        v = self.view
+        if self.credits is not None and self.credits.known:
+            if self.credits.total() - self.unrouted <= 0:
+                return False
+        elif self.running_requests == 0:
+            return True  # never stall an idle mesh on a stale or empty view
+        elif v.slots and self.running_requests >= v.slots:
+            return False
+        load = max(self.running_tokens, v.outstanding_tokens)
+        return not v.kv_tokens or load + p.input_tokens + p.max_tokens <= v.kv_tokens
+
+    # ---- a request's life -------------------------------------------------------------------------------------
+
+    def offer(self, tenant: Tenant, req_id: str, prompt_tokens: int, max_tokens: int, priority: int,
+              deadline_s: float | None) -> tuple[Pending, list[Pending]]:
+        """Queue a request: (its Pending, the requests it pushed out of the queue). Raises the tenant's and the
+        queue's rejections (MeshError)."""
+        now = self.clock()
+        st = self.state(tenant, now)
+        st.admit_rates(prompt_tokens + max_tokens, now)
+        prioritized = deadline_s is not None and self.queue.policy.uses_deadlines  # deadline-aware batching's
+        predicted = (self.cost.predict_prioritized(prompt_tokens, max_tokens) if prioritized
+                     else self.cost.predict(prompt_tokens, max_tokens))
+        p = Pending(req_id, tenant.name, tenant.weight, now, 0, prompt_tokens, max_tokens, priority=priority,
+                    deadline_s=deadline_s, predicted_s=predicted, max_queued=tenant.limits.max_queued,
+                    predicted_first_s=min(self.cost.predict_first(prompt_tokens), predicted))
+        pushed = self.queue.offer(p, now)
+        st.queued += 1
+        for q in pushed:
+            self.states[q.tenant].queued -= 1
+        return p, pushed
+
+    def sweep(self) -> tuple[list[Pending], list[Pending]]:
+        """Drop what can no longer meet its deadline, then dispatch while there is room: (expired, dispatched),
+        each in order."""
+        now = self.clock()
+        expired = self.queue.expired(now)
+        for p in expired:
+            self.states[p.tenant].queued -= 1
+        dispatched = []
+        while self.queue.queue:
+            p = self.queue.next(now, can_run=self._can_run)
+            if p is None:
+                break
+            self.running_requests += 1
+            self.running_tokens += p.input_tokens + p.max_tokens
+            self.unrouted += 1
+            st = self.states[p.tenant]
+            st.queued -= 1
+            st.running += 1
+            dispatched.append(p)
+        return expired, dispatched
+
+    def routed(self, p: Pending, worker: str) -> str:
+        """A dispatched request was routed to `worker` (again, for a resume): use a credit of that worker's; returns
+        the subscription to name in the request ("" = none held)."""
+        if not p.routed:
+            p.routed = True
+            self.unrouted -= 1
+        return self.credits.take(worker) if self.credits is not None else ""
+
+    def give_back(self, worker: str, credit: str, request_id: str) -> None:
+        """A request routed to `worker` with `credit` (routed()'s) ended early: the credit may be unused there."""
+        if self.credits is not None and credit:
+            self.credits.give_back(worker, credit, request_id)
+
+    def avoid(self) -> list[str]:
+        """Serving workers that hold no unused credit of this gateway's."""
+        return self.credits.without() if self.credits is not None and self.credits.known else []
+
+    def withdraw(self, p: Pending) -> bool:
+        """The caller of a queued or dispatched request went away: out of the queue, its slot back if it held one
+        (True then: the caller should sweep())."""
+        if self.queue.cancel(p):
+            self.states[p.tenant].queued -= 1
+        if id(p) in self.queue.running:
+            self.release(p, 0)
+            return True
+        return False
+
+    def done(self, p: Pending, output_tokens: int, first_token_s: float | None = None,
+             last_token_s: float | None = None) -> None:
+        """A dispatched request ended (any way): free its share of capacity; refund unused reservation. With the
+        times of its first and last token (the core's clock), a completed request teaches the cost model."""
+        if p.dispatched_s is not None and first_token_s is not None and last_token_s is not None:
+            self.cost.observe(p.input_tokens, output_tokens, first_token_s - p.dispatched_s,
+                              last_token_s - first_token_s)
+            self.queue.trust_predictions = self.cost.trusted
+        self.release(p, output_tokens, first_token_s)
+
+    def release(self, p: Pending, output_tokens: int, first_token_s: float | None = None) -> None:
+        if id(p) not in self.queue.running:
+            return  # never dispatched, or released already
+        self.running_requests -= 1
+        self.running_tokens -= p.input_tokens + p.max_tokens
+        if not p.routed:
+            self.unrouted -= 1
+        self.states[p.tenant].running -= 1
+        self.queue.finished(p, output_tokens, self.clock(), first_token_s)
+
+    # ---- the rules ----------------------------------------------------------------------------------------------
+
+    def _can_run(self, p: Pending) -> bool:
+        st = self.states[p.tenant]
+        limit = st.tenant.limits.max_concurrent
+        if limit is not None and st.running >= limit:
+            return False
+        return self.has_room(p) or self._under_share(st)
+
+    def _under_share(self, st: TenantState) -> bool:
+        """The fair policies' bypass of a full mesh (services.common.admission.under_share)."""
+        if not self.queue.policy.name.startswith("fair"):
+            return False
+        active = {x.tenant.name: x for x in self.states.values() if x.running or x.queued}
+        active[st.tenant.name] = st
+        return under_share(st.tenant.name, {t: x.tenant.weight for t, x in active.items()},
+                           {t: x.running for t, x in active.items()}, self.view.slots, self.queue.queue, self.clock(),
+                           self.queue.starvation_s)
