@@ -24,11 +24,18 @@ from services.autoscaler.actuators import ComposeActuator, KubernetesActuator, L
 from services.autoscaler.policy import POLICIES, PolicyState
 from services.autoscaler.signals import PoolSignals
 from services.common import rpc
-from services.common.config import AutoscalerSection, PoolSection, add_config_flag, add_section_flags, config_from_args
+from services.common.config import (
+    AutoscalerSection,
+    PoolSection,
+    add_config_flag,
+    add_section_flags,
+    announce,
+    config_from_args,
+)
 from services.common.telemetry import METRICS_ENDPOINT_ENV, add_metrics_flag, setup_telemetry
 
 log = logging.getLogger("meshserve.autoscaler")
-DEFAULT_PORT = 50054  # ../shared/INTERFACES.md
+DEFAULT_PORT = 50054  # docs/INTERFACES.md
 
 
 class Autoscaler(metrics_service_pb2_grpc.MetricsServiceServicer):
@@ -115,7 +122,8 @@ def make_actuator(args):
 
 
 def parse_workloads(text: str) -> dict:
-    """`decode=Deployment/meshserve-decode,sql=StatefulSet/sql` -> {pool: (kind, name)}; SystemExit naming a bad pair."""
+    """`decode=Deployment/meshserve-decode,sql=StatefulSet/sql` -> {pool: (kind, name)}; SystemExit naming a bad
+    pair."""
     out = {}
     for pair in filter(None, text.split(",")):
         pool, _, workload = pair.partition("=")
@@ -133,8 +141,8 @@ async def serve(args, section: AutoscalerSection, roles: dict) -> None:
     trace_service_pb2_grpc.add_TraceServiceServicer_to_server(_Traces(), server.server)
     await server.set_serving(True)
     loop = asyncio.create_task(autoscaler.run())
-    print(f"autoscaler listening on {server.address} (OTLP metrics; policy {section.policy}, pools {args.scaled_pools}, "
-          f"actuator {args.actuator}, every {section.interval_s:g} s)", flush=True)
+    print(f"autoscaler listening on {server.address} (OTLP metrics; policy {section.policy}, "
+          f"pools {args.scaled_pools}, actuator {args.actuator}, every {section.interval_s:g} s)", flush=True)
     await server.run(grace_s=args.grace_s)
     loop.cancel()
 
@@ -170,6 +178,7 @@ def main() -> None:
     if os.environ.get(METRICS_ENDPOINT_ENV, "").endswith(f":{args.port}"):
         del os.environ[METRICS_ENDPOINT_ENV]  # the mesh's services export here; the autoscaler itself does not
     setup_telemetry("autoscaler", args.metrics_port, args.host)
+    announce("autoscaler", cfg, "autoscaler")
     asyncio.run(serve(args, section, roles))
 
 

@@ -23,8 +23,18 @@ import typing
 from pathlib import Path
 from typing import Literal
 
-from pydantic import (BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt,
-                      ValidationError, field_validator, model_validator)
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from services.engine.config import ArbitrationPolicyName, EngineSection
 
@@ -113,8 +123,11 @@ class RoutingSection(Section):
                                          "with LoRA affinity)")
     lora_placement: bool = Field(True, description="replicate LoRA adapters to workers by measured demand: hot ones "
                                                    "are read into memory ahead of their requests (placement.py)")
-    weights: dict[str, float] = Field(default_factory=dict, description='scorer weights, e.g. {"prefix": 1, "load": 0.5}')
+    weights: dict[str, float] = Field(default_factory=dict,
+                                      description='scorer weights, e.g. {"prefix": 1, "load": 0.5}')
     guard: Guard = Field(default_factory=Guard, description="prefix-aware's load guard")
+    heartbeat_ms: PositiveInt = Field(1000, description="how often workers beat to the router (it tells them)")
+    worker_ttl_s: PositiveFloat = Field(3.0, description="the router forgets a worker silent this long")
 
     @field_validator("weights")
     @classmethod
@@ -152,6 +165,8 @@ class KVSection(Section):
                                           "more than they cache, and unified workers push theirs there")
     budget_gb: PositiveFloat = Field(1.0, description="the kvstore's pool, reserved in /dev/shm when the first "
                                                       "worker attaches")
+    transfer_ttl_s: PositiveFloat = Field(60.0, description="the kvstore drops a transfer never released after "
+                                                            "this long")
 
 
 class PoolSection(Section):
@@ -226,7 +241,8 @@ class MeshConfig(Section):
     def _renamed(cls, raw):
         for (section, key), now in RENAMED.items():
             if isinstance(raw, dict) and isinstance(raw.get(section), dict) and key in raw[section]:
-                raise ValueError(f"{section}.{key} is now {now}: one name per policy (routing, admission, engine slots)")
+                raise ValueError(f"{section}.{key} is now {now}: one name per policy "
+                                 "(routing, admission, engine slots)")
         return raw
 
     @field_validator("tenants", mode="before")
@@ -373,7 +389,8 @@ def add_section_flags(ap: argparse.ArgumentParser, section: str, prefix: str = "
     for name, field in model.model_fields.items():
         flag, dest = "--" + prefix + name.replace("_", "-"), f"_{section}__{name}"
         kind, choices = _flag_type(field.annotation)
-        help_text = (field.description or "") + f" (config {section}.{name}; env {ENV_PREFIX}{section.upper()}__{name.upper()})"
+        env = f"{ENV_PREFIX}{section.upper()}__{name.upper()}"
+        help_text = (field.description or "") + f" (config {section}.{name}; env {env})"
         if kind is bool:
             g.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, dest=dest,
                            help=help_text)
@@ -410,9 +427,35 @@ def add_config_flag(ap: argparse.ArgumentParser) -> None:
                     help="the mesh config file (YAML or TOML; env MESHSERVE_CONFIG); this service reads its sections")
 
 
-def config_from_args(ap: argparse.ArgumentParser, args: argparse.Namespace, *sections: str) -> MeshConfig:
-    """The validated config of a service: --config file, environment, then its flags; errors exit via ap.error."""
+def config_from_args(ap: argparse.ArgumentParser, args: argparse.Namespace, *sections: str,
+                     own: dict | None = None) -> MeshConfig:
+    """The validated config of a service: --config file, environment, then its flags; errors exit via ap.error.
+    own: {"section.key": value, None when not given}: the service's own flags for keys of the config (--mode for
+    mesh.mode, ...), which override the file as the generated section flags do."""
+    overrides = flag_overrides(args, *sections)
+    for dotted, value in (own or {}).items():
+        if value is not None:
+            section, key = dotted.split(".", 1)
+            overrides.setdefault(section, {})[key] = value
     try:
-        return load_mesh_config(args.config, flag_overrides(args, *sections))
+        return load_mesh_config(args.config, overrides)
     except ConfigError as e:
         ap.error(str(e))
+
+
+def announce(service: str, cfg: MeshConfig, *names: str) -> dict:
+    """Print, as one line `<service> config: {json}`, the config a service runs with: each name a section it owns
+    ("kv") or one key it reads from another ("mesh.mode"); tenants by name only. Returns what it printed."""
+    out: dict = {}
+    for name in names:
+        section, _, key = name.partition(".")
+        if section == "tenants":
+            out["tenants"] = [t.name for t in cfg.tenant_objects()]
+            continue
+        values = getattr(cfg, section).model_dump(mode="json")
+        if key:
+            out.setdefault(section, {})[key] = values[key]
+        else:
+            out[section] = values
+    print(f"{service} config: {json.dumps(out, sort_keys=True)}", flush=True)
+    return out

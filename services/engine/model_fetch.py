@@ -60,6 +60,17 @@ def is_model_dir(path: Path) -> bool:
     return (path / "config.json").exists()
 
 
+def local_model(name: str) -> str:
+    """A service's model folder from mesh.model or --model: a known name's cached folder (fetched already: the
+    services never download), else the folder as given."""
+    if name in KNOWN_MODELS:
+        path = cached_path(name)
+        if not is_model_dir(path):
+            raise ModelLoadError(f"{name} is not fetched here ({path}): run `meshserve model fetch {name}` first")
+        return str(path)
+    return name
+
+
 def fetch(name: str, out_dir: str | Path | None = None, log=print) -> Path:
     """The folder of a known model: found in out_dir (default: the cache), else downloaded and imported."""
     if name not in KNOWN_MODELS:

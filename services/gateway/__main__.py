@@ -11,10 +11,11 @@ from pathlib import Path
 import grpc
 
 from services.common import rpc
+from services.common.config import MeshConfig, add_config_flag, add_section_flags, announce, config_from_args
+from services.common.errors import ModelLoadError
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.common.telemetry import add_metrics_flag, setup_telemetry
-from services.common.config import MeshConfig, add_config_flag, add_section_flags, config_from_args
 from services.common.tenants import CACHE_SECRET_ENV, Authenticator, cache_secret
 from services.common.tokenizer import Tokenizer
 from services.gateway.admission import Admission
@@ -97,15 +98,17 @@ def _env_int(name: str) -> int | None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m services.gateway", description=__doc__)
-    ap.add_argument("--model", default=os.environ.get("MESHSERVE_MODEL"), required="MESHSERVE_MODEL" not in os.environ,
-                    help="the served model folder (config.json and tokenizer.json are read here)")
+    ap.add_argument("--model", default=os.environ.get("MESHSERVE_MODEL"),
+                    help="the served model folder, config.json and tokenizer.json are read here (config mesh.model; "
+                         "env MESHSERVE_MODEL)")
     ap.add_argument("--served-model-name", nargs="+", metavar="NAME",
-                    help="the model name(s) requests use (the first is reported; default: the folder's name)")
+                    help="the model name(s) requests use (the first is reported; default: the folder's name; config "
+                         "mesh.served_model_name)")
     ap.add_argument("--router", default=os.environ.get("ROUTER_ADDR", f"127.0.0.1:{rpc.DEFAULT_PORTS['router']}"),
                     help="router address, or several separated by commas (Route calls spread over them and fail over)")
     ap.add_argument("--kvstore", default=os.environ.get("KVSTORE_ADDR", f"127.0.0.1:{rpc.DEFAULT_PORTS['kvstore']}"))
-    ap.add_argument("--mode", default=os.environ.get("ROUTER_MODE", "disaggregated"),
-                    choices=["disaggregated", "unified"], help="which workers readiness waits for")
+    ap.add_argument("--mode", default=os.environ.get("ROUTER_MODE"), choices=["disaggregated", "unified"],
+                    help="which workers readiness waits for (config mesh.mode; env ROUTER_MODE)")
     add_config_flag(ap)
     add_section_flags(ap, "admission", prefix="admission-")
     ap.add_argument("--record-trace", default=os.environ.get("GATEWAY_RECORD_TRACE"), metavar="FILE",
@@ -121,8 +124,20 @@ def main() -> None:
     args = ap.parse_args()
     if bool(args.tls_cert) != bool(args.tls_key):
         ap.error("--tls-cert and --tls-key go together")
-    config = config_from_args(ap, args, "admission")
+    config = config_from_args(ap, args, "admission", own={
+        "mesh.mode": args.mode, "mesh.model": args.model, "mesh.served_model_name": args.served_model_name})
+    if not config.mesh.model:
+        ap.error("no model: give --model, MESHSERVE_MODEL or mesh.model in the config file")
+    args.model, args.mode = config.mesh.model, config.mesh.mode
+    if not Path(args.model).is_dir():  # a known model's name: its folder in the cache (engine code, loaded lazily)
+        from services.engine.model_fetch import local_model
+        try:
+            args.model = local_model(args.model)
+        except ModelLoadError as e:
+            ap.error(str(e))
+    args.served_model_name = config.mesh.served_model_name
     setup_telemetry("gateway", args.metrics_port, args.host)
+    announce("gateway", config, "admission", "tenants", "mesh.mode", "mesh.model", "mesh.served_model_name")
     asyncio.run(serve(args, config))
 
 

@@ -17,12 +17,13 @@ import time
 from opentelemetry import metrics, trace
 
 from services.common import rpc
+from services.common.arena import Arena, check_instance, reclaim
+from services.common.config import KVSection, add_config_flag, announce, config_from_args
 from services.common.errors import InvalidRequest, MeshError
 from services.common.host import host_id
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.common.telemetry import add_metrics_flag, setup_telemetry
-from services.kvstore.arena import Arena, check_instance, reclaim
 from services.kvstore.store import BlockStore
 
 log = logging.getLogger("meshserve.kvstore")
@@ -52,7 +53,7 @@ class StaleArena(MeshError):
 class KVStoreMetrics:
     """KV transfer bytes and stream seconds by direction (put, get) and transport, and what the pool holds."""
 
-    def __init__(self, servicer: "KVStoreServicer", meter: metrics.Meter | None = None):
+    def __init__(self, servicer: KVStoreServicer, meter: metrics.Meter | None = None):
         meter = meter or metrics.get_meter("meshserve.kvstore")
         self.bytes = meter.create_counter("meshserve.kv_transfer.bytes", unit="By", description="KV bytes moved")
         self.seconds = meter.create_histogram("meshserve.kv_transfer.seconds", unit="s",
@@ -282,11 +283,11 @@ async def publish_loop(servicer: KVStoreServicer, redis_url: str, period_s: floa
         await publisher.withdraw()
 
 
-async def serve(args) -> None:
+async def serve(args, kv: KVSection) -> None:
     gone = reclaim(args.instance)
     if gone:
         log.info("reclaimed %d stale segment(s) of instance %s: %s", len(gone), args.instance, ", ".join(gone))
-    servicer = KVStoreServicer(int(args.byte_budget_gb * 1e9), args.ttl_s, args.instance, args.transport)
+    servicer = KVStoreServicer(int(kv.budget_gb * 1e9), kv.transfer_ttl_s, args.instance, kv.transport)
     server = rpc.Server(["KVStore"], args.port, args.host)
     pb_grpc.add_KVStoreServicer_to_server(servicer, server.server)
     await server.set_serving(True)
@@ -313,21 +314,33 @@ async def serve(args) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m services.kvstore", description=__doc__)
     rpc.add_server_flags(ap, "KVSTORE_PORT", grace_s=5.0, default_port=rpc.DEFAULT_PORTS["kvstore"])
-    ap.add_argument("--byte-budget-gb", type=float, default=float(os.environ.get("KVSTORE_BUDGET_GB", "4")),
-                    help="bytes of KV the pool holds (reserved in shared memory when the arena is formatted)")
-    ap.add_argument("--ttl-s", type=float, default=60.0, help="drop transfers never released after this long")
+    add_config_flag(ap)
+    ap.add_argument("--byte-budget-gb", type=float, default=_env_float("KVSTORE_BUDGET_GB"),
+                    help="bytes of KV the pool holds, reserved in shared memory when the arena is formatted (config "
+                         "kv.budget_gb; env KVSTORE_BUDGET_GB)")
+    ap.add_argument("--ttl-s", type=float, help="drop transfers never released after this long (config "
+                                                "kv.transfer_ttl_s)")
     ap.add_argument("--instance", default=os.environ.get("KVSTORE_INSTANCE"),
                     help="names this kvstore's shared-memory segments, so that a restart reclaims its predecessor's "
                          "(default: port<PORT>)")
-    ap.add_argument("--transport", choices=TRANSPORTS, default=os.environ.get("KVSTORE_TRANSPORT", "auto"),
-                    help="grpc: never offer shared memory; shm/auto: offer it to workers on this host")
+    ap.add_argument("--transport", choices=TRANSPORTS, default=os.environ.get("KVSTORE_TRANSPORT"),
+                    help="grpc: never offer shared memory; shm/auto: offer it to workers on this host (config "
+                         "kv.transport; env KVSTORE_TRANSPORT)")
     ap.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
                     help="publish the pool's blocks to the prefix index here (env REDIS_URL)")
     add_metrics_flag(ap)
     args = ap.parse_args()
+    cfg = config_from_args(ap, args, own={"kv.budget_gb": args.byte_budget_gb, "kv.transfer_ttl_s": args.ttl_s,
+                                          "kv.transport": args.transport})
     args.instance = check_instance(args.instance or f"port{args.port}")
     setup_telemetry("kvstore", args.metrics_port, args.host)
-    asyncio.run(serve(args))
+    announce("kvstore", cfg, "kv")
+    asyncio.run(serve(args, cfg.kv))
+
+
+def _env_float(name: str) -> float | None:
+    value = os.environ.get(name)
+    return float(value) if value else None
 
 
 if __name__ == "__main__":

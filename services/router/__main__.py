@@ -13,7 +13,7 @@ import time
 from grpc_health.v1 import health_pb2
 
 from services.common import rpc
-from services.common.config import RoutingSection, add_config_flag, add_section_flags, config_from_args
+from services.common.config import RoutingSection, add_config_flag, add_section_flags, announce, config_from_args
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.common.prefix_index import PrefixIndex, connect_lookup, redacted
 from services.common.telemetry import add_metrics_flag, setup_telemetry
@@ -31,7 +31,8 @@ async def watch_index(index: PrefixIndex, server: rpc.Server, servicer: RouterSe
     while True:
         index.probe()
         servicer.set_degraded(index.degraded)
-        status = health_pb2.HealthCheckResponse.NOT_SERVING if index.degraded else health_pb2.HealthCheckResponse.SERVING
+        health = health_pb2.HealthCheckResponse
+        status = health.NOT_SERVING if index.degraded else health.SERVING
         await server.health.set(INDEX_HEALTH, status)
         await asyncio.sleep(1.0)
 
@@ -43,14 +44,14 @@ async def place_loop(servicer: RouterServicer, period_s: float = 1.0) -> None:
         await servicer.place()
 
 
-async def serve(args, routing: RoutingSection) -> None:
-    registry = Registry(time.monotonic, ttl_s=args.worker_ttl_s, on_forget=lambda w, silent_s: log.warning(
+async def serve(args, routing: RoutingSection, mode: str) -> None:
+    registry = Registry(time.monotonic, ttl_s=routing.worker_ttl_s, on_forget=lambda w, silent_s: log.warning(
         "forgetting worker %s (%s): no heartbeat for %.1f s", w.worker_id, w.address, silent_s))
     index = PrefixIndex(connect_lookup(args.redis_url)) if args.redis_url else None
     server = rpc.Server(["Router"], args.port, args.host)
     policy = functools.partial(make_policy, routing.policy, routing.model_dump(include={"weights", "guard"}))
     placement = AdapterPlacement() if routing.lora_placement else None
-    servicer = RouterServicer(registry, policy, args.mode, args.heartbeat_ms, index=index, placement=placement)
+    servicer = RouterServicer(registry, policy, mode, routing.heartbeat_ms, index=index, placement=placement)
     pb_grpc.add_RouterServicer_to_server(servicer, server.server)
     gc.freeze()  # start-up objects leave the collector's view: shorter pauses on the routing path
     await server.set_serving(True)
@@ -69,17 +70,16 @@ def main() -> None:
     rpc.add_server_flags(ap, "ROUTER_PORT", grace_s=2.0, default_port=rpc.DEFAULT_PORTS["router"])
     add_config_flag(ap)
     add_section_flags(ap, "routing")
-    ap.add_argument("--mode", default=os.environ.get("ROUTER_MODE", "disaggregated"),
-                    choices=["disaggregated", "unified"])
+    ap.add_argument("--mode", default=os.environ.get("ROUTER_MODE"), choices=["disaggregated", "unified"],
+                    help="the mesh's mode (config mesh.mode; env ROUTER_MODE)")
     ap.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
                     help="the prefix index (env REDIS_URL); without it prefix-aware routes by load")
-    ap.add_argument("--heartbeat-ms", type=int, default=1000)
-    ap.add_argument("--worker-ttl-s", type=float, default=3.0, help="drop a worker silent this long")
     add_metrics_flag(ap)
     args = ap.parse_args()
-    routing = config_from_args(ap, args, "routing").routing
+    cfg = config_from_args(ap, args, "routing", own={"mesh.mode": args.mode})
     setup_telemetry("router", args.metrics_port, args.host)
-    asyncio.run(serve(args, routing))
+    announce("router", cfg, "routing", "mesh.mode")
+    asyncio.run(serve(args, cfg.routing, cfg.mesh.mode))
 
 
 if __name__ == "__main__":

@@ -8,14 +8,15 @@ import os
 import sys
 
 from services.common import rpc
-from services.common.config import add_config_flag, add_section_flags, config_from_args
+from services.common.config import add_config_flag, add_section_flags, announce, config_from_args
+from services.common.errors import ModelLoadError
+from services.common.host import topology
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.common.telemetry import POOL_ATTRIBUTE, add_metrics_flag, setup_telemetry
-from services.common.errors import ModelLoadError
+from services.engine.model_fetch import local_model
 from services.worker.metrics import WorkerMetrics
 from services.worker.runner import EngineRunner
-from services.common.host import topology
 from services.worker.server import WorkerServicer, heartbeat_loop, index_loop
 
 ROLES = ("prefill", "decode", "unified")
@@ -91,20 +92,22 @@ def parser(role: str | None = None) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=f"python -m services.{role or 'worker'}", description=__doc__)
     if role is None:
         ap.add_argument("--role", required=True, choices=ROLES)
-    ap.add_argument("--model", default=os.environ.get("MESHSERVE_MODEL"), required="MESHSERVE_MODEL" not in os.environ)
+    ap.add_argument("--model", default=os.environ.get("MESHSERVE_MODEL"),
+                    help="the model folder, or a fetched known model's name (config mesh.model; env MESHSERVE_MODEL)")
     ap.add_argument("--router", default=os.environ.get("ROUTER_ADDR", f"127.0.0.1:{rpc.DEFAULT_PORTS['router']}"),
                     help="router address, or several separated by commas (heartbeats go to each)")
     rpc.add_server_flags(ap, "WORKER_PORT", grace_s=10.0)
     ap.add_argument("--worker-id")
     ap.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
                     help="publish KV block events to the prefix index here (prefill and unified roles; env REDIS_URL)")
-    ap.add_argument("--kv-transport", choices=("auto", "grpc", "shm"), default=os.environ.get("KV_TRANSPORT", "auto"),
+    ap.add_argument("--kv-transport", choices=("auto", "grpc", "shm"), default=os.environ.get("KV_TRANSPORT"),
                     help="KV blocks to and from the kvstore: auto = shared memory on its host, else gRPC; grpc or shm "
-                         "forces one (shm fails where the kvstore is on another host)")
+                         "forces one (shm fails where the kvstore is on another host; config kv.transport; env "
+                         "KV_TRANSPORT)")
     ap.add_argument("--kv-pool", action=argparse.BooleanOptionalAction,
-                    default=os.environ.get("KV_POOL", "") in ("1", "true"),
+                    default=os.environ.get("KV_POOL", "").lower() in ("1", "true") or None,
                     help="take a prompt's blocks from the kvstore's pool when it holds more of them than this engine "
-                         "caches, and (unified role) push computed prompt blocks there")
+                         "caches, and (unified role) push computed prompt blocks there (config kv.pool; env KV_POOL)")
     ap.add_argument("--pool", default=os.environ.get("MESHSERVE_POOL", ""),
                     help="the pool it belongs to, for the autoscaler (its metrics carry the resource attribute "
                          "meshserve.pool): a named group of workers such as one adapter group's; default: its role")
@@ -122,7 +125,16 @@ def main(role: str | None = None) -> None:
     args = ap.parse_args()
     if role:
         args.role = role
-    args.engine = config_from_args(ap, args, "engine").engine
+    cfg = config_from_args(ap, args, "engine", own={"kv.transport": args.kv_transport, "kv.pool": args.kv_pool,
+                                                    "mesh.model": args.model})
+    if not cfg.mesh.model:
+        ap.error("no model: give --model, MESHSERVE_MODEL or mesh.model in the config file")
+    try:
+        args.model = local_model(cfg.mesh.model)
+    except ModelLoadError as e:
+        ap.error(str(e))
+    args.engine, args.kv_transport, args.kv_pool = cfg.engine, cfg.kv.transport, cfg.kv.pool
+    announce(f"{args.role} worker", cfg, "engine", "kv.transport", "kv.pool", "mesh.model")
     setup_telemetry(args.role, args.metrics_port, args.host, log_name=f"{args.role}-worker",
                     attributes={POOL_ATTRIBUTE: args.pool or args.role})
     sys.exit(asyncio.run(serve(args)))
