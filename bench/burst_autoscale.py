@@ -9,9 +9,9 @@ policy is configured with. Then each system gets the same Poisson trace, base ra
 10 b, and b again for 40 s. The burst peaks at `--peak` (default 0.85) of one worker's request rate at
 saturation (a burst's throughput; what a Poisson stream can sustain within a TTFT SLO is less): one worker
 cannot hold the peak within the SLO and two can. At 1.0 (the first runs) not even two fixed workers met the
-SLO on a 2-core machine, where the gateway, router, kvstore and the load generator share the workers' cores. The burst's shape (`--shape`):
-`ramp` (default) rises linearly from b to 10 b over 30 s and holds 10 b for 20 s; `step` jumps to 10 b for 40 s.
-A step faster than a replica can start is absorbed only by capacity already there (no policy that adds
+SLO on a 2-core machine, where the gateway, router, kvstore and the load generator share the workers' cores. The burst's
+shape (`--shape`): `ramp` (default) rises linearly from b to 10 b over 30 s and holds 10 b for 20 s; `step` jumps to 10
+b for 40 s. A step faster than a replica can start is absorbed only by capacity already there (no policy that adds
 replicas after the fact can meet a tight SLO through it: the first run, step-shaped, showed that); a ramp over
 twice the start-up delay is where looking ahead by the start-up time can act. Autoscaled systems: 1 to
 (cores) workers (one torch thread each: more workers than cores add no capacity). Reported per system:
@@ -120,7 +120,7 @@ class Run:
         self.timeline: list[list[float]] = []  # [seconds since counting began, workers] at each change
         self.t_count = None
 
-    def __enter__(self) -> "Run":
+    def __enter__(self) -> Run:
         stray = strays()
         if stray:  # a previous run's process still computing would skew this one's figures
             log(f"warning: processes of an earlier mesh still running: {stray}")
@@ -203,9 +203,9 @@ def run(args) -> int:
     arrivals = arrivals_for(phases, args.seed + 10)
     t0 = sum(length for length, _, _ in phases)
     reqs = requests(len(arrivals), args.seed)
-    log(f"solo TTFT p90 {percentile(solo_ms, 0.9):.0f} ms -> SLO {slo_ms:.0f} ms; one worker: prefill {prefill_tps:.0f} "
-        f"tok/s, decode {decode_tps:.0f} tok/s, {sat_rps:.2f} req/s; trace {len(reqs)} requests over {t0:.0f} s "
-        f"(base {base:.2f} req/s, {args.shape} burst to {10 * base:.2f})")
+    log(f"solo TTFT p90 {percentile(solo_ms, 0.9):.0f} ms -> SLO {slo_ms:.0f} ms; one worker: prefill "
+        f"{prefill_tps:.0f} tok/s, decode {decode_tps:.0f} tok/s, {sat_rps:.2f} req/s; "
+        f"trace {len(reqs)} requests over {t0:.0f} s (base {base:.2f} req/s, {args.shape} burst to {10 * base:.2f})")
     pool = {"min_replicas": 1, "max_replicas": MAX_WORKERS, "prefill_tokens_per_s": round(prefill_tps, 1),
             "decode_tokens_per_s": round(decode_tps, 1), "startup_s": delay + 5, "ttft_slo_ms": round(slo_ms, 1),
             "cooldown_s": 10, "down_window_s": 20, "window_s": 10, "max_step": 2}
@@ -243,7 +243,8 @@ def run(args) -> int:
            for p in POLICIES}
     result = {"workload": "burst-autoscale", "command": args.command_line, "machine": machine(),
               "config": {"shape": args.shape, "peak": args.peak, "startup_delay_s": delay, "slo_ms": round(slo_ms, 1),
-                         "solo_ttft_ms_p90": round(percentile(solo_ms, 0.9), 1), "phases": [[round(x, 3) for x in p] for p in phases],
+                         "solo_ttft_ms_p90": round(percentile(solo_ms, 0.9), 1), "phases": [[round(x, 3) for x in p]
+                                                                                           for p in phases],
                          "requests": len(reqs), "pool": pool, "model": str(model_dir)},
               "systems": systems, "ratios": ratios, "target_met": met}
     write_result(result, args.out)

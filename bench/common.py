@@ -26,7 +26,8 @@ def machine() -> dict:
         pass
     from services.engine.kernels import host_isa
 
-    limits = {k: os.environ[k] for k in ("MESHSERVE_ISA", "ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY") if k in os.environ}
+    limits = {k: os.environ[k] for k in ("MESHSERVE_ISA", "ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
+              if k in os.environ}
     return {"cpus": os.cpu_count(), "cpu_model": cpu, "isa": vector_isa(), "kernel_isa": host_isa(),
             "isa_limits": limits, "platform": platform.platform(), "python": platform.python_version(),
             "torch": torch.__version__, "torch_threads": torch.get_num_threads()}

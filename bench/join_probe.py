@@ -18,6 +18,7 @@ from bench.common import default_model
 from bench.latency import percentile, poisson_arrivals
 from bench.online import run_online, warm
 
+
 def main() -> None:
     if len(sys.argv) != 3 or sys.argv[1] not in ("join", "none"):
         raise SystemExit(__doc__)

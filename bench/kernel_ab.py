@@ -28,7 +28,8 @@ def compare(old, new, seqs: int, context: int, dtype, heads=9, kv_heads=3, d=64,
     times = {"old": [], "new": []}
     for _ in range(repeats):
         for name, kernel in (("old", old), ("new", new)):
-            times[name].append(seconds_per_call(lambda: kernel.paged_decode(q, k_pool, v_pool, tables, lens, bs, d ** -0.5)))
+            times[name].append(seconds_per_call(lambda: kernel.paged_decode(q, k_pool, v_pool, tables, lens, bs,
+                                                                            d ** -0.5)))
     a, b = (k.paged_decode(q, k_pool, v_pool, tables, lens, bs, d ** -0.5) for k in (old, new))
     t_old, t_new = (sorted(times[n])[repeats // 2] * 1e3 for n in ("old", "new"))
     return (f"{str(dtype).removeprefix('torch.'):8s} {seqs} x ~{context}: old {t_old:.3f} ms, new {t_new:.3f} ms, "

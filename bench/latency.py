@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from sim.report import percentile  # noqa: F401  (one definition: real runs and simulated ones summarise alike)
+
 
 @dataclass
 class Timing:
@@ -26,15 +28,6 @@ class Timing:
             self.last_s = now
         self.tokens += len(ids)
         self.token_ids.extend(ids)
-
-
-def percentile(values: list, q: float) -> float | None:
-    if not values:
-        return None
-    v = sorted(values)
-    k = (len(v) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(v) - 1)
-    return v[lo] + (v[hi] - v[lo]) * (k - lo)
 
 
 def summarize(timings: list[Timing], wall_s: float) -> dict:

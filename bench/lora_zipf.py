@@ -13,8 +13,8 @@ Systems, each on a fresh mesh (cold adapter caches):
 Each gets, in order: (1) the requests as Poisson arrivals at 70% of base-only's throughput -> TTFT,
 adapter reads from disk (`adapter_loads`) and their seconds, copies into slots (`slot_loads`), from the
 workers' Stats, on cold caches; (2) the same requests all at once -> output tokens/s (capacity), and the
-same counters again (`*_warm`: the caches as the first pass left them, the steady state). With --peer-vllm, vLLM-CPU's offline
-engine (--enable-lora, max_loras 8, max_cpu_loras 32, max_lora_rank 64) runs the burst on the same
+same counters again (`*_warm`: the caches as the first pass left them, the steady state). With --peer-vllm, vLLM-CPU's
+offline engine (--enable-lora, max_loras 8, max_cpu_loras 32, max_lora_rank 64) runs the burst on the same
 adapters and requests (never in CI).
 """
 
@@ -35,8 +35,8 @@ from bench.latency import poisson_arrivals, summarize
 from bench.online import run_online, warm
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
-from services.engine.lora import TARGETS, target_shapes
 from services.engine.loader import load_model
+from services.engine.lora import TARGETS, target_shapes
 from services.launcher import Mesh, MeshSpec
 
 N_ADAPTERS, SLOTS, HOST, MAX_RANK = 64, 8, 32, 64

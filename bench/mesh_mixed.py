@@ -7,8 +7,9 @@ once through a unified mesh). Systems: in-process (the engine alone, requests ad
 arrival times), mesh-disaggregated (1 prefill + 1 decode worker, KV through the kvstore's shared memory),
 mesh-disaggregated-grpc (the same with KV bytes in gRPC messages), mesh-unified (1 unified worker).
 Also: added_ttft_ms_low_load (mesh-disaggregated minus in-process TTFT p50, one request at a
-time on the same 32 prompts with 16-token outputs, unseen by either so that neither hits a prefix cache), and the KV transfer rate per hop (256 MB of the model's blocks put into
-and got from the kvstore over each transport, as the workers do) beside a raw loopback socket copy.
+time on the same 32 prompts with 16-token outputs, unseen by either so that neither hits a prefix cache), and the KV
+transfer rate per hop (256 MB of the model's blocks put into and got from the kvstore over each transport, as the
+workers do) beside a raw loopback socket copy.
 """
 
 from __future__ import annotations
@@ -103,9 +104,9 @@ async def _online(gateway: str, reqs: list, arrivals: list | None) -> dict:
 
 def in_process(model_dir: Path, reqs: list, arrivals: list | None) -> dict:
     """The engine alone, one thread: requests join at their arrival times (None: one at a time)."""
-    import torch
-
     import argparse
+
+    import torch
 
     from services.common.config import add_section_flags, flag_overrides, load_mesh_config
     from services.common.sampling import SamplingParams
@@ -142,17 +143,19 @@ def in_process(model_dir: Path, reqs: list, arrivals: list | None) -> dict:
 def kv_rates(kvstore: str, total: int = 256 * 1024 * 1024, per_message: int = 16) -> dict:
     """GB/s of one put and one get of `total` bytes of the mesh's KV blocks, `per_message` blocks per message (as
     a prefill step sends a 256-token chunk of the bench model), as workers do it over each transport: gRPC (bytes
-    in messages) and shared memory (bytes written into and read out of the kvstore's arena, with their checksum (XXH3-64);
+    in messages) and shared memory (bytes written into and read out of the kvstore's arena, with their checksum
+    (XXH3-64);
     only metadata in messages). Beside a raw loopback socket copy of the same bytes."""
+    from services.common.arena import MappedArena, checksum
     from services.common.host import host_id
-    from services.kvstore.arena import MappedArena, checksum
 
     async def hops(shm: bool) -> tuple[float, float]:
         async with grpc.aio.insecure_channel(kvstore, options=[("grpc.max_receive_message_length", 1 << 26)]) as ch:
             stub = pb_grpc.KVStoreStub(ch)
             size = (await stub.Stats(pb.StatsRequest())).block_bytes
             count = total // size
-            a = await stub.Attach(pb.AttachRequest(host=host_id(), block_bytes=size, transport="shm" if shm else "grpc"))
+            a = await stub.Attach(pb.AttachRequest(host=host_id(), block_bytes=size, transport="shm" if shm
+                                                   else "grpc"))
             arena = MappedArena(a.segment, a.generation, a.slot_bytes, a.slots) if shm else None
             if arena is not None:
                 arena.populated.join()  # as in a worker, whose mapping is populated ~0.3 s after it attaches

@@ -60,7 +60,7 @@ class LoadSampler:
         self.stop_flag = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> "LoadSampler":
+    def __enter__(self) -> LoadSampler:
         self.thread.start()
         return self
 

@@ -1,6 +1,8 @@
-"""CPU seconds of a process tree, by process (and the tree itself, `descendants`): `python -m bench.proc_cpu PID [--out FILE]` writes
-{name: user+system seconds} for PID and every descendant (named by its --worker-id, its `services.X` module (routers summed),
-or its executable), for per-process CPU per output token (before/after snapshots of one load run)."""
+"""CPU seconds of a process tree, by process (and the tree itself, `descendants`).
+
+`python -m bench.proc_cpu PID [--out FILE]` writes {name: user+system seconds} for PID and every descendant (named by
+its --worker-id, its `services.X` module (routers summed), or its executable), for per-process CPU per output token
+(before/after snapshots of one load run)."""
 
 from __future__ import annotations
 

@@ -31,7 +31,8 @@ def main() -> None:
     for m in rows:
         xs = {k: torch.randn(m, k) for _, k in weights}
         runs = {"quantized": lambda: [q(xs[k]) for q, k in weights],
-                "float32": lambda: [torch.ops.mkldnn._linear_pointwise(xs[k], w, None, "none", [], "") for w, k in dense]}
+                "float32": lambda: [torch.ops.mkldnn._linear_pointwise(xs[k], w, None, "none", [], "")
+                                    for w, k in dense]}
         out = []
         for name, f in runs.items():
             f()

@@ -6,8 +6,20 @@ import argparse
 import shlex
 import sys
 
-from bench import (burst_autoscale, engine_mixed, lora_zipf, mesh_mixed, prefix_shared, router_latency, sampler,
-                   sim_validate, skewed_costs, soak, sweep, tenants_overload)
+from bench import (
+    burst_autoscale,
+    engine_mixed,
+    lora_zipf,
+    mesh_mixed,
+    prefix_shared,
+    router_latency,
+    sampler,
+    sim_validate,
+    skewed_costs,
+    soak,
+    sweep,
+    tenants_overload,
+)
 
 WORKLOADS = {"engine-mixed": engine_mixed, "mesh-mixed": mesh_mixed, "prefix-shared": prefix_shared,
              "skewed-costs": skewed_costs, "router-latency": router_latency, "tenants-overload": tenants_overload,

@@ -48,9 +48,11 @@ def run(args) -> int:
         for kind, params in KINDS.items():
             batch = _batch(args.rows, *params, seed=args.seed)
             if kernel is not None:
-                systems["kernel"][f"{kind}_{spread}_ms"] = _time(lambda: kernel.sample(logits, *batch.tensors()), repeats)
+                systems["kernel"][f"{kind}_{spread}_ms"] = _time(lambda: kernel.sample(logits, *batch.tensors()),
+                                                                 repeats)
             if not args.quick or kind == "temperature":
-                systems["torch-fallback"][f"{kind}_{spread}_ms"] = _time(lambda: _fallback(logits, batch), max(1, repeats // 4))
+                systems["torch-fallback"][f"{kind}_{spread}_ms"] = _time(lambda: _fallback(logits, batch),
+                                                                          max(1, repeats // 4))
             if kind == "temperature":
                 systems["torch-multinomial"][f"{kind}_{spread}_ms"] = _time(lambda: _multinomial(logits), repeats)
             log(f"{spread} {kind}: " + ", ".join(f"{s} {v.get(f'{kind}_{spread}_ms')}" for s, v in systems.items()))
@@ -61,7 +63,8 @@ def run(args) -> int:
     if systems["kernel"]:
         for spread in SPREADS:
             key = f"temperature_{spread}_ms"
-            ratios[f"torch-multinomial/kernel:{key}"] = round(systems["torch-multinomial"][key] / systems["kernel"][key], 1)
+            ratio = systems["torch-multinomial"][key] / systems["kernel"][key]
+            ratios[f"torch-multinomial/kernel:{key}"] = round(ratio, 1)
     result = {"workload": "sampler", "command": args.command_line, "machine": machine(), "config": config,
               "systems": {k: v for k, v in systems.items() if v}, "ratios": ratios}
     write_result(result, args.out)

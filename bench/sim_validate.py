@@ -41,14 +41,14 @@ from pathlib import Path
 import yaml
 
 from bench import mesh_mixed, prefix_shared, tenants_overload
+from bench.calibrate import calibrate, measured_drive
 from bench.common import default_model, log, machine, print_table, random_requests, write_result
 from bench.latency import poisson_arrivals
 from bench.online import drive
 from services.common.tenants import hash_key
 from services.launcher import Mesh, MeshSpec
-from sim.calibrate import calibrate, measured_drive
-from sim.cluster import AutoscaleSpec, ClusterSpec
 from sim.cli import simulate
+from sim.cluster import AutoscaleSpec, ClusterSpec
 from sim.cost import CostModel, intervals
 from sim.report import latency_summary
 from sim.trace import read_jsonl, write_jsonl
@@ -94,7 +94,8 @@ def _served(timings: list, reqs: list) -> list:
     t0 = min(t.arrival_s for t in timings)
     out = []
     for t, r in zip(timings, reqs):
-        rel = (lambda x: None if x is None else x - t0)
+        def rel(x, t0=t0):
+            return None if x is None else x - t0
         out.append(Served(_Len(len(r["prompt_token_ids"]), r.get("tenant", "")), t.arrival_s - t0, rel(t.first_s),
                           rel(t.last_s), t.tokens, t.cached_tokens, t.error))
     return out
@@ -128,7 +129,7 @@ def _run_real(model_dir: Path, spec: MeshSpec, reqs: list, arrivals: list, keys:
     logged = [[json.loads(line) for line in f.read_text().splitlines()] for f in sorted(steps.glob("steps-*.jsonl"))]
     served = _served(timings, reqs)
     summary = latency_summary(served)
-    if phase is not None:  # the rest of the mesh's CPU over the run (sim/calibrate.py)
+    if phase is not None:  # the rest of the mesh's CPU over the run (bench/calibrate.py)
         summary["host_cores"], summary["seconds"] = round(phase["cpu_s"] / phase["seconds"], 4), phase["seconds"]
     return summary, _recorded(trace_path), logged, served
 

@@ -46,7 +46,8 @@ def workload(n: int, seed: int, vocab: int = 32000) -> list:
     reqs = []
     for i in range(n):
         out = min(2048, max(1, round(rng.lognormvariate(math.log(32), sigma))))
-        reqs.append({"id": f"req-{i}", "prompt_token_ids": [rng.randrange(3, vocab) for _ in range(rng.randint(32, 512))],
+        reqs.append({"id": f"req-{i}", "prompt_token_ids": [rng.randrange(3, vocab)
+                                                                 for _ in range(rng.randint(32, 512))],
                      "max_tokens": out, "temperature": 0.0, "ignore_eos": True})
     return reqs
 

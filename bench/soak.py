@@ -3,16 +3,17 @@
 A supervised mesh as `meshserve up` runs it (mutual TLS, 1 prefill + 2 decode workers, two routers) serves
 `--concurrency` client loops for `--soak-s` seconds, or with `--rate R` an open loop of Poisson arrivals at R
 requests/s whatever the mesh completes (run a closed loop first: twice its completed/s is "2x the sustainable rate",
-and what the gateway sheds at its admission bound is counted as rejected, by reason, apart from errors). Each sends one of 64 fixed requests (prompts of 16-256
-tokens, 16-96 new tokens, half greedy and half seeded sampling at temperature 0.8) and cancels one in five at a random
-moment 0-2 s in. Every `--kill-every-s` seconds one service picked at random (a decode or the prefill worker, the
-kvstore, a router, Redis) is killed with SIGKILL; the supervisor starts it again.
+and what the gateway sheds at its admission bound is counted as rejected, by reason, apart from errors). Each sends one
+of 64 fixed requests (prompts of 16-256 tokens, 16-96 new tokens, half greedy and half seeded sampling at temperature
+0.8) and cancels one in five at a random moment 0-2 s in. Every `--kill-every-s` seconds one service picked at random (a
+decode or the prefill worker, the kvstore, a router, Redis) is killed with SIGKILL; the supervisor starts it again.
 
 What it checks and reports:
 - every completed request equals the first completion of the same request (0 duplicated or missing tokens across
   resumes); errors other than the intended cancels, by status;
-- the resident memory (VmRSS) of every service with its child processes (a worker's engine core), sampled every 10 s: after the first minute (warm) and at the end, for
-  the gateway and for the services never killed (a restarted one starts afresh); the target is within 10%;
+- the resident memory (VmRSS) of every service with its child processes (a worker's engine core), sampled every 10 s:
+  after the first minute (warm) and at the end, for the gateway and for the services never killed (a restarted one
+  starts afresh); the target is within 10%;
 - afterwards: blocks, sequences and transfers still held (target 0).
 """
 
@@ -252,5 +253,6 @@ def _result(args, soak: Soak, duration: float, held: dict | None) -> dict:
                                       "kills": len(soak.kills),
                                       "max_rss_change_unkilled": max((abs(r["change"]) for r in rss.values()),
                                                                      default=None)}},
-            "errors": dict(soak.errors), "rejections": dict(soak.rejections), "mismatches": soak.mismatches[:20], "kills": soak.kills, "rss": rss,
+            "errors": dict(soak.errors), "rejections": dict(soak.rejections), "mismatches": soak.mismatches[:20],
+            "kills": soak.kills, "rss": rss,
             "rss_samples": soak.rss, "held_after": held or {}}

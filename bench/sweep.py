@@ -248,7 +248,7 @@ finally:
         self.pgid, self.stopped, self.period_s = popen.pid, stopped, period_s
         self.proc = None
 
-    def start(self) -> "Slowdown":
+    def start(self) -> Slowdown:
         self.proc = subprocess.Popen([sys.executable, "-c", self.SCRIPT, str(self.pgid), str(self.stopped),
                                       str(self.period_s)])
         return self

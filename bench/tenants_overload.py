@@ -98,7 +98,8 @@ def run(args) -> int:
     schedule = []
     for t, (_, mult) in TENANTS.items():
         rate = mult * cap
-        for i, at in enumerate(a for a in poisson_arrivals(int(rate * duration * 1.5) + 10, rate, rng.randrange(1 << 30))
+        for i, at in enumerate(a for a in poisson_arrivals(int(rate * duration * 1.5) + 10, rate,
+                                                           rng.randrange(1 << 30))
                                if a < duration):
             r = _request(rng, i, t)
             if rng.random() < 0.3:

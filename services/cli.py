@@ -1,4 +1,4 @@
-"""The `meshserve` command: model init, offline generate, bench (see shared/INTERFACES.md)."""
+"""The `meshserve` command: model init, offline generate, bench (see docs/INTERFACES.md)."""
 
 from __future__ import annotations
 
@@ -155,8 +155,11 @@ def build_parser() -> argparse.ArgumentParser:
     from services.chat_cli import add_parser as add_chat_parser
     from services.up import add_parsers
     add_bench_parser(sub, cmd_bench)
+    from bench.calibrate import add_parser as add_calibrate_parser
     from sim.cli import add_parser as add_sim_parser
-    add_sim_parser(sub, cmd_sim)
+    sims = add_sim_parser(sub, cmd_sim)
+    add_calibrate_parser(sims)  # `sim calibrate` measures a real worker: the benchmarks' code, the simulator's command
+    sims.choices["calibrate"].set_defaults(func=cmd_sim)
     add_parsers(sub)
     add_chat_parser(sub)
     return ap

@@ -35,7 +35,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.common.rpc import TLS_DIR_ENV, TLS_NAME_ENV, channel_credentials, read_tls
 from services.common.tenants import CACHE_SECRET_ENV
 
-
 PORT_TAKEN = "Address already in use"  # in a service's log when its port was taken before it could bind it
 REDIS_URL_ENV = "REDIS_URL"  # what the kvstore, router and workers read when --redis-url is not given
 METRICS_LINE = re.compile(r" metrics on (http://\S+/metrics)")  # what services.common.telemetry prints
@@ -140,8 +139,9 @@ class Mesh:
     def _spawn(self, name: str, args: list, port: int, grpc_health: bool = True, identity: str = "") -> Proc:
         log = self.log_dir / f"{name}.log"
         identity = identity if self.tls_dir else ""
+        tls_health = bool(identity) and (identity != "gateway" or self.spec.public_tls)
         proc = Proc(name, f"127.0.0.1:{port}", self._popen(args, log, "wb", identity), log, grpc_health, args=args,
-                    started_s=time.monotonic(), identity=identity, tls_health=bool(identity) and (identity != "gateway" or self.spec.public_tls))
+                    started_s=time.monotonic(), identity=identity, tls_health=tls_health)
         self.procs.append(proc)
         return proc
 
@@ -194,7 +194,7 @@ class Mesh:
         return self._spawn(name, [sys.executable, "-m", f"services.{module}", "--port", str(port),
                                   "--metrics-port", "0", *map(str, flags)], port, identity=module)
 
-    def start(self, timeout_s: float = 180.0, attempts: int = 3) -> "Mesh":
+    def start(self, timeout_s: float = 180.0, attempts: int = 3) -> Mesh:
         """Start every process and wait until all are healthy; if any fails, stop the ones started.
 
         A port probed free can be taken before its service binds it (the OS hands the same range out for
@@ -371,11 +371,11 @@ class Mesh:
                 pass
             signal_group(p.popen, signal.SIGKILL)
             p.popen.wait()
-        from services.kvstore.arena import reclaim
+        from services.common.arena import reclaim
 
         reclaim(self.kv_instance)  # a kvstore killed (not stopped) leaves its segment behind
 
-    def __enter__(self) -> "Mesh":
+    def __enter__(self) -> Mesh:
         return self.start()
 
     def __exit__(self, *exc) -> None:

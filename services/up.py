@@ -21,7 +21,8 @@ from services.common.prefix_index import redacted
 
 TINY_MODEL = Path("models/tiny")  # `--model tiny`, and the fallback when the default cannot be fetched
 MESH_KV_CACHE_GB = 0.25  # per worker, when the file does not say: three workers fit a small machine
-DEFAULT_PORTS = {**rpc.DEFAULT_PORTS, "http": 8000, "autoscaler": 50054, "supervisor": 50055}  # ../shared/INTERFACES.md; supervisor: ours
+DEFAULT_PORTS = {**rpc.DEFAULT_PORTS, "http": 8000, "autoscaler": 50054,
+                 "supervisor": 50055}  # docs/INTERFACES.md; supervisor: ours
 
 
 def mesh_spec(cfg: MeshConfig, model: Path, args):
@@ -77,7 +78,7 @@ def resolve_model(name: str | None) -> Path:
         return fetch(name or DEFAULT_MODEL, log=lambda m: print(m, flush=True))
     except MeshError as e:
         if name is not None:
-            raise SystemExit(f"meshserve: {e}")
+            raise SystemExit(f"meshserve: {e}") from None
         print(f"WARNING: could not fetch the default model {DEFAULT_MODEL} ({e}); serving the seeded tiny model "
               "instead, whose answers are random text. Fetch it later with: meshserve model fetch "
               f"{DEFAULT_MODEL}", file=sys.stderr, flush=True)
@@ -91,7 +92,7 @@ def cmd_up(args) -> int:
     try:
         cfg = load_mesh_config(args.config)
     except ConfigError as e:
-        raise SystemExit(str(e))
+        raise SystemExit(str(e)) from None
     model = resolve_model(args.model or cfg.mesh.model)
     print(f"serving {model}", flush=True)
     spec = mesh_spec(cfg, model, args)
@@ -126,7 +127,8 @@ def cmd_up(args) -> int:
         print(mesh.gateway, flush=True)
         print(mesh.http, flush=True)
         print(f"try: meshserve client --target {mesh.gateway} --input requests.jsonl --output out.jsonl", flush=True)
-        print("metrics (Prometheus text): " + ", ".join(f"{p.name} {p.metrics_url}" for p in mesh.procs if p.metrics_url),
+        print("metrics (Prometheus text): " + ", ".join(f"{p.name} {p.metrics_url}" for p in mesh.procs
+                                                        if p.metrics_url),
               flush=True)
         redis = redacted(mesh.redis_url)
         if mesh.tls_dir:
@@ -144,8 +146,8 @@ def cmd_up(args) -> int:
                                                pools)
             print(f"autoscaler ({scaling.policy}) on {scaler.address}, scaling {', '.join(pools)}; its decisions in "
                   f"{scaler.log}", flush=True)
-        print(f"meshserve is ready: gateway {mesh.gateway}, HTTP {mesh.http}, router {','.join(mesh.routers)}, kvstore {mesh.kvstore}, "
-              f"redis {redis}", flush=True)
+        print(f"meshserve is ready: gateway {mesh.gateway}, HTTP {mesh.http}, router {','.join(mesh.routers)}, "
+              f"kvstore {mesh.kvstore}, redis {redis}", flush=True)
         while not stop.wait(0.2):
             try:
                 with lock:
@@ -165,7 +167,7 @@ def cmd_up(args) -> int:
 
 
 def request_from_line(obj: dict) -> pb.GenerateRequest:
-    """A JSONL line (shared/INTERFACES.md) as a GenerateRequest."""
+    """A JSONL line (docs/INTERFACES.md) as a GenerateRequest."""
     s = pb.Sampling(max_tokens=int(obj.get("max_tokens", 16)), top_k=int(obj.get("top_k", 0)),
                     ignore_eos=bool(obj.get("ignore_eos", False)), logprobs=bool(obj.get("logprobs", False)),
                     min_tokens=int(obj.get("min_tokens") or 0),

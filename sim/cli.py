@@ -206,7 +206,8 @@ def add_parser(sub, func) -> None:
     sim = sub.add_parser("sim", help="the cluster simulator: run, calibrate, trace, study").add_subparsers(
         dest="sim_command", required=True)
     run = sim.add_parser("run", help="simulate a cluster on a trace (JSONL, or synthetic from the flags)")
-    run.add_argument("--trace", help="a JSONL trace (sim/trace.py; `meshserve up --record-trace` writes one)")
+    run.add_argument("--trace", help="a JSONL trace (services/common/trace.py; `meshserve up --record-trace` "
+                                     "writes one)")
     run.add_argument("--out", help="write the result JSON here")
     run.add_argument("--plot", help="write a PNG of the result here")
     add_trace_flags(run)
@@ -216,9 +217,8 @@ def add_parser(sub, func) -> None:
     tr.add_argument("--out", required=True)
     add_trace_flags(tr)
     tr.set_defaults(func=func, sim_func=cmd_trace)
-    from sim import calibrate, scale
+    from sim import scale
 
-    calibrate.add_parser(sim)
-    sim.choices["calibrate"].set_defaults(func=func)
     scale.add_parser(sim)
     sim.choices["study"].set_defaults(func=func, sim_func=cmd_study)
+    return sim

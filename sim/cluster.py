@@ -33,9 +33,9 @@ from dataclasses import dataclass, field, replace
 from services.common.admission import reported
 from services.common.block_hash import extra_keys, hash_blocks
 from services.common.errors import MeshError
+from services.common.prefix_index import POOL_MEMBER
 from services.common.tenants import Tenant
 from services.gateway.admission_core import AdmissionCore, MeshView
-from services.common.prefix_index import POOL_MEMBER
 from services.router.filters import Need
 from services.router.pick import Prompt, RolePicker
 from services.router.policies import make_policy as make_routing
@@ -129,7 +129,7 @@ class Cluster:
         else:
             raise ValueError(f"unknown mode {spec.mode!r}; known: unified, disaggregated")
         for role, n, wspec in groups:
-            for i, wid in enumerate(ids.get(role) or [f"{role}-{i}" for i in range(n)]):
+            for wid in ids.get(role) or [f"{role}-{i}" for i in range(n)]:
                 self._add_worker(replace(wspec, role=role), wid)
         self._mark_timeline()
 
@@ -507,7 +507,7 @@ class Gateway:
     makes them. Its view of the mesh (KV capacity, outstanding tokens, step-cost fits) is polled every
     GATEWAY_POLL_S, as the real gateway polls the router's."""
 
-    def __init__(self, cluster: "Cluster"):
+    def __init__(self, cluster: Cluster):
         spec = cluster.spec
         self.c = cluster
         self.core = AdmissionCore("fcfs" if spec.admission == "none" else spec.admission, spec.starvation_s,

@@ -5,8 +5,8 @@ step time = base_s + per_seq_s x sequences + per_context_s x context tokens + pr
 
 where context tokens are the tokens already in the KV cache of the step's sequences (what a decode's attention
 reads), prompt tokens are those computed beyond one per sequence, and the last term is a prompt chunk's
-attention over the tokens before it (a long prompt's later chunks cost more). The same terms as the engine's own online fit
-(services.engine.step_cost.StepCostFit: base, per sequence, per prompt token) plus the context term that fit
+attention over the tokens before it (a long prompt's later chunks cost more). The same terms as the engine's own online
+fit (services.engine.step_cost.StepCostFit: base, per sequence, per prompt token) plus the context term that fit
 leaves out; fitted by least squares, no term negative, to the steps a worker logs (MESHSERVE_STEP_LOG), each
 step counted from its start to the next step's start when the worker went straight on (so the loop's own time
 between steps, sending outputs to the servicer and taking new requests, is part of a step as it is of
@@ -14,7 +14,7 @@ throughput). Where workers share a machine's cores, the rest of the mesh's CPU p
 streamed (host_cpu_*). Beside the step: hop_s, the time from a request's arrival at the gateway to its first step, and
 back, beyond the steps themselves (gateway, router and worker hops); kv_bytes_per_token, for KV transfers.
 
-`meshserve sim calibrate` measures all of it on this machine (calibrate.py) and writes the JSON this loads.
+`meshserve sim calibrate` measures all of it on this machine (bench/calibrate.py) and writes the JSON this loads.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ class CostModel:
         Path(path).write_text(json.dumps(asdict(self), indent=1) + "\n")
 
     @classmethod
-    def load(cls, path: str | Path) -> "CostModel":
+    def load(cls, path: str | Path) -> CostModel:
         try:
             d = json.loads(Path(path).read_text())
         except (OSError, json.JSONDecodeError) as e:
@@ -75,8 +75,9 @@ class CostModel:
 
 
 def intervals(steps: list[dict]) -> list[tuple[int, int, int, int, float]]:
-    """(sequences, prompt tokens, context tokens, prompt chunk x context, seconds) per logged step of one worker: from its start to the next step's
-    start when that followed straight on, else its own time plus the median gap between busy steps."""
+    """(sequences, prompt tokens, context tokens, prompt chunk x context, seconds) per logged step of one worker:
+    from its start to the next step's start when that followed straight on, else its own time plus the median gap
+    between busy steps."""
     steps = sorted(steps, key=lambda s: s["start"])
     gaps = [b["start"] - (a["start"] + a["step_s"]) for a, b in zip(steps, steps[1:])]
     busy = sorted(g for g in gaps if 0 <= g < GAP_MAX_S)

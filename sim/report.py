@@ -7,7 +7,16 @@ from the trace's start to the last token. SLO attainment counts every request (a
 
 from __future__ import annotations
 
-from bench.latency import percentile
+
+def percentile(values: list, q: float) -> float | None:
+    """Linear interpolation between closest ranks (numpy's default); None for no values. The benchmarks' too
+    (bench.latency): the real runs and the simulated ones are summarised alike."""
+    if not values:
+        return None
+    v = sorted(values)
+    k = (len(v) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (k - lo)
 
 
 def _r(x, nd=2):

@@ -265,7 +265,8 @@ def add_parser(sub) -> None:
     p.add_argument("name", choices=STUDIES)
     p.add_argument("--requests", type=int, default=1_000_000)
     p.add_argument("--workers", type=int, default=512)
-    p.add_argument("--processes", type=int, default=os.cpu_count() or 1, help="systems simulated at once (one process each)")
+    p.add_argument("--processes", type=int, default=os.cpu_count() or 1,
+                   help="systems simulated at once (one process each)")
     p.add_argument("--cost", help="the cost model JSON (default: sim-cost.json when present, else built-in figures)")
     p.add_argument("--systems", type=lambda t: set(filter(None, t.split(","))), default=set(),
                    help="run only these of the study's systems, by name (comma-separated; default all)")

@@ -35,8 +35,9 @@ class LocalActuator:
     def __init__(self, supervisor: str, tls_dir: str = ""):
         """tls_dir: the mesh's certificates, when its Supervisor speaks mutual TLS (we present `autoscaler`)."""
         self.address = supervisor
-        self.channel = grpc.aio.secure_channel(supervisor, rpc.channel_credentials(rpc.read_tls(tls_dir, "autoscaler"))) \
-            if tls_dir else grpc.aio.insecure_channel(supervisor)
+        self.channel = grpc.aio.secure_channel(
+            supervisor, rpc.channel_credentials(rpc.read_tls(tls_dir, "autoscaler"))) if tls_dir \
+            else grpc.aio.insecure_channel(supervisor)
         self.stub = pb_grpc.SupervisorStub(self.channel)
 
     async def state(self, pool: str) -> PoolStatus:

@@ -49,7 +49,7 @@ def make_certs(out_dir: str | Path, hosts=DEFAULT_HOSTS, identities=IDENTITIES) 
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     start, end = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=VALID_DAYS)
     pem = serialization.Encoding.PEM
     ca_key = ec.generate_private_key(ec.SECP256R1())

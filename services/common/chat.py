@@ -27,7 +27,7 @@ class ChatTemplate:
         self.bos_token, self.eos_token = bos_token, eos_token
 
     @staticmethod
-    def from_model_dir(model_dir: str | Path) -> "ChatTemplate | None":
+    def from_model_dir(model_dir: str | Path) -> ChatTemplate | None:
         """The folder's template, or None when it has none (as transformers reads it: the .jinja file wins)."""
         path, jinja = Path(model_dir) / "tokenizer_config.json", Path(model_dir) / "chat_template.jinja"
         cfg = json.loads(path.read_text()) if path.exists() else {}

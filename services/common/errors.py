@@ -1,7 +1,7 @@
 """Typed errors shared by every layer, each naming the status it maps to at the edge.
 
 The mapping to gRPC statuses and HTTP codes happens once, at the servicers and the HTTP
-front (see shared/INTERFACES.md); everything below raises these. Shortage inside the engine
+front (see docs/INTERFACES.md); everything below raises these. Shortage inside the engine
 (no free KV block this step) is not an error: allocation returns None and the scheduler decides.
 """
 

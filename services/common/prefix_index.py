@@ -5,8 +5,8 @@ Layout (Redis >= 6.2: no hash-field expiry, no Functions):
     ms:live:<member>    "1" with EX live_ttl_s (10 s), refreshed by the worker every couple of seconds
 
 A worker's epoch is fresh at every start and at every full republish, so a restarted worker's old
-entries never match its new member; a dead worker's entries stop counting once its live key expires (<= live_ttl_s). Block
-sets carry a long TTL refreshed on every store, so abandoned members are garbage-collected
+entries never match its new member; a dead worker's entries stop counting once its live key expires (<= live_ttl_s).
+Block sets carry a long TTL refreshed on every store, so abandoned members are garbage-collected
 eventually; the lookup script also drops members whose live key is gone.
 
 Workers (IndexPublisher) send batches of stored/evicted events in one pipeline, never a round
@@ -15,8 +15,8 @@ restarted, or we were away longer than the TTL) the worker republishes its whole
 
 The router (PrefixIndex) asks for a prompt's longest cached prefix per member in one round trip:
 a Lua script takes the live members holding the first block and binary-searches each one's
-longest held prefix (holdings are prefix-closed; see LONGEST_PREFIX_LUA). Both sides back off and retry while Redis is unreachable; the router then
-routes by load alone and reports the degradation.
+longest held prefix (holdings are prefix-closed; see LONGEST_PREFIX_LUA). Both sides back off and retry while Redis is
+unreachable; the router then routes by load alone and reports the degradation.
 """
 
 from __future__ import annotations

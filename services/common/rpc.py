@@ -217,7 +217,7 @@ class ChannelPool:
         return self.channels[address]
 
 
-DEFAULT_PORTS = {"gateway": 50051, "router": 50052, "kvstore": 50053}  # ../shared/INTERFACES.md; workers: any
+DEFAULT_PORTS = {"gateway": 50051, "router": 50052, "kvstore": 50053}  # docs/INTERFACES.md; workers: any
 
 
 def add_server_flags(ap, port_env: str, grace_s: float, default_port: int = 0) -> None:

@@ -23,12 +23,15 @@ class SamplingParams:
     min_tokens: int = 0  # EOS, stop tokens and stop strings cannot end generation before this many tokens
 
     def validate(self) -> None:
-        _check(isinstance(self.max_tokens, int) and self.max_tokens > 0, f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        _check(_finite(self.temperature) and self.temperature >= 0, f"temperature must be >= 0, got {self.temperature!r}")
+        _check(isinstance(self.max_tokens, int) and self.max_tokens > 0,
+               f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        _check(_finite(self.temperature) and self.temperature >= 0,
+               f"temperature must be >= 0, got {self.temperature!r}")
         _check(_finite(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
         _check(isinstance(self.top_k, int) and self.top_k >= 0, f"top_k must be an integer >= 0, got {self.top_k!r}")
         _check(_finite(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}")
-        _check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63), f"seed must be an integer in [0, 2^63), got {self.seed!r}")
+        _check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
+               f"seed must be an integer in [0, 2^63), got {self.seed!r}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be integers >= 0")
         _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,

@@ -15,8 +15,8 @@ From the mesh config file's `tenants` list (validated at start; errors name the 
 
 Keys are kept only as salted SHA-256 digests and compared in constant time (hmac.compare_digest,
 every stored digest checked whatever matches). With no tenants configured there is one open
-tenant, "default", that needs no key (and may load adapters: an open mesh has no admin to tell apart). Request and token rates are token buckets; tokens are
-counted at admission as prompt + max_tokens.
+tenant, "default", that needs no key (and may load adapters: an open mesh has no admin to tell apart). Request and token
+rates are token buckets; tokens are counted at admission as prompt + max_tokens.
 """
 
 from __future__ import annotations

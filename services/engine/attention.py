@@ -177,14 +177,16 @@ class TorchAttention:
         out = q.new_empty((meta.num_tokens, self.num_heads * self.head_dim))
         if meta.decode is not None:
             d = meta.decode
-            o = self.kernel.paged_decode(q[d.q_index].float().contiguous(), k_pool, v_pool, d.tables, d.lens, self.block_size,
+            o = self.kernel.paged_decode(q[d.q_index].float().contiguous(), k_pool, v_pool, d.tables, d.lens,
+                                         self.block_size,
                                          self.scale)
             out[d.q_index] = o.view(len(d.q_index), -1).to(out.dtype)
         for g in meta.groups:
             out[g.out_tokens] = self._attend(q, k_pool, v_pool, g)[g.out_rows]
         for start, n in meta.fresh:
             rows = slice(start, start + n)
-            # [1, heads, n, D]: with a batch axis torch takes its flash kernel (3-D inputs take the math path, 3x slower)
+            # [1, heads, n, D]: with a batch axis torch takes its flash kernel (3-D inputs take the math path, 3x
+            # slower)
             qh, kh, vh = (x[rows].transpose(0, 1)[None] for x in (q, k, v))
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=self.scale, enable_gqa=True)
             out[rows] = o[0].transpose(0, 1).reshape(n, -1)

@@ -12,8 +12,8 @@ config; a request names one in spec.adapter, and a step's batch may mix any of t
 
 from __future__ import annotations
 
-import itertools
 import collections
+import itertools
 import logging
 import random
 import time
@@ -25,10 +25,12 @@ import torch
 from services.common.arbitration import make_policy
 from services.common.errors import CapacityExhausted, InvalidRequest, NotFound, OutOfRange
 from services.common.request import RequestSpec
+from services.common.tokenizer import Tokenizer, cut_at_stop
 from services.engine.attention import KVCache, SeqLayout, TorchAttention
 from services.engine.block_pool import BlockPool
 from services.engine.config import EngineConfig
-from services.engine.kernels import lora as lora_kernel, paged_attention, sampler
+from services.engine.kernels import lora as lora_kernel
+from services.engine.kernels import paged_attention, sampler
 from services.engine.kv_manager import KVCacheManager
 from services.engine.kv_transfer import KVExport, decode_block, encode_block
 from services.engine.loader import load_model
@@ -39,7 +41,6 @@ from services.engine.request import Request, SamplingParams, Status
 from services.engine.sampler import Sampler
 from services.engine.scheduler import Scheduler, SchedulerOutput
 from services.engine.step_cost import StepCostFit
-from services.common.tokenizer import Tokenizer, cut_at_stop
 
 log = logging.getLogger("meshserve.engine")
 
@@ -132,7 +133,8 @@ class LLMEngine:
             mc.num_layers, cc.block_size, mc.num_kv_heads, mc.head_dim, self.model.dtype))
         self.info = RuntimeInfo(num_blocks, loaded.eos_token_ids, mc.vocab_size,
                                 min(mc.max_positions, num_blocks * cc.block_size))
-        self.kv_cache = KVCache(mc.num_layers, num_blocks, cc.block_size, mc.num_kv_heads, mc.head_dim, self.model.dtype)
+        self.kv_cache = KVCache(mc.num_layers, num_blocks, cc.block_size, mc.num_kv_heads, mc.head_dim,
+                                self.model.dtype)
         self.kv = KVCacheManager(BlockPool(num_blocks), cc.block_size, cc.enable_prefix_caching)
         lc = config.lora
         self.lora = AdapterResidency(mc, self.model.dtype, lc.max_loras, lc.max_cpu_loras, lc.max_lora_rank,
@@ -404,7 +406,8 @@ class LLMEngine:
     def block_bytes(self) -> int:
         """Bytes of one KV block (every layer's K and V) in this engine's dtype."""
         mc = self.model_config
-        return KVCache.bytes_per_block(mc.num_layers, self.kv.block_size, mc.num_kv_heads, mc.head_dim, self.model.dtype)
+        return KVCache.bytes_per_block(mc.num_layers, self.kv.block_size, mc.num_kv_heads, mc.head_dim,
+                                       self.model.dtype)
 
     def kv_geometry(self) -> tuple[int, int]:
         """(tokens per block, bytes per block)."""
@@ -565,7 +568,8 @@ class LLMEngine:
         self.lora.unregister(name)
 
     def prefetch_adapter(self, name: str) -> bool:
-        """Read a registered adapter into host memory (and a free slot) ahead of demand; False if it is not registered."""
+        """Read a registered adapter into host memory (and a free slot) ahead of demand; False if it is not
+        registered."""
         return self.lora is not None and self.lora.prefetch(name, warm=True)
 
     def adapters(self) -> list[dict]:

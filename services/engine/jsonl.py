@@ -1,4 +1,4 @@
-"""Offline generation over JSONL (shared/INTERFACES.md): one request per line in, one result per line out.
+"""Offline generation over JSONL (docs/INTERFACES.md): one request per line in, one result per line out.
 
 A line that fails validation gets {"id", "error": {"code", "message"}}; the others still run.
 deadline_ms is relative to the run's start: a request not finished by then is aborted with
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from tqdm import tqdm
 
 from services.common.errors import InvalidRequest, MeshError, error_dict
-from services.engine.engine import LLMEngine
 from services.common.sampling import PARAM_FIELDS, parse_params
+from services.engine.engine import LLMEngine
 from services.engine.request import Request
 
 _LINE_FIELDS = {"id", "prompt", "prompt_token_ids", "stop", "stop_token_ids", "priority", "deadline_ms", "adapter",
@@ -48,7 +48,8 @@ def submit(engine: LLMEngine, line: Line, text: str | bytes) -> None:
         if not isinstance(priority, int) or isinstance(priority, bool) or priority < 0:
             raise InvalidRequest(f"field 'priority' must be an integer >= 0, got {priority!r}")
         deadline = obj.get("deadline_ms")
-        if deadline is not None and (not isinstance(deadline, (int, float)) or isinstance(deadline, bool) or deadline <= 0):
+        if deadline is not None and (not isinstance(deadline, (int, float)) or isinstance(deadline, bool)
+                                     or deadline <= 0):
             raise InvalidRequest(f"field 'deadline_ms' must be a positive number, got {deadline!r}")
         line.request = engine.add_request(line.req_id, obj.get("prompt_token_ids"), parse_params(obj),
                                           prompt=obj.get("prompt"), priority=priority,

@@ -113,7 +113,7 @@ class _BuildLock:
         self.path = folder.with_name(folder.name + ".meshserve-lock")
         self.fd = -1
 
-    def __enter__(self) -> "_BuildLock":
+    def __enter__(self) -> _BuildLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:

@@ -29,7 +29,7 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor, wait, FIRST_COMPLETED
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -425,7 +425,8 @@ class AdapterResidency:
             try:
                 weights, seconds = fut.result()
             except Exception as e:
-                log.error("adapter %r: reading %s failed: %s", name, self.info(name).path if self.info(name) else "?", e)
+                log.error("adapter %r: reading %s failed: %s", name, self.info(name).path if self.info(name) else "?",
+                          e)
                 self.failed[name] = f"adapter {name!r} could not be read: {e}"
                 continue
             if self.info(name) is None:
@@ -469,7 +470,8 @@ class AdapterResidency:
     def snapshot(self) -> LoRASnapshot:
         return LoRASnapshot(tuple(n for n in self.slot_names if n), tuple(self.host), tuple(sorted(self.known)),
                             sum(n is None for n in self.slot_names),
-                            tuple(n for s, n in enumerate(self.slot_names) if n and self.pins[s]), self.max_loras, self.max_cpu_loras, self.loads,
+                            tuple(n for s, n in enumerate(self.slot_names) if n and self.pins[s]), self.max_loras,
+                            self.max_cpu_loras, self.loads,
                             self.load_s, self.slot_loads, self.hits, self.misses)
 
     def close(self) -> None:

@@ -41,7 +41,7 @@ class QuantizedWeight:
     dtype = torch.float32  # what it computes in (the model reads its dtype off the embedding)
 
     @classmethod
-    def from_blocks(cls, blocks: torch.Tensor, kind: str, in_features: int) -> "QuantizedWeight":
+    def from_blocks(cls, blocks: torch.Tensor, kind: str, in_features: int) -> QuantizedWeight:
         """From GGUF's rows of blocks (uint8 [rows, row bytes])."""
         _check(blocks, kind, in_features)
         return cls(_kernel().pack(blocks.contiguous(), KINDS[kind], in_features), kind, in_features, blocks.shape[0])

@@ -171,7 +171,8 @@ class Scheduler:
                     break
                 queue.remove(victim)
             else:
-                out.seqs.append(ScheduledSeq(req, req.num_computed, num_new, req.num_computed + num_new == req.num_tokens))
+                out.seqs.append(ScheduledSeq(req, req.num_computed, num_new,
+                                             req.num_computed + num_new == req.num_tokens))
                 budget -= num_new
         return budget
 

@@ -30,12 +30,12 @@ import uuid
 
 import h11
 import uvicorn
-from uvicorn.protocols.http.h11_impl import H11Protocol
 from opentelemetry import trace
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from services.common.chat import ChatTemplate
 from services.common.errors import CapacityExhausted, InvalidRequest, MeshError, NotFound, http_status
@@ -54,13 +54,14 @@ class OpenAIError(Exception):
         self.status, self.param, self.code, self.retry_after_ms = status, param, code, retry_after_ms
 
     @staticmethod
-    def of(err: MeshError) -> "OpenAIError":
+    def of(err: MeshError) -> OpenAIError:
         return OpenAIError(http_status(err), str(err), code=err.code.lower(),
                            retry_after_ms=err.retry_after_ms if isinstance(err, CapacityExhausted) else None)
 
     def response(self) -> JSONResponse:
         kind = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                404: "not_found_error", 408: "timeout_error", 413: "invalid_request_error", 415: "invalid_request_error", 429: "rate_limit_error", 504: "timeout_error",
+                404: "not_found_error", 408: "timeout_error", 413: "invalid_request_error",
+                415: "invalid_request_error", 429: "rate_limit_error", 504: "timeout_error",
                 503: "service_unavailable_error"}.get(self.status, "internal_error")
         headers = {}
         if self.retry_after_ms is not None and self.status == 429:
@@ -224,7 +225,7 @@ class HttpFront:
             return {"content": [{"token": t, "logprob": x, "top_logprobs": []} for t, x in zip(tokens, r.logprobs)]}
         return {"tokens": tokens, "token_logprobs": list(r.logprobs), "top_logprobs": None, "text_offset": None}
 
-    async def _sse(self, call: "_Call", meta: dict, chat: bool, include_usage: bool, want_logprobs: bool):
+    async def _sse(self, call: _Call, meta: dict, chat: bool, include_usage: bool, want_logprobs: bool):
         kind = "chat.completion.chunk" if chat else "text_completion"
         try:
             if chat:
@@ -253,7 +254,7 @@ class HttpFront:
         finally:
             call.cancel()  # a client that went away: abort everywhere
 
-    async def _collect(self, request: Request, call: "_Call", meta: dict, chat: bool, want_logprobs: bool) -> Response:
+    async def _collect(self, request: Request, call: _Call, meta: dict, chat: bool, want_logprobs: bool) -> Response:
         texts = [[] for _ in call.reqs]
         finish = [None] * len(call.reqs)
         lps = [[] for _ in call.reqs]

@@ -9,14 +9,24 @@ field from the validation error's location (OpenAIBodyError.param), never from m
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Union
+from typing import Annotated, Any
 
-from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError,
-                      ValidationInfo, field_validator)
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 
 from services.common.sampling import SamplingParams
 
-Number = Union[StrictInt, StrictFloat]  # an int is a fine float; a bool is not
+Number = StrictInt | StrictFloat  # an int is a fine float; a bool is not
 INT64 = 2**63  # every integer travels as a protobuf int64 (JSON allows any size: 400, not a 500 further on)
 NonNegInt = Annotated[StrictInt, Field(ge=0, lt=INT64)]
 PositiveInt = Annotated[StrictInt, Field(gt=0, lt=INT64)]
@@ -42,7 +52,7 @@ class OpenAIBodyError(ValueError):
         self.param = param
 
     @staticmethod
-    def of(e: ValidationError) -> "OpenAIBodyError":
+    def of(e: ValidationError) -> OpenAIBodyError:
         err = e.errors()[0]
         param = str(err["loc"][0]) if err["loc"] else None
         where = ".".join(str(p) for p in err["loc"])

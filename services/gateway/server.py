@@ -26,8 +26,15 @@ from opentelemetry import metrics
 from services.common import rpc
 from services.common.block_hash import pack_tokens, prompt_hashes
 from services.common.convert import client_request_from_pb, utf8, work_from_spec
-from services.common.errors import (DeadlineExceeded, InvalidRequest, MeshError, NotFound, NoWorker, OutOfRange,
-                                    Unavailable)
+from services.common.errors import (
+    DeadlineExceeded,
+    InvalidRequest,
+    MeshError,
+    NotFound,
+    NoWorker,
+    OutOfRange,
+    Unavailable,
+)
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.common.request import ClientRequest, RequestSpec
@@ -54,7 +61,7 @@ class SizeBounds:
     max_prompt_bytes: int  # a text prompt, a chat conversation's rendered text, a Tokenize text
 
     @staticmethod
-    def for_model(max_model_len: int, max_prompt_bytes: int = 0) -> "SizeBounds":
+    def for_model(max_model_len: int, max_prompt_bytes: int = 0) -> SizeBounds:
         """max_prompt_bytes, or 0 for 32 bytes per token of context (at least 64 KiB)."""
         return SizeBounds(max_prompt_bytes or max(65536, 32 * max_model_len))
 
@@ -84,7 +91,7 @@ class ModelInfo:
     max_model_len: int  # the model's context; workers also check their KV pool
 
     @staticmethod
-    def from_dir(model_dir: str, served_names=()) -> "ModelInfo":
+    def from_dir(model_dir: str, served_names=()) -> ModelInfo:
         """Named by served_names, else by the folder's name."""
         cfg = json.loads((Path(model_dir) / "config.json").read_text())
         return ModelInfo(tuple(served_names) or (Path(model_dir).name,), int(cfg["vocab_size"]),
@@ -139,7 +146,8 @@ def _left(deadline_s: float | None, where: str) -> float | None:
 
 class GatewayServicer(pb_grpc.GenerationServicer):
     def __init__(self, model: ModelInfo, tokenizer: Tokenizer, routers: list[str], kvstore: str,
-                 auth: Authenticator | None = None, admission: Admission | None = None, bounds: SizeBounds | None = None,
+                 auth: Authenticator | None = None, admission: Admission | None = None,
+                 bounds: SizeBounds | None = None,
                  cache_secret: bytes = b"", no_worker_grace_s: float = 30.0):
         self.model, self.tokenizer, self.kvstore = model, tokenizer, kvstore
         self.no_worker_grace_s = no_worker_grace_s  # how long a request is held while no worker can take it
@@ -313,10 +321,12 @@ class GatewayServicer(pb_grpc.GenerationServicer):
                 packed, bs = pack_tokens(now.prompt_token_ids), self.admission.view.block_size
                 hashes = prompt_hashes(packed, bs, work.adapter, work.cache_salt) if bs else []
                 decision = await self._route(pb.RouteRequest(
-                    request_id=now.request_id, prompt_tokens=len(now.prompt_token_ids), max_tokens=now.sampling.max_tokens,
+                    request_id=now.request_id, prompt_tokens=len(now.prompt_token_ids),
+                                                             max_tokens=now.sampling.max_tokens,
                     prompt_u32=packed, block_hashes=b"".join(hashes), hash_block_size=bs if hashes else 0,
                     adapter=work.adapter, cache_salt=work.cache_salt,
-                    avoid=sorted(avoid.union(self.admission.avoid()))), _left(spec.deadline_s, "in the admission queue"))
+                    avoid=sorted(avoid.union(self.admission.avoid()))), _left(spec.deadline_s,
+                                                                              "in the admission queue"))
                 if ticket is not None:
                     work.credit_from = self.admission.routed(ticket, decision.decode_worker)
                 try:
@@ -428,7 +438,8 @@ class GatewayServicer(pb_grpc.GenerationServicer):
     async def ListModels(self, request, context):
         self.auth.authenticate(api_key(context))  # behind the key when tenants are configured, as /v1/models
         m = self.model
-        return pb.ListModelsResponse(models=[pb.ModelInfo(name=name, max_model_len=m.max_model_len, vocab_size=m.vocab_size,
+        return pb.ListModelsResponse(models=[pb.ModelInfo(name=name, max_model_len=m.max_model_len,
+                                                          vocab_size=m.vocab_size,
                                                           parent=parent) for name, parent in await self.model_names()])
 
     async def model_names(self) -> list[tuple[str, str]]:

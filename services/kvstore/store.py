@@ -162,8 +162,8 @@ class BlockStore:
     def transfer(self, transfer_id: str) -> Transfer:
         t = self.transfers.get(transfer_id)
         if t is None or t.blocks is None:
-            raise NotFound(f"transfer {transfer_id!r} was {'released' if transfer_id in self.released else 'never reserved'}"
-                           " (or it expired)")
+            was = "released" if transfer_id in self.released else "never reserved"
+            raise NotFound(f"transfer {transfer_id!r} was {was} (or it expired)")
         return t
 
     async def land(self, transfer_id: str, first: int, checksums: list, data: bytes | memoryview = b"") -> int:

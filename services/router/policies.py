@@ -2,8 +2,8 @@
 
 - round-robin: the next live worker of the role, in worker-id order.
 - least-outstanding: the lowest load (views.loads: outstanding tokens over KV capacity and over speed, requests
-  over slots, with the in-flight correction); ties go to the worker nearer the request's KV (a decode pick: the prefill worker's
-  topology, views.closeness), then to the lower worker id.
+  over slots, with the in-flight correction); ties go to the worker nearer the request's KV (a decode pick: the prefill
+  worker's topology, views.closeness), then to the lower worker id.
 - prefix-aware: weighted scorers (prefix 1.0, load 0.5, adapter 0.0 by default) guarded by load
   (load wins outright past a gap of 1.0 load units and a ratio of 2 by default; scoring.py).
 - lora-aware: prefix-aware with LoRA affinity (adapter 1.0, load 1.0): an adapter's requests go where it is
@@ -12,13 +12,14 @@
 The candidates come from the Filter stage (filters.py). select(workers, cost, ctx) only decides
 and says why; the router commits the decision through on_routed(worker, cost), the one commit
 path: the in-flight correction (views.charge) and whatever state the policy keeps (the turn of
-round-robin; the adapters it was sent, until its next heartbeat). `uses_prefix` tells the router whether to look the prompt up in the prefix index.
+round-robin; the adapters it was sent, until its next heartbeat). `uses_prefix` tells the router whether to look the
+prompt up in the prefix index.
 """
 
 from __future__ import annotations
 
 from services.router.scoring import SCORERS, LoadGuard, WeightedPicker
-from services.router.views import RouteContext, WorkerView, Why, charge, closeness, loads
+from services.router.views import RouteContext, Why, WorkerView, charge, closeness, loads
 
 
 class RoutingPolicy:

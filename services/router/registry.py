@@ -12,7 +12,8 @@ from services.router.views import WorkerView
 
 BEAT_FIELDS = ("block_size", "index_member", "decode_tps", "adapters", "max_num_seqs", "prefill_s_per_token",
                "decode_s_per_step", "running", "waiting", "host", "kv_pool", "host_adapters", "known_adapters",
-               "pinned_adapters", "lora_slots", "free_lora_slots", "topology", "decode_s_floor")  # what a heartbeat may set beyond the first five
+               "pinned_adapters", "lora_slots", "free_lora_slots", "topology",
+               "decode_s_floor")  # what a heartbeat may set beyond the first five
 
 
 class Registry:

@@ -1,8 +1,8 @@
 """Routing as Filter -> Scorer -> Picker (the llm-d shape), pure and torch-free.
 
 Scorers map each candidate to 0..1 (higher is better); the picker sums them with weights and
-takes the best, ties going to the worker nearer the request's KV (views.closeness), then to the lower worker id. The load guard (SGLang's cache-aware
-imbalance rule) lets load win outright when the spread of loads is large:
+takes the best, ties going to the worker nearer the request's KV (views.closeness), then to the lower worker id. The
+load guard (SGLang's cache-aware imbalance rule) lets load win outright when the spread of loads is large:
     max_load - min_load > abs_threshold  and  max_load > rel_threshold * min_load
 then only the load scorer counts. Loads are as views.loads() defines them.
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.router.views import RouteContext, WorkerView, Why, closeness, loads
+from services.router.views import RouteContext, Why, WorkerView, closeness, loads
 
 
 class LoadScorer:

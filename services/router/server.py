@@ -16,7 +16,6 @@ import logging
 import time
 
 import grpc
-
 from opentelemetry import metrics, trace
 
 from services.common import rpc
@@ -26,9 +25,9 @@ from services.common.errors import InvalidRequest
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.router.filters import Need
+from services.router.pick import Prompt, RolePicker
 from services.router.recent import RecentRoutes
 from services.router.registry import Registry
-from services.router.pick import Prompt, RolePicker
 
 log = logging.getLogger("meshserve.router")
 

@@ -106,7 +106,7 @@ class KVTransferFailed(MeshError):
 
 def verified(blocks: list, checksums, first: int) -> list:
     """The blocks, after checking each one's checksum (XXH3-64)."""
-    from services.kvstore.arena import checksum
+    from services.common.arena import checksum
 
     for i, (buf, crc) in enumerate(zip(blocks, checksums)):
         if checksum(buf) != crc:
@@ -167,7 +167,7 @@ class KVExport:
         """Pieces for blocks [sent, upto): runs of those the pool lacks."""
         import torch
 
-        from services.kvstore.arena import checksum
+        from services.common.arena import checksum
 
         pieces, i, plan = [], self.sent, self.plan
         while i < upto:
@@ -194,14 +194,15 @@ CORE_METHODS = frozenset({"core_stats", "map_arena", "import_slots", "import_dat
 
 class StepLog:
     """One JSON line per step the engine ran (start on the monotonic clock, sequences, tokens, context tokens,
-    prompt chunk tokens x their context, seconds), written when MESHSERVE_STEP_LOG names a folder: `meshserve sim calibrate` fits the simulator's cost
+    prompt chunk tokens x their context, seconds), written when MESHSERVE_STEP_LOG names a folder: `meshserve sim
+    calibrate` fits the simulator's cost
     model to the steps of a real worker under real load (its servicer and the other processes beside it)."""
 
     def __init__(self, path: Path):
         self.file = open(path, "a", buffering=1 << 16)
 
     @classmethod
-    def from_env(cls) -> "StepLog | None":
+    def from_env(cls) -> StepLog | None:
         folder = os.environ.get("MESHSERVE_STEP_LOG")
         return cls(Path(folder) / f"steps-{os.getpid()}.jsonl") if folder else None
 
@@ -279,7 +280,7 @@ class EngineCore:
     def map_arena(self, path: str, generation: str, slot_bytes: int, slots: int) -> None:
         """Map the kvstore's segment (as its Attach told the servicer); the one it replaces (a restarted kvstore's
         predecessor) is unmapped once no export writes to it (retire_arenas)."""
-        from services.kvstore.arena import MappedArena
+        from services.common.arena import MappedArena
 
         if generation in self.arenas:
             return
@@ -306,7 +307,8 @@ class EngineCore:
         return arena
 
     def import_slots(self, req_id: str, first: int, generation: str, slots: list, checksums: list) -> int:
-        """Import blocks from arena slots (checked against their checksum (XXH3-64)) into a request's reserved blocks."""
+        """Import blocks from arena slots (checked against their checksum, XXH3-64) into a request's reserved
+        blocks."""
         try:
             arena = self._arena(generation)
             views = verified([arena.slot(s) for s in slots], checksums, first)
@@ -327,7 +329,7 @@ class EngineCore:
     def _pooled_blocks(self, p: PooledPrefix) -> list:
         """A lease's blocks, copied out of the arena (the lease ends when add() returns; the engine imports them
         when the request is admitted) up to the first that fails its checksum (the engine computes from there)."""
-        from services.kvstore.arena import checksum
+        from services.common.arena import checksum
 
         if p.generation:
             arena = self.arenas.get(p.generation)
@@ -342,7 +344,7 @@ class EngineCore:
             out.append(bytes(view))
         return out
 
-    def core_stats(self) -> "CoreStats":
+    def core_stats(self) -> CoreStats:
         return self.stats(drain=False)
 
     def _forget(self, req_id: str) -> None:

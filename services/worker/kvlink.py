@@ -64,7 +64,7 @@ class KVLink:
                 log.info("kvstore %s: transport %s (%s), arena %s", self.address, transport, reason, reply.generation)
             self.transport, self.generation = transport, reply.generation
 
-    async def ready(self) -> "KVLink":
+    async def ready(self) -> KVLink:
         if not self.generation:
             await self.attach()
         return self

@@ -39,24 +39,26 @@ class WorkerMetrics:
         self.load = None  # the latest EngineLoad (set by the engine thread after each step)
         self.last_token_s: dict[str, float] = {}  # request -> time of its latest token here
         for name, read, desc in (
-                ("vllm.num_requests_running", lambda l: l.running, "requests in the running batch"),
-                ("vllm.num_requests_waiting", lambda l: l.waiting, "requests waiting to be scheduled"),
-                ("vllm.kv_cache_usage_perc", lambda l: l.kv_usage, "fraction of KV blocks held, 0..1"),
-                ("meshserve.worker.queued_prefill_tokens", lambda l: l.queued_prefill_tokens,
+                ("vllm.num_requests_running", lambda s: s.running, "requests in the running batch"),
+                ("vllm.num_requests_waiting", lambda s: s.waiting, "requests waiting to be scheduled"),
+                ("vllm.kv_cache_usage_perc", lambda s: s.kv_usage, "fraction of KV blocks held, 0..1"),
+                ("meshserve.worker.queued_prefill_tokens", lambda s: s.queued_prefill_tokens,
                  "prompt tokens not yet computed"),
-                ("meshserve.worker.outstanding_tokens", lambda l: l.outstanding_tokens,
+                ("meshserve.worker.outstanding_tokens", lambda s: s.outstanding_tokens,
                  "prompt tokens left + output tokens expected")):
             meter.create_observable_gauge(name, [self._observe(read)], description=desc)
         self.kv_recomputes = meter.create_counter(
             "meshserve.worker.kv_recomputes", description="decode requests that computed their prompt after the KV "
                                                           "transfer failed")
-        self.ttft = meter.create_histogram("vllm.time_to_first_token_seconds", unit="s", description="time to first token",
+        self.ttft = meter.create_histogram("vllm.time_to_first_token_seconds", unit="s",
+                                           description="time to first token",
                                            explicit_bucket_boundaries_advisory=TTFT_BUCKETS)
         self.itl = meter.create_histogram("vllm.inter_token_latency_seconds", unit="s",
                                           description="time between consecutive tokens of a request",
                                           explicit_bucket_boundaries_advisory=ITL_BUCKETS)
         self.e2e = meter.create_histogram("vllm.e2e_request_latency_seconds", unit="s",
-                                          description="arrival to finish", explicit_bucket_boundaries_advisory=E2E_BUCKETS)
+                                          description="arrival to finish",
+                                          explicit_bucket_boundaries_advisory=E2E_BUCKETS)
         self.prompt_tokens = meter.create_counter("vllm.prompt_tokens", description="prompt tokens of requests started")
         self.generation_tokens = meter.create_counter("vllm.generation_tokens", description="tokens sampled")
         self.prefix_queries = meter.create_counter("vllm.prefix_cache_queries", description="prompt tokens looked up")

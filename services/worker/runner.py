@@ -74,7 +74,7 @@ class EngineRunner:
         threading.Thread(target=self._read, name="core-reader", daemon=True).start()
         threading.Thread(target=self._write, name="core-writer", daemon=True).start()
 
-    async def ready(self) -> "EngineRunner":
+    async def ready(self) -> EngineRunner:
         """Wait until the core has built its engine (ModelLoadError if it could not)."""
         await self._ready
         return self

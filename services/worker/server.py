@@ -109,7 +109,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self.credit_events: dict[str, asyncio.Event] = {}  # per credit subscription: its grant grew
         self.credits_closed = False  # draining: no more credits, and the streams end
 
-    async def start(self) -> "WorkerServicer":
+    async def start(self) -> WorkerServicer:
         block_size, block_bytes = await self.runner.call("kv_geometry")
         self.links = KVLinks(self.runner, self.channels, block_size, block_bytes, self.kv_transport)
         return self

@@ -16,7 +16,6 @@ import yaml
 
 from services.autoscaler.__main__ import DEFAULT_PORT as AUTOSCALER_PORT
 from services.common import rpc
-
 from tests.support.compose import DEPLOY, ROOT, compose, flag_value, ours
 from tests.support.deploy import code_variables, command_problems, read_by_code
 

@@ -62,7 +62,7 @@ def test_commands_flags_and_environment_match_the_code(overlay):
         assert not command_problems(c["command"]), (workload["metadata"]["name"], command_problems(c["command"]))
         seen.add(c["command"][2] if c["command"][0] == "python" else "meshserve")
         env = {e["name"]: e for e in c.get("env", [])}
-        for name, e in env.items():
+        for name in env:
             referenced = any(f"$({name})" in str(other.get("value", "")) for other in env.values())
             assert read_by_code(name) or referenced, f"{workload['metadata']['name']}: nothing reads {name}"
     assert {"services.gateway", "services.router", "services.kvstore", "services.worker", "services.autoscaler",

@@ -3,8 +3,8 @@
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.support.reference import make_engine, random_prompts
 from services.common.sampling import SamplingParams
+from tests.support.reference import make_engine, random_prompts
 
 OPS = st.lists(st.one_of(
     st.tuples(st.just("add"), st.integers(1, 70), st.integers(1, 24), st.integers(0, 3)),

@@ -14,7 +14,8 @@ def run_cli(*args):
 
 def test_generate_jsonl(tiny_model, tmp_path):
     lines = [
-        json.dumps({"id": "a", "prompt_token_ids": [1, 52, 7], "max_tokens": 8, "temperature": 0.0, "ignore_eos": True}),
+        json.dumps({"id": "a", "prompt_token_ids": [1, 52, 7], "max_tokens": 8, "temperature": 0.0,
+                    "ignore_eos": True}),
         json.dumps({"id": "b", "prompt": "Kalo mine", "max_tokens": 5, "temperature": 0.7, "top_p": 0.9, "seed": 3}),
         json.dumps({"id": "oov", "prompt_token_ids": [1, 99999], "max_tokens": 4}),
         "{not json",

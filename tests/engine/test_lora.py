@@ -6,7 +6,8 @@ import shutil
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from services.common.errors import InvalidRequest, NotFound
@@ -24,7 +25,8 @@ N_PROMPTS = 15  # three per adapter and three for the base model
 def lora_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora")
     base = save_hf_model(root / "base", "gqa")
-    adapters = {name: save_peft_adapter(base, root / name, seed=i + 1, **kw) for i, (name, kw) in enumerate(ADAPTERS.items())}
+    adapters = {name: save_peft_adapter(base, root / name, seed=i + 1, **kw)
+                for i, (name, kw) in enumerate(ADAPTERS.items())}
     return base, adapters
 
 

@@ -3,8 +3,17 @@
 import pytest
 import torch
 
-from tests.support.reference import (CONFIGS, agreement, assert_matches, greedy, hf_greedy, make_engine, random_prompts,
-                                     run_all, save_hf_model)
+from tests.support.reference import (
+    CONFIGS,
+    agreement,
+    assert_matches,
+    greedy,
+    hf_greedy,
+    make_engine,
+    random_prompts,
+    run_all,
+    save_hf_model,
+)
 
 NEW_TOKENS = 16
 

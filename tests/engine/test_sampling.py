@@ -72,7 +72,8 @@ def test_draws_follow_the_softmax(impl, temperature):
 
 def test_draws_across_seeds_follow_the_softmax(kernel):
     """The first token of 200k requests with different seeds: the same distribution."""
-    tokens = _draw(kernel, LOGITS, _batch(DRAWS, seeds=torch.arange(DRAWS), positions=torch.zeros(DRAWS, dtype=torch.int64)))
+    positions = torch.zeros(DRAWS, dtype=torch.int64)
+    tokens = _draw(kernel, LOGITS, _batch(DRAWS, seeds=torch.arange(DRAWS), positions=positions))
     counts = torch.bincount(tokens, minlength=len(LOGITS)).double()
     assert _chi_square_p(counts, torch.softmax(LOGITS.double(), -1)) > 0.001
 

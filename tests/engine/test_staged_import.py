@@ -65,7 +65,7 @@ def test_the_core_exports_only_blocks_the_pool_lacks_and_verifies_what_it_import
     with checksums; an import whose checksum does not match is refused (KVTransferFailed) and nothing is used."""
     import pytest
 
-    from services.kvstore.arena import Arena, checksum
+    from services.common.arena import Arena, checksum
     from services.worker.core import EngineCore, ExportPlan, KVTransferFailed
 
     prompt = random_prompts(1, seed=43, lo=70, hi=70, vocab=4000)[0]  # 5 blocks, the last partial
@@ -130,7 +130,7 @@ def test_pooled_blocks_wait_for_room_and_join_the_prefix_cache_when_the_request_
 def test_a_superseded_arena_is_unmapped_once_no_export_writes_to_it(tiny_model, tmp_path):
     """Issue 36's soak: every kvstore restart left each worker with the dead kvstore's whole segment mapped (and
     resident: mappings are populated), 1 GB more per worker. The old arena now goes once its last export is done."""
-    from services.kvstore.arena import Arena
+    from services.common.arena import Arena
     from services.worker.core import EngineCore, ExportPlan
 
     engine = make_engine(tiny_model)

@@ -116,8 +116,10 @@ def test_a_burst_adds_a_worker_that_takes_traffic_and_drains_it_after(up):
     log = open(re.search(r"its decisions in (\S+)", text).group(1)).read()
     assert re.search(r"unified: up to 2 \(prompt \d+ tok/s", log), log[-2000:]
     assert re.search(r"unified: drain to 1 \(no traffic", log), log[-2000:]
-    body = urllib.request.urlopen(re.search(r"metrics on (http://\S+/metrics)", log).group(1), timeout=5).read().decode()
-    ups = [ln for ln in body.splitlines() if ln.startswith("meshserve:autoscaler_decisions_total") and 'kind="up"' in ln]
+    body = urllib.request.urlopen(re.search(r"metrics on (http://\S+/metrics)", log).group(1),
+                                  timeout=5).read().decode()
+    ups = [ln for ln in body.splitlines() if ln.startswith("meshserve:autoscaler_decisions_total")
+           and 'kind="up"' in ln]
     assert ups and 'pool="unified"' in ups[0] and ups[0].endswith(" 1")
 
 

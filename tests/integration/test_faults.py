@@ -28,7 +28,8 @@ def mesh(tiny_model, tmp_path_factory):
     spec = MeshSpec(str(tiny_model), mode="disaggregated", decode=2, routers=2, tls=True, engine_args=ENGINE)
     m = Mesh(spec, log_dir=str(tmp_path_factory.mktemp("faults"))).start()
     stop = threading.Event()
-    supervisor = threading.Thread(target=lambda: [m.supervise(lambda line: None) for _ in iter(lambda: stop.wait(0.1), True)])
+    supervisor = threading.Thread(target=lambda: [m.supervise(lambda line: None) for _ in iter(lambda: stop.wait(0.1),
+                                                                                               True)])
     supervisor.start()
     yield m
     stop.set()
@@ -59,7 +60,7 @@ def reference(mesh, prompts):
 
 def stats(mesh, address: str, stub, request):
     with client_channel(address, mesh.tls_dir) as ch:
-        return getattr(stub(ch), "Stats")(request, timeout=5)
+        return stub(ch).Stats(request, timeout=5)
 
 
 def idle(mesh) -> dict:
@@ -113,7 +114,8 @@ def test_a_killed_service_loses_no_stream(mesh, prompts, reference, victim):
     failed = [(i, status) for i, (_, status) in enumerate(got) if status]
     assert not failed, f"{len(failed)} of {STREAMS} streams failed: {failed[:4]}"
     wrong = [i for i, (tokens, _) in enumerate(got) if tokens != reference[i]]
-    assert not wrong, f"streams {wrong} differ from the healthy mesh's (first: {got[wrong[0]][0]} vs {reference[wrong[0]]})"
+    assert not wrong, (f"streams {wrong} differ from the healthy mesh's "
+                       f"(first: {got[wrong[0]][0]} vs {reference[wrong[0]]})")
     for log, start in decode_logs.items():  # a prefill that died after its first token: its transfer is released
         with open(log, errors="replace") as f:  # at once, and the decode side recomputes without waiting for it
             f.seek(start)

@@ -94,7 +94,7 @@ def test_mixed_adapters_at_once_equal_peft_through_grpc_and_openai(mesh, adapter
     loaded(mesh, adapters)
     with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:  # all at once: batches mix adapters
         got = list(pool.map(lambda c: generate(mesh, c[0], c[1]), cases))
-    for (prompt, name, want), tokens in zip(cases, got):
+    for (_, name, want), tokens in zip(cases, got):
         assert tokens == want, f"adapter {name or 'base'}: {tokens} != PEFT's {want}"
     client = openai.OpenAI(base_url=mesh.http + "/v1", api_key=USER, max_retries=0, timeout=120)
     for prompt, name, want in cases[::2]:  # model: "<adapter>" selects it, as in vLLM

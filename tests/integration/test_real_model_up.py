@@ -37,7 +37,8 @@ def real_mesh(smollm2_dir, tmp_path_factory):
     (cache / "models").mkdir()
     (cache / "models" / NAME).symlink_to(smollm2_dir)
     proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--port", "0", "--http-port", "0",
-                             "--router-port", "0", "--kvstore-port", "0", "--supervisor-port", "0", "--served-model-name", NAME, "smol"],
+                             "--router-port", "0", "--kvstore-port", "0", "--supervisor-port", "0",
+                             "--served-model-name", NAME, "smol"],
                             cwd=cwd, env={**os.environ, "MESHSERVE_CACHE_DIR": str(cache)}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines = []

@@ -20,7 +20,8 @@ READY = re.compile(r"meshserve is ready: gateway (\S+), HTTP \S+, router \S+, kv
 
 def start_up(folder) -> tuple[subprocess.Popen, str, list]:
     proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--model", "tiny", "--port", "0",
-                             "--http-port", "0", "--router-port", "0", "--kvstore-port", "0", "--supervisor-port", "0"], cwd=folder,
+                             "--http-port", "0", "--router-port", "0", "--kvstore-port", "0", "--supervisor-port",
+                             "0"], cwd=folder,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines = []
     for line in proc.stdout:
@@ -79,12 +80,13 @@ def test_a_killed_service_is_started_again_and_the_mesh_serves(up, marker):
     assert victim, f"no process with {marker!r}"
     os.kill(victim, signal.SIGKILL)
     deadline = time.monotonic() + 5
-    while (pid := service_pid(folder, marker)) in (None, victim):
+    while service_pid(folder, marker) in (None, victim):
         assert time.monotonic() < deadline, f"{marker} not started again within 5 s"
         time.sleep(0.1)
     assert serves_again(gateway, within_s=30) == want  # greedy: the same tokens as before the kill
     assert proc.poll() is None, "up itself stopped"
-    if marker.startswith("--worker-id"):  # its pool, as the Supervisor reports it: whole again, start-up measured afresh
+    # its pool, as the Supervisor reports it: whole again, start-up measured afresh
+    if marker.startswith("--worker-id"):
         pool = marker.split()[1].rsplit("-", 1)[0]
         deadline = time.monotonic() + 30
         while (state := pool_state(lines, pool)).ready < len(state.workers):

@@ -25,7 +25,8 @@ def mesh(tiny_model, tmp_path_factory):
         {"name": "bob", "api_key_hashes": [hash_key(KEYS["bob"])], "weight": 2,
          "limits": {"requests_per_s": 0.05}},
         {"name": "carol", "api_key_hashes": [hash_key(KEYS["carol"])], "limits": {"max_queued": 1}},
-    ], "admission": {"policy": "fcfs", "starvation_s": 300}}  # FCFS: plain queueing; a long bound: no predicted-wait rejections
+    ], "admission": {"policy": "fcfs",
+                     "starvation_s": 300}}  # FCFS: plain queueing; a long bound: no predicted-wait rejections
     path = tmp_path_factory.mktemp("tenants") / "mesh.yaml"
     path.write_text(yaml.safe_dump(cfg))
     # one sequence at a time: a second request must queue at the gateway

@@ -14,15 +14,17 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 
 def kv_segments() -> set:
-    from services.kvstore.arena import PREFIX, SHM_DIR
+    from services.common.arena import PREFIX, SHM_DIR
 
     return {p.name for p in SHM_DIR.glob(PREFIX + "*")}
 
 
 def test_up_serves_and_stops_cleanly(tmp_path):
     before = kv_segments()
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--model", "tiny", "--port", "0", "--http-port", "0",
-                             "--router-port", "0", "--kvstore-port", "0", "--supervisor-port", "0"], cwd=tmp_path, stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--model", "tiny", "--port", "0",
+                             "--http-port", "0",
+                             "--router-port", "0", "--kvstore-port", "0", "--supervisor-port", "0"], cwd=tmp_path,
+                            stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines = []
     try:

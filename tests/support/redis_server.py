@@ -17,7 +17,7 @@ class RedisServer:
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.proc: subprocess.Popen | None = None
 
-    def start(self) -> "RedisServer":
+    def start(self) -> RedisServer:
         self.proc = subprocess.Popen(redis_command(self.port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                      start_new_session=True)
         client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
@@ -26,9 +26,9 @@ class RedisServer:
             try:
                 client.ping()
                 return self
-            except redis.ConnectionError:
+            except redis.ConnectionError as e:
                 if time.monotonic() > deadline or self.proc.poll() is not None:
-                    raise RuntimeError("redis-server did not start")
+                    raise RuntimeError("redis-server did not start") from e
                 time.sleep(0.05)
 
     def kill(self) -> None:

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
+from services.common.sampling import SamplingParams
 from services.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from services.engine.engine import LLMEngine
-from services.common.sampling import SamplingParams
 
 TIE_GAP = 1e-5  # a greedy mismatch is tolerated only where the reference's top-2 logits are this close
 # bfloat16 keeps 8 significant bits: its logits are multiples of 2^-7 of their magnitude, and sums taken in
@@ -88,7 +88,8 @@ def random_prompts(n: int, seed: int = 0, lo: int = 1, hi: int = 80, vocab: int 
 
 def make_engine(model_dir, *, num_blocks=256, block_size=16, budget=64, max_seqs=64, prefix_caching=True,
                 policy="fcfs", dtype="float32", quantization="none") -> LLMEngine:
-    return LLMEngine(EngineConfig(str(model_dir), dtype=dtype, quantization=quantization, cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
+    return LLMEngine(EngineConfig(str(model_dir), dtype=dtype, quantization=quantization,
+                                  cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
                                                                    enable_prefix_caching=prefix_caching),
                                   scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
                                                             policy=policy)))

@@ -18,7 +18,7 @@ class TLSProxy:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
 
-    def start(self) -> "TLSProxy":
+    def start(self) -> TLSProxy:
         self.thread.start()
         self.server = asyncio.run_coroutine_threadsafe(self._serve(), self.loop).result(10)
         self.port = self.server.sockets[0].getsockname()[1]

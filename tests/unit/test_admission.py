@@ -9,8 +9,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.common.admission import AdmissionQueue, CostModel, Pending
-from services.common.arbitration import (DeadlinePolicy, FairDeadlinePolicy, FairPolicy, FcfsPolicy, PriorityPolicy,
-                                         cost, make_policy)
+from services.common.arbitration import (
+    DeadlinePolicy,
+    FairDeadlinePolicy,
+    FairPolicy,
+    FcfsPolicy,
+    PriorityPolicy,
+    cost,
+    make_policy,
+)
 from services.common.errors import CapacityExhausted, DeadlineExceeded
 
 
@@ -231,7 +238,7 @@ def simulate(policy, specs, slots, starvation_s=math.inf, speed=40):
                                 predicted_s=math.ceil((p + 2 * o) / speed)), float(tick))
             except CapacityExhausted:
                 rejected += 1
-        for end, p in [b for b in busy if b[0] <= tick]:
+        for _, p in [b for b in busy if b[0] <= tick]:
             q.finished(p, p.max_tokens)
         busy = [b for b in busy if b[0] > tick]
         while len(busy) < slots:

@@ -3,9 +3,10 @@ optimum on small ones; anti-affinity spreads a pool over nodes; rolling upgrades
 
 import random
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from services.autoscaler.placement import (Device, distance, inventory, optimum_stranded, place, upgrade_plan)
+from services.autoscaler.placement import Device, distance, inventory, optimum_stranded, place, upgrade_plan
 
 
 def random_inventory(rng: random.Random, max_domains: int = 5) -> list[Device]:

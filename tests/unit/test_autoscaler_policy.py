@@ -4,8 +4,15 @@ drain, the start-up time as the forecast horizon, the minimum at zero traffic; t
 
 import pytest
 
-from services.autoscaler.policy import (CpuPolicy, PolicyState, PoolConfig, PoolSample, RatePolicy, TokenPolicy,
-                                        size_pair)
+from services.autoscaler.policy import (
+    CpuPolicy,
+    PolicyState,
+    PoolConfig,
+    PoolSample,
+    RatePolicy,
+    TokenPolicy,
+    size_pair,
+)
 
 DECODE = PoolConfig("decode", min_replicas=1, max_replicas=8, startup_s=30, decode_tokens_per_s=500, target_util=0.7,
                     cooldown_s=60, down_window_s=120, max_step=2)

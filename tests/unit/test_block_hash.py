@@ -23,7 +23,8 @@ def test_chain_depends_on_the_whole_prefix():
 def test_extra_keys_separate_tenants_and_adapters():
     tokens = list(range(16))
     plain = hash_block(ROOT, tokens)
-    assert hash_block(ROOT, tokens, extra_keys(salt="tenant-a")) != hash_block(ROOT, tokens, extra_keys(salt="tenant-b"))
+    assert hash_block(ROOT, tokens, extra_keys(salt="tenant-a")) != hash_block(ROOT, tokens,
+                                                                               extra_keys(salt="tenant-b"))
     assert hash_block(ROOT, tokens, extra_keys(adapter="x")) != plain
     assert hash_block(ROOT, tokens, extra_keys()) == hash_block(ROOT, tokens, extra_keys("", ""))
 

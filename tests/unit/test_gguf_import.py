@@ -42,7 +42,8 @@ def test_f32_round_trip_gives_back_the_same_weights_and_greedy_tokens(tiny_model
 
 
 def test_config_tokenizer_template_and_eos_come_from_the_metadata(tiny_model, f32_import):
-    want, got = json.loads((tiny_model / "config.json").read_text()), json.loads((f32_import / "config.json").read_text())
+    want = json.loads((tiny_model / "config.json").read_text())
+    got = json.loads((f32_import / "config.json").read_text())
     for key in ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                 "head_dim", "intermediate_size", "vocab_size", "max_position_embeddings", "rms_norm_eps",
                 "rope_theta", "tie_word_embeddings", "bos_token_id", "eos_token_id"):

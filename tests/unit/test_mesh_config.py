@@ -23,7 +23,9 @@ def test_yaml_and_toml(tmp_path):
 @pytest.mark.parametrize("text,fragment", [
     # unknown key or section
     ("autoscaler2: {}\n", "autoscaler2: unknown section"),
-    ("mesh: {workers: 3}\n", "mesh.workers: unknown key (known: model, served_model_name, mode, prefill, decode, unified, router, tls, public_tls, worker_pools)"),
+    ("mesh: {workers: 3}\n",
+     "mesh.workers: unknown key (known: model, served_model_name, mode, prefill, decode, unified, router, tls, "
+     "public_tls, worker_pools)"),
     ("engine: {blocksize: 8}\n", "engine.blocksize: unknown key"),
     ("routing: {guard: {absolute: 1}}\n", "routing.guard.absolute: unknown key (known: abs, rel)"),
     # wrong type
@@ -92,7 +94,8 @@ def test_services_refuse_a_bad_config_file_at_startup_naming_the_key(tmp_path):
     f.write_text("engine: {max_num_seqs: 0}\nrouting: {policy: nearest}\nadmission: {starvation_s: -1}\n")
     for module, key, extra in (("services.router", "routing.policy", []),
                                ("services.gateway", "admission.starvation_s", ["--model", str(tmp_path)]),
-                               ("services.worker", "engine.max_num_seqs", ["--model", str(tmp_path), "--role", "unified"])):
+                               ("services.worker", "engine.max_num_seqs", ["--model", str(tmp_path), "--role",
+                                                                           "unified"])):
         out = subprocess.run([sys.executable, "-m", module, "--config", str(f), *extra],
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 2 and "mesh.yaml" in out.stderr and key in out.stderr, (module, out.stderr)

@@ -1,7 +1,8 @@
 """LoRA placement: replicas by measured demand, homes that balance demand and stay put, prefetch orders to homes
 that lack their adapter, a bounded rate."""
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from services.router.placement import AdapterPlacement
 from services.router.views import WorkerView

@@ -2,11 +2,10 @@
 
 import pytest
 
-from services.router.recent import RecentRoutes
 from services.engine.step_cost import StepCostFit
+from services.router.recent import RecentRoutes
 from services.worker.measure import DecodeRate
 from tests.support.fakes import Clock
-
 
 H = [bytes([i]) * 16 for i in range(6)]
 OTHER = [H[0], H[1], b"x" * 16]  # shares two blocks with H

@@ -1,8 +1,8 @@
 """The router's Route over a real Redis index: prefix routing, the load guard, degradation, metrics."""
 
 import asyncio
-import re
 import functools
+import re
 
 import grpc
 import pytest
@@ -15,9 +15,9 @@ from services.common.prefix_index import IndexPublisher, PrefixIndex, connect, c
 from services.router.policies import make_policy
 from services.router.registry import Registry
 from services.router.server import RouterServicer
+from tests.support.fakes import Clock
 from tests.support.metrics import metric_points
 from tests.support.redis_server import RedisServer
-from tests.support.fakes import Clock
 
 BS = 16
 PROMPT = list(range(1000, 1000 + 8 * BS + 5))  # 8 full blocks + a tail

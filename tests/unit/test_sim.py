@@ -6,10 +6,10 @@ from dataclasses import replace
 
 import pytest
 
+from services.cli import main
 from services.common.block_hash import hash_blocks
 from services.gateway.record import TraceRecorder
 from sim import worker as sim_worker
-from services.cli import main
 from sim.cli import simulate
 from sim.cluster import AutoscaleSpec, Cluster, ClusterSpec
 from sim.cost import CostModel, fit, intervals
@@ -176,7 +176,7 @@ def test_the_rest_of_the_mesh_on_shared_cores_slows_the_steps_by_its_load():
 
 
 def test_calibration_fits_the_mesh_cpu_from_its_phases():
-    from sim.calibrate import _host_fit
+    from bench.calibrate import _host_fit
 
     rng = random.Random(5)
     phases = []

@@ -21,7 +21,8 @@ def test_text_format_of_each_kind():
     meter = MeterProvider(metric_readers=[reader]).get_meter("t")
     meter.create_counter("vllm.generation_tokens").add(5, {"worker_id": 'w"1'})
     meter.create_observable_gauge("vllm.kv_cache_usage_perc", [lambda o: [Observation(0.25, {"role": "decode"})]])
-    h = meter.create_histogram("vllm.e2e_request_latency_seconds", unit="s", explicit_bucket_boundaries_advisory=(1.0, 2.0))
+    h = meter.create_histogram("vllm.e2e_request_latency_seconds", unit="s", explicit_bucket_boundaries_advisory=(1.0,
+                                                                                                                  2.0))
     for v in (0.5, 1.5, 9.0):
         h.record(v)
     lines = prometheus_text(reader).splitlines()

@@ -214,6 +214,6 @@ def main(args) -> int:
     model.save(args.out)
     log(f"wrote {args.out}: step = {model.base_s * 1e3:.3f} ms + {model.per_seq_s * 1e3:.3f} ms/seq + "
         f"{model.per_context_s * 1e6:.3f} us/context token + {model.prefill_s_per_token * 1e6:.1f} us/prompt token; "
-        f"hop {model.hop_s * 1e3:.2f} ms; {model.cores:g} cores for workers; median error {model.source['median_rel_error']:.1%} over "
-        f"{model.source['steps']} steps")
+        f"hop {model.hop_s * 1e3:.2f} ms; {model.cores:g} cores for workers; "
+        f"median error {model.source['median_rel_error']:.1%} over {model.source['steps']} steps")
     return 0

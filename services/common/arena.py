@@ -52,7 +52,8 @@ def segments_of(instance: str, shm_dir: Path = SHM_DIR) -> list[Path]:
     check_instance(instance)
     if not shm_dir.is_dir():
         return []
-    return sorted(p for p in shm_dir.glob(f"{PREFIX}{instance}-*") if re.fullmatch(r"[0-9a-f]{16}", p.name.rsplit("-", 1)[1]))
+    return sorted(p for p in shm_dir.glob(f"{PREFIX}{instance}-*") if re.fullmatch(r"[0-9a-f]{16}", p.name.rsplit("-",
+                                                                                                                  1)[1]))
 
 
 def reclaim(instance: str, shm_dir: Path = SHM_DIR) -> list[str]:
