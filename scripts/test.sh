@@ -1,7 +1,18 @@
 #!/usr/bin/env bash
-# Set up (with the test extras) and run the whole test suite.
+# Set up (with the test extras), check the code (ruff, the import contracts), then run the tests.
+#   bash scripts/test.sh            everything (what .ci/run calls)
+#   bash scripts/test.sh --fast     the fast lane for your own loop: no end-to-end mesh tests (marker slow), none
+#                                   that fetch the real model from the package registry (registry) or need a
+#                                   container engine (container); under 3 minutes on 2 cores
+# Other arguments go to pytest (a path, -k EXPR, -x ...).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh test
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+.venv/bin/ruff check --quiet .
+.venv/bin/lint-imports --no-cache >/dev/null || .venv/bin/lint-imports --no-cache  # quiet unless broken
+if [ "${1:-}" = "--fast" ]; then
+  shift
+  exec .venv/bin/python -m pytest -q -m "not slow and not registry and not container" "$@"
+fi
 exec .venv/bin/python -m pytest -q "$@"

@@ -1,4 +1,15 @@
+"""Session fixtures, the hypothesis profiles, and the markers applied by rule:
+
+- registry: every test that uses the real model from the package registry (the smollm2_* fixtures);
+- slow: every test under tests/integration/ (each starts a mesh or other processes), plus those marked by hand;
+- container: skipped, with the reason, where no container engine answers (`docker info`).
+
+`bash scripts/test.sh --fast` deselects all three.
+"""
+
 import os
+import shutil
+import subprocess
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -38,3 +49,25 @@ def smollm2_dir(smollm2_gguf, tmp_path_factory):
     from services.engine.gguf_import import import_gguf
 
     return import_gguf(smollm2_gguf, tmp_path_factory.mktemp("models") / "smollm2-135m-instruct", progress=False)
+
+
+REGISTRY_FIXTURES = {"smollm2_gguf", "smollm2_dir"}
+
+
+def pytest_collection_modifyitems(config, items):
+    engine = None
+    for item in items:
+        if REGISTRY_FIXTURES & set(item.fixturenames):
+            item.add_marker(pytest.mark.registry)
+        if "integration" in item.path.parts:
+            item.add_marker(pytest.mark.slow)
+        if item.get_closest_marker("container") is not None:
+            engine = _container_engine() if engine is None else engine
+            if not engine:
+                item.add_marker(pytest.mark.skip(reason="no container engine answers `docker info`"))
+
+
+def _container_engine() -> bool:
+    if shutil.which("docker") is None:
+        return False
+    return subprocess.run(["docker", "info"], capture_output=True, timeout=30).returncode == 0

@@ -10,10 +10,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from services.common.arena import Arena, MappedArena, checksum, reclaim, segments_of
 from services.common.errors import CapacityExhausted, NotFound, Unavailable
-from services.kvstore.arena import Arena, MappedArena, checksum, reclaim, segments_of
 from services.kvstore.store import BlockStore
 from tests.support.fakes import Clock
+
+async def settle(turns: int = 8) -> None:
+    """Let the tasks just created run until they wait: turns of the event loop, no wall-clock time."""
+    for _ in range(turns):
+        await asyncio.sleep(0)
+
 
 SIZE = 64
 
@@ -128,7 +134,7 @@ def test_no_sequence_of_operations_loses_a_slot_or_overwrites_a_pinned_block(ops
                 pass
             s.check_integrity()
             for t in s.transfers.values():
-                for i, b in enumerate(t.blocks or ()):
+                for b in t.blocks or ():
                     if b.landed:
                         assert checksum(s.arena.slot(b.slot)) == b.checksum, f"op {n}: a pinned block changed"
 
@@ -164,13 +170,13 @@ def test_a_reader_hears_at_once_when_the_writer_gives_up_or_the_transfer_is_rele
             return [x async for x in s.get(tid, timeout_s=5)]
 
         task = asyncio.create_task(read("t"))
-        await asyncio.sleep(0.01)
+        await settle()  # the reader runs until it waits
         await s.fail("t", "the prefill worker's KV stream broke")
         with pytest.raises(Unavailable, match="broke"):
             await task
         s.reserve("u", [], 1)
         task = asyncio.create_task(read("u"))
-        await asyncio.sleep(0.01)
+        await settle()  # the reader runs until it waits
         await s.release("u")
         with pytest.raises(NotFound):
             await task
@@ -189,7 +195,7 @@ def test_an_abandoned_transfer_fails_its_reader_at_once_unless_it_is_complete():
             return [x async for x in s.get(tid, timeout_s=5)]
 
         task = asyncio.create_task(read("never-reserved"))
-        await asyncio.sleep(0.01)
+        await settle()  # the reader runs until it waits
         assert await s.abandon("never-reserved")
         with pytest.raises(NotFound):
             await task
@@ -390,7 +396,8 @@ def test_bad_calls_get_a_clear_status_and_change_nothing():
                     (stub.Attach, pb.AttachRequest(block_bytes=1024, transport="rdma")),
                     (stub.Attach, pb.AttachRequest(block_bytes=1024)),
                     (stub.Attach, pb.AttachRequest(block_bytes=2048)),  # another model's block size
-                    (stub.Reserve, pb.ReserveRequest(transfer_id="t", hashes=[b"short"], num_blocks=1, block_bytes=1024)),
+                    (stub.Reserve, pb.ReserveRequest(transfer_id="t", hashes=[b"short"], num_blocks=1,
+                                                     block_bytes=1024)),
                     (stub.Reserve, pb.ReserveRequest(transfer_id="", num_blocks=1, block_bytes=1024)),
                     (stub.Reserve, pb.ReserveRequest(transfer_id="t", num_blocks=10**12, block_bytes=1024)),
                     (stub.Reserve, pb.ReserveRequest(transfer_id="t", hashes=[h(1), h(2)], num_blocks=1,
