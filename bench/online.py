@@ -10,9 +10,9 @@ import time
 import grpc
 
 from bench.latency import Timing
+from services.common.convert import request_from_line
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
-from services.up import request_from_line
 
 
 async def drive(gateway: str, reqs: list, arrivals: list | None, timeout_s: float = 900,

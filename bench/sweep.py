@@ -36,9 +36,9 @@ import grpc
 from bench.common import log
 from bench.latency import Timing, percentile, poisson_arrivals, summarize
 from bench.online import LoadSampler, run_online, warm
+from services.common.convert import request_from_line
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
-from services.up import request_from_line
 
 LOADS = (0.5, 0.7, 0.85, 0.95)
 RAMP_FACTOR = 1.15  # each ramp step's rate over the previous one's

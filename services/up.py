@@ -14,6 +14,7 @@ import grpc
 
 from services.common import rpc
 from services.common.config import ConfigError, MeshConfig, load_mesh_config
+from services.common.convert import request_from_line
 from services.common.errors import MeshError
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
@@ -164,26 +165,6 @@ def cmd_up(args) -> int:
         with lock:
             mesh.stop()
         print("stopped", flush=True)
-
-
-def request_from_line(obj: dict) -> pb.GenerateRequest:
-    """A JSONL line (docs/INTERFACES.md) as a GenerateRequest."""
-    s = pb.Sampling(max_tokens=int(obj.get("max_tokens", 16)), top_k=int(obj.get("top_k", 0)),
-                    ignore_eos=bool(obj.get("ignore_eos", False)), logprobs=bool(obj.get("logprobs", False)),
-                    min_tokens=int(obj.get("min_tokens") or 0),
-                    stop_token_ids=obj.get("stop_token_ids") or [])
-    stop = obj.get("stop") or []
-    s.stop.extend(x.encode() for x in ([stop] if isinstance(stop, str) else stop))
-    for name in ("temperature", "top_p", "min_p", "seed"):
-        if obj.get(name) is not None:
-            setattr(s, name, obj[name])
-    req = pb.GenerateRequest(request_id=str(obj.get("id", "")), sampling=s, priority=int(obj.get("priority", 0)),
-                             deadline_ms=int(obj.get("deadline_ms", 0)), adapter=obj.get("adapter") or "")
-    if "prompt_token_ids" in obj:
-        req.token_ids.ids.extend(obj["prompt_token_ids"])
-    else:
-        req.text = str(obj.get("prompt", "")).encode()
-    return req
 
 
 async def _one(stub, obj: dict, metadata) -> dict:

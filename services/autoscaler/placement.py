@@ -1,4 +1,5 @@
-"""Replica placement under topology constraints: a pure policy (no I/O).
+"""Replica placement under topology constraints: a pure policy (no I/O). Not called by the running mesh yet (it
+has no tensor-parallel groups to place; issue 40 wires it in with them, or replaces it): tested on its own.
 
 The inventory is a set of devices, each in a topology path rack / node (host) / domain (an NVLink island
 or a NUMA domain within the node). A replica of a pool is a tensor-parallel group of k devices that must

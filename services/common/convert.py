@@ -93,3 +93,23 @@ def client_request_from_pb(msg: pb.GenerateRequest) -> ClientRequest:
                          text=utf8(msg.text, "text") if kind == "text" else None,
                          token_ids=tuple(msg.token_ids.ids) if kind == "token_ids" else None, model=msg.model,
                          adapter=msg.adapter, priority=msg.priority, deadline_ms=msg.deadline_ms)
+
+
+def request_from_line(obj: dict) -> pb.GenerateRequest:
+    """A JSONL line (docs/INTERFACES.md) as a GenerateRequest: what `meshserve client` and the benchmarks send."""
+    s = pb.Sampling(max_tokens=int(obj.get("max_tokens", 16)), top_k=int(obj.get("top_k", 0)),
+                    ignore_eos=bool(obj.get("ignore_eos", False)), logprobs=bool(obj.get("logprobs", False)),
+                    min_tokens=int(obj.get("min_tokens") or 0),
+                    stop_token_ids=obj.get("stop_token_ids") or [])
+    stop = obj.get("stop") or []
+    s.stop.extend(x.encode() for x in ([stop] if isinstance(stop, str) else stop))
+    for name in ("temperature", "top_p", "min_p", "seed"):
+        if obj.get(name) is not None:
+            setattr(s, name, obj[name])
+    req = pb.GenerateRequest(request_id=str(obj.get("id", "")), sampling=s, priority=int(obj.get("priority", 0)),
+                             deadline_ms=int(obj.get("deadline_ms", 0)), adapter=obj.get("adapter") or "")
+    if "prompt_token_ids" in obj:
+        req.token_ids.ids.extend(obj["prompt_token_ids"])
+    else:
+        req.text = str(obj.get("prompt", "")).encode()
+    return req

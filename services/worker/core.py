@@ -2,25 +2,8 @@
 
 The servicer's process runs asyncio, gRPC and metrics; the core's runs only the engine loop, so the
 two never share a GIL (vLLM's EngineCore split, for the same reason). They talk over a
-multiprocessing pipe in pickled tuples:
-
-  servicer -> core   ("add", seq, spec, export, pooled)  a request; export (ExportPlan): stream its KV out
-                                                     (prefill: hand it off; unified: push it to the pool); pooled
-                                                     (PooledPrefix): blocks of its prompt leased from the pool
-                     ("end_import", seq, req_id, kwargs)
-                     ("call", seq, method, args)     any other LLMEngine method (load, begin_import, ...), or
-                                                     one of the core's own (CORE_METHODS: its counters, the
-                                                     kvstore's arena, imports that verify checksums)
-                     ("abort", req_id)
-                     ("stop",)                       exit the loop (closing the pipe alone does not reach a
-                                                     core whose reader thread is blocked on it)
-  core -> servicer   ("ready", load)                 the engine is built (its EngineLoad, empty)
-                     ("reply", seq, result, error)   a command's result or exception
-                     ("step", outputs, stats)        ONE message per step: every request's new tokens
-                                                     (StepOutput), counters, load
-                     ("kv", pieces)                  then the step's KV pieces (KVPiece), if any: copying KV
-                                                     out never delays a step's tokens
-                     ("fatal", message)              the engine could not be built
+multiprocessing pipe, one typed message each way (services/worker/protocol.py: the messages, and the
+methods the servicer may call).
 
 Commands run between steps, in order. The core never waits on the servicer: it polls the pipe
 between steps and blocks only while idle. It dies with the worker (parent-death signal) and exits
@@ -40,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.common.errors import MeshError
+from services.worker.protocol import CORE_CALLS, Abort, Add, EndImport, Stop, command, message
 
 log = logging.getLogger("meshserve.core")
 
@@ -189,9 +173,6 @@ class KVExport:
         return pieces
 
 
-CORE_METHODS = frozenset({"core_stats", "map_arena", "import_slots", "import_data"})
-
-
 class StepLog:
     """One JSON line per step the engine ran (start on the monotonic clock, sequences, tokens, context tokens,
     prompt chunk tokens x their context, seconds), written when MESHSERVE_STEP_LOG names a folder: `meshserve sim
@@ -236,46 +217,48 @@ class EngineCore:
         self.step_floor_s = float(os.environ.get("MESHSERVE_STEP_FLOOR_S") or 0)
 
     def handle(self, msg: tuple) -> None:
-        kind = msg[0]
-        if kind == "stop":
+        try:
+            msg = command(msg)
+        except ValueError as e:  # a servicer of another version, or a bug: refused, the loop goes on
+            log.error("refused a command: %s", e)
+            if isinstance(msg, tuple) and len(msg) > 1 and isinstance(msg[1], int):
+                self.send(message("reply", msg[1], None, MeshError(str(e))))
+            return
+        if isinstance(msg, Stop):
             self.running = False
             return
-        if kind == "abort":
-            self.failed_imports.discard(msg[1])
-            self._forget(msg[1])
-            self.aborted += self.engine.abort(msg[1])
+        if isinstance(msg, Abort):
+            self.failed_imports.discard(msg.req_id)
+            self._forget(msg.req_id)
+            self.aborted += self.engine.abort(msg.req_id)
             return
-        seq = msg[1]
         try:
-            if kind == "add":
-                _, _, spec, plan, pooled = msg
-                blocks = self._pooled_blocks(pooled) if pooled is not None else []
-                self.engine.add(spec, pooled=(list(pooled.hashes), pooled.start, blocks) if blocks else None)
-                result = len(blocks)
-                self.live.add(spec.request_id)
-                if plan is not None:
-                    self.exports[spec.request_id] = KVExport(spec.request_id, plan, self._arena(plan.generation))
-            elif kind == "end_import":
-                _, _, req_id, kwargs = msg
-                if req_id in self.failed_imports:  # its blocks are not all there: never let it run
-                    raise KVTransferFailed(f"request {req_id}'s KV import failed")
-                self.engine.end_import(req_id, **kwargs)
-                self.live.add(req_id)
-                result = None
-            elif kind == "call":
-                _, _, method, args = msg
-                own = method in CORE_METHODS
-                result = getattr(self if own else self.engine, method)(*args)
-                if method == "begin_import":
-                    result = None  # the engine's Request stays here
-            else:
-                raise ValueError(f"unknown core command {kind!r}")
+            result = self._run(msg)
         except Exception as e:
-            self.send(("reply", seq, None, _picklable(e)))
+            self.send(message("reply", msg.seq, None, _picklable(e)))
             return
-        self.send(("reply", seq, result, None))
+        self.send(message("reply", msg.seq, result, None))
 
-    # ---- the kvstore's arena and imports (CORE_METHODS) -------------------------------------------
+    def _run(self, msg):
+        if isinstance(msg, Add):
+            spec, plan, pooled = msg.spec, msg.plan, msg.pooled
+            blocks = self._pooled_blocks(pooled) if pooled is not None else []
+            self.engine.add(spec, pooled=(list(pooled.hashes), pooled.start, blocks) if blocks else None)
+            self.live.add(spec.request_id)
+            if plan is not None:
+                self.exports[spec.request_id] = KVExport(spec.request_id, plan, self._arena(plan.generation))
+            return len(blocks)
+        if isinstance(msg, EndImport):
+            if msg.req_id in self.failed_imports:  # its blocks are not all there: never let it run
+                raise KVTransferFailed(f"request {msg.req_id}'s KV import failed")
+            self.engine.end_import(msg.req_id, **msg.kwargs)
+            self.live.add(msg.req_id)
+            return None
+        target = self if msg.method in CORE_CALLS else self.engine  # command() checked the name
+        result = getattr(target, msg.method)(*msg.args)
+        return None if msg.method == "begin_import" else result  # the engine's Request stays here
+
+    # ---- the kvstore's arena and imports (protocol.CORE_CALLS) -------------------------------------------
 
     def map_arena(self, path: str, generation: str, slot_bytes: int, slots: int) -> None:
         """Map the kvstore's segment (as its Attach told the servicer); the one it replaces (a restarted kvstore's
@@ -364,7 +347,7 @@ class EngineCore:
             for req_id in failed:
                 engine.abort(req_id)
                 self._forget(req_id)
-            self.send(("failed", failed, f"engine step failed: {e}"))
+            self.send(message("failed", failed, f"engine step failed: {e}"))
             return
         last = engine.last_step
         if last is not None and last is not self.last_seen:  # a step that scheduled nothing leaves the last one
@@ -381,16 +364,16 @@ class EngineCore:
             outs.append(StepOutput(out.req_id, list(out.new_token_ids), out.new_logprobs, out.finished,
                                    out.finish_reason, req.num_prompt, req.num_cached_prompt, req.num_output,
                                    req.arrival_s))
-        self.send(("step", outs, self.stats()))  # first: a first token must not wait for its KV to be copied out
+        self.send(message("step", outs, self.stats()))  # first: a first token must not wait for its KV to be copied out
         pieces = self._export()
         for out in outs:
             if out.finished:
                 self._forget(out.req_id)
         self.retire_arenas()
         if pieces:
-            self.send(("kv", pieces))
+            self.send(message("kv", pieces))
         if not engine.has_unfinished():  # the last word before idling is the idle load (no step follows to say it)
-            self.send(("step", [], self.stats()))
+            self.send(message("step", [], self.stats()))
 
     def _export(self) -> list:
         engine, pieces = self.engine, []
@@ -406,7 +389,7 @@ class EngineCore:
                 log.exception("KV export of request %s failed; aborting it", req_id)
                 engine.abort(req_id)
                 self._forget(req_id)
-                self.send(("failed", [req_id], f"KV export failed: {e}"))
+                self.send(message("failed", [req_id], f"KV export failed: {e}"))
                 continue
             pieces += got
             if done:
@@ -437,7 +420,7 @@ class EngineCore:
             if busy:
                 self.step()
             elif aborted:  # no step follows (an abort emptied the engine): the servicer's load would stay stale
-                self.send(("step", [], self.stats()))
+                self.send(message("step", [], self.stats()))
 
 
 def _picklable(e: Exception) -> Exception:
@@ -467,9 +450,9 @@ def core_main(conn, engine_config, parent_pid: int, threads: int | None) -> None
     try:
         engine = LLMEngine(engine_config)
     except Exception as e:
-        conn.send(("fatal", f"{type(e).__name__}: {e}"))
+        conn.send(message("fatal", f"{type(e).__name__}: {e}"))
         return
-    conn.send(("ready", engine.load()))
+    conn.send(message("ready", engine.load()))
     t0 = time.monotonic()
     core = EngineCore(engine, conn.send)
     core.run(conn)

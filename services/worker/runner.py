@@ -25,6 +25,7 @@ from services.common.errors import MeshError, ModelLoadError, Unavailable
 from services.common.request import RequestSpec
 from services.worker.core import CoreStats, core_main
 from services.worker.metrics import WorkerMetrics
+from services.worker.protocol import KV, Failed, Fatal, Ready, Reply, Step, check_call, event, message
 
 log = logging.getLogger("meshserve.runner")
 
@@ -87,12 +88,15 @@ class EngineRunner:
             fut.set_exception(Unavailable(self.dead))
             return fut
         seq = next(self._seq)
+        msg = message(kind, seq, *args)  # ValueError here, at the boundary, for a malformed command
         self.pending[seq] = fut
-        self.outbox.put((kind, seq, *args))
+        self.outbox.put(msg)
         return fut
 
     def call(self, method: str, *args) -> asyncio.Future:
-        """Run engine.method(*args) in the core, between steps; the future gets its result or exception."""
+        """Run method(*args) in the core, between steps: one of protocol.ENGINE_CALLS (the engine's) or CORE_CALLS
+        (the core's own); ValueError at once for any other. The future gets its result or exception."""
+        check_call(method)
         return self._command("call", method, args)
 
     async def add(self, spec: RequestSpec, kv: asyncio.Queue | None = None, plan=None, pooled=None) -> asyncio.Queue:
@@ -125,7 +129,7 @@ class EngineRunner:
         """Abort if still live (safe to call at any time)."""
         self.forget(req_id)
         if not self.dead:
-            self.outbox.put(("abort", req_id))
+            self.outbox.put(message("abort", req_id))
 
     def forget(self, req_id: str) -> None:
         self.streams.pop(req_id, None)
@@ -136,7 +140,7 @@ class EngineRunner:
     def stop(self, timeout_s: float = 10.0) -> None:
         """Close the pipe (the core exits when it sees that) and wait for the process."""
         self.dead = self.dead or "the worker is stopping"
-        self.outbox.put(("stop",))  # the pipe's close does not reach the core while our reader blocks on it
+        self.outbox.put(message("stop"))  # the pipe's close does not reach the core while our reader blocks on it
         self.outbox.put(None)
         self.process.join(timeout_s)
         if self.process.is_alive():
@@ -170,33 +174,31 @@ class EngineRunner:
             pass  # the loop is closed: the worker has stopped
 
     def _on_message(self, msg: tuple) -> None:
-        kind = msg[0]
-        if kind == "step":
-            self._on_step(*msg[1:])
-        elif kind == "kv":
-            self._on_kv(msg[1])
-        elif kind == "reply":
-            _, seq, result, error = msg
-            fut = self.pending.pop(seq, None)
+        msg = event(msg)
+        if isinstance(msg, Step):
+            self._on_step(msg.outputs, msg.stats)
+        elif isinstance(msg, KV):
+            self._on_kv(msg.pieces)
+        elif isinstance(msg, Reply):
+            fut = self.pending.pop(msg.seq, None)
             if fut is not None and not fut.done():
-                if error is not None:
-                    fut.set_exception(error)
+                if msg.error is not None:
+                    fut.set_exception(msg.error)
                 else:
-                    fut.set_result(result)
-        elif kind == "failed":
-            _, req_ids, message = msg
-            for req_id in req_ids:
-                self._fail(req_id, MeshError(message))
-        elif kind == "ready":
-            self.load = msg[1]
+                    fut.set_result(msg.result)
+        elif isinstance(msg, Failed):
+            for req_id in msg.req_ids:
+                self._fail(req_id, MeshError(msg.message))
+        elif isinstance(msg, Ready):
+            self.load = msg.load
             if self.metrics is not None:  # the gauges read 0 from the start, not nothing until the first step
-                self.metrics.load = msg[1]
+                self.metrics.load = msg.load
             if not self._ready.done():
                 self._ready.set_result(None)
-        elif kind == "fatal":
-            self.dead = msg[1]
+        elif isinstance(msg, Fatal):
+            self.dead = msg.message
             if not self._ready.done():
-                self._ready.set_exception(ModelLoadError(msg[1]))
+                self._ready.set_exception(ModelLoadError(msg.message))
 
     def _on_kv(self, pieces: list) -> None:
         for piece in pieces:

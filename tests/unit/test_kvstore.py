@@ -15,6 +15,7 @@ from services.common.errors import CapacityExhausted, NotFound, Unavailable
 from services.kvstore.store import BlockStore
 from tests.support.fakes import Clock
 
+
 async def settle(turns: int = 8) -> None:
     """Let the tasks just created run until they wait: turns of the event loop, no wall-clock time."""
     for _ in range(turns):

@@ -1,0 +1,59 @@
+"""The servicer <-> engine core pipe is typed and checked at both ends: only the listed methods can be called, a
+malformed or unknown message is refused with a clear error (the core replies and keeps serving), never run."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from services.worker import protocol
+from services.worker.core import EngineCore
+
+
+class FakeEngine:
+    step_cost = None
+
+    def load(self):
+        return "load"
+
+    def abort_everything(self):  # an engine method the servicer must not reach
+        raise AssertionError("called through the pipe")
+
+
+def core():
+    sent = []
+    return EngineCore(FakeEngine(), sent.append), sent
+
+
+def test_a_listed_engine_method_is_called_and_its_result_replied():
+    c, sent = core()
+    c.handle(("call", 1, "load", ()))
+    assert sent == [("reply", 1, "load", None)]
+    assert isinstance(sent[0], protocol.Reply) and sent[0].result == "load"
+
+
+@pytest.mark.parametrize("msg, says", [
+    (("call", 2, "abort_everything", ()), "does not serve 'abort_everything'"),
+    (("call", 3, "load"), "has 3 field(s), got 2"),
+    (("launch", 4), "not a core message"),
+])
+def test_the_core_refuses_what_the_protocol_does_not_name_and_goes_on(msg, says):
+    c, sent = core()
+    c.handle(msg)
+    c.handle(("call", 9, "load", ()))
+    replies = {m.seq: m for m in sent}
+    assert 9 in replies and replies[9].error is None  # still serving
+    if msg[0] != "launch":
+        assert says in str(replies[msg[1]].error)
+
+
+def test_the_servicer_side_refuses_an_unlisted_method_before_sending():
+    from services.worker.runner import EngineRunner
+
+    runner = SimpleNamespace(dead=None)  # call() checks before touching the pipe
+    with pytest.raises(ValueError, match="does not serve 'step'"):
+        EngineRunner.call(runner, "step")
+    assert protocol.ENGINE_CALLS.isdisjoint(protocol.CORE_CALLS)
+    assert all(hasattr(EngineCore, m) for m in protocol.CORE_CALLS)
+    from services.engine.engine import LLMEngine
+
+    assert all(hasattr(LLMEngine, m) for m in protocol.ENGINE_CALLS)
