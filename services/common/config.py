@@ -444,8 +444,15 @@ def config_from_args(ap: argparse.ArgumentParser, args: argparse.Namespace, *sec
 
 
 def announce(service: str, cfg: MeshConfig, *names: str) -> dict:
-    """Print, as one line `<service> config: {json}`, the config a service runs with: each name a section it owns
-    ("kv") or one key it reads from another ("mesh.mode"); tenants by name only. Returns what it printed."""
+    """Print, as one line `<service> config: {json}`, the config a service runs with (owned()); returns it."""
+    out = owned(cfg, *names)
+    print(f"{service} config: {json.dumps(out, sort_keys=True)}", flush=True)
+    return out
+
+
+def owned(cfg: MeshConfig, *names: str) -> dict:
+    """The parts of cfg a service runs with: each name a section it owns ("kv") or one key it reads from another
+    ("mesh.mode"); tenants by name only."""
     out: dict = {}
     for name in names:
         section, _, key = name.partition(".")
@@ -457,5 +464,4 @@ def announce(service: str, cfg: MeshConfig, *names: str) -> dict:
             out.setdefault(section, {})[key] = values[key]
         else:
             out[section] = values
-    print(f"{service} config: {json.dumps(out, sort_keys=True)}", flush=True)
     return out
