@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
 
 import grpc
@@ -18,6 +17,7 @@ import yaml
 
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
+from tests.support.wait import wait_for as wait
 
 CONFIG = {
     "mesh": {"mode": "unified", "unified": 1, "tls": False},
@@ -58,10 +58,7 @@ def up(tmp_path, request):
 
 
 def wait_for(predicate, timeout_s: float, what: str, lines):
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"{what} did not happen in {timeout_s:g} s:\n" + "".join(lines[-40:])
-        time.sleep(0.5)
+    wait(predicate, timeout_s, lambda: f"{what} did not happen:\n" + "".join(lines[-40:]), interval_s=0.5)
 
 
 def pools(supervisor: str) -> dict:

@@ -19,6 +19,7 @@ from services.launcher import Mesh, MeshSpec, client_channel, serving
 from tests.integration.conftest import ENGINE
 from tests.support.reference import random_prompts
 from tests.support.streams import greedy_streams
+from tests.support.wait import wait_for as wait
 
 STREAMS, NEW = 32, 40
 
@@ -86,14 +87,7 @@ def router_views(mesh) -> list:
 
 
 def wait_for(what: str, check, within_s: float):
-    deadline = time.monotonic() + within_s
-    while True:
-        got = check()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what} not within {within_s} s")
-        time.sleep(0.05)
+    return wait(check, within_s, what, interval_s=0.05)
 
 
 @pytest.mark.parametrize("victim", ["decode-0", "prefill-0", "kvstore", "router", "redis"])

@@ -18,6 +18,7 @@ from services.common.prefix_index import LIVE_PREFIX, LIVE_TTL_S, PrefixIndex, c
 from services.launcher import redis_command
 from tests.integration.conftest import start_mesh
 from tests.integration.test_mesh import generate_request
+from tests.support.wait import wait_for
 
 BS = 16  # the engine's default block size
 P0 = list(range(200, 300))  # 6 full blocks
@@ -63,14 +64,6 @@ def indexed(mesh, ids) -> dict:
     finally:
         client.close()
     return {m.rsplit("#", 1)[0]: n for m, n in found.items()}
-
-
-def wait_for(predicate, timeout_s, what):
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(0.1)
 
 
 def index_health(router) -> int:
