@@ -34,9 +34,9 @@ import yaml
 from bench.common import default_model, log, machine, print_table, write_result
 from bench.latency import percentile
 from bench.online import run_online, warm
-from services import supervisor
 from services.common.telemetry import METRICS_ENDPOINT_ENV
-from services.launcher import Mesh, MeshSpec, free_port
+from services.mesh import supervisor
+from services.mesh.launcher import Mesh, MeshSpec, free_port
 
 POLICIES = ("token-policy", "cpu-utilisation", "request-rate")
 MAX_WORKERS = max(2, min(4, os.cpu_count() or 2))

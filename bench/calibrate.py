@@ -36,7 +36,7 @@ from pathlib import Path
 from bench.common import default_model, log, machine
 from bench.latency import percentile
 from bench.online import drive
-from services.launcher import Mesh, MeshSpec
+from services.mesh.launcher import Mesh, MeshSpec
 from sim.cost import CostModel, fit, intervals, nonneg_lstsq
 
 ENGINE_ARGS = ["--max-num-batched-tokens", "512", "--kv-cache-gb", "1.0"]

@@ -37,7 +37,7 @@ from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.engine.loader import load_model
 from services.engine.lora import TARGETS, target_shapes
-from services.launcher import Mesh, MeshSpec
+from services.mesh.launcher import Mesh, MeshSpec
 
 N_ADAPTERS, SLOTS, HOST, MAX_RANK = 64, 8, 32, 64
 RANKS = (8, 16, 32, 64)

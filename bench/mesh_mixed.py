@@ -30,7 +30,7 @@ from bench.latency import Timing, poisson_arrivals, summarize
 from bench.online import drive
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
-from services.launcher import Mesh, MeshSpec
+from services.mesh.launcher import Mesh, MeshSpec
 
 ENGINE_ARGS = ["--kv-cache-gb", "1.0", "--max-num-batched-tokens", "512"]
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from bench import sweep
 from bench.common import default_model, log, machine, print_table, write_result
 from bench.plot import plot_path, plot_sweep
-from services.launcher import Mesh, MeshSpec
+from services.mesh.launcher import Mesh, MeshSpec
 
 POLICIES = ("round-robin", "least-outstanding", "prefix-aware", "round-robin+pool", "prefix-aware+pool")
 DEFAULT_POLICIES = POLICIES[:3]

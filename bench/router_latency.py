@@ -27,7 +27,7 @@ from services.common.block_hash import extra_keys, hash_blocks, pack_tokens, pro
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.common.prefix_index import IndexPublisher, connect
-from services.launcher import free_port, redis_command, serving, signal_group
+from services.mesh.launcher import free_port, redis_command, serving, signal_group
 
 WORKERS, PROMPTS, PROMPT_TOKENS, BLOCK = 8, 8, 4096, 16
 

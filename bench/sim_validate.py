@@ -46,7 +46,7 @@ from bench.common import default_model, log, machine, print_table, random_reques
 from bench.latency import poisson_arrivals
 from bench.online import drive
 from services.common.tenants import hash_key
-from services.launcher import Mesh, MeshSpec
+from services.mesh.launcher import Mesh, MeshSpec
 from sim.cli import simulate
 from sim.cluster import AutoscaleSpec, ClusterSpec
 from sim.cost import CostModel, intervals

@@ -24,7 +24,7 @@ from bench import sweep
 from bench.common import default_model, log, machine, print_table, write_result
 from bench.latency import percentile, poisson_arrivals
 from bench.plot import plot_path, plot_sweep
-from services.launcher import Mesh, MeshSpec
+from services.mesh.launcher import Mesh, MeshSpec
 
 POLICIES = ("round-robin", "least-outstanding")
 SLOWED = "+slowed"

@@ -34,7 +34,7 @@ import grpc
 from bench.common import default_model, log, machine, write_result
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
-from services.launcher import Mesh, MeshSpec, client_channel
+from services.mesh.launcher import Mesh, MeshSpec, client_channel
 
 ENGINE_ARGS = ["--kv-cache-gb", "0.25", "--max-num-batched-tokens", "256"]
 VICTIMS = ("decode-0", "decode-1", "prefill-0", "kvstore", "router", "router-1", "redis")

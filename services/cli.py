@@ -41,7 +41,7 @@ def cmd_health(args) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from services.launcher import client_channel
+    from services.mesh.launcher import client_channel
 
     try:
         with client_channel(args.address, args.tls_dir or "") as ch:
@@ -153,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from bench.runner import add_bench_parser
     from services.chat_cli import add_parser as add_chat_parser
-    from services.up import add_parsers
+    from services.mesh.up import add_parsers
     add_bench_parser(sub, cmd_bench)
     from bench.calibrate import add_parser as add_calibrate_parser
     from sim.cli import add_parser as add_sim_parser

@@ -1,6 +1,6 @@
 """Actuators: where a decision becomes processes, behind one interface (state(pool), scale(pool, n, reason)).
 
-- LocalActuator: the Supervisor service of `meshserve up` (services/supervisor.py): starts workers, drains them.
+- LocalActuator: the Supervisor service of `meshserve up` (services/mesh/supervisor.py): starts workers, drains them.
 - ComposeActuator: `docker compose up -d --scale SERVICE=N --no-recreate SERVICE` (Compose stops surplus
   containers with SIGTERM and its stop grace: the worker drains in it); state from `docker compose ps`.
 - KubernetesActuator: the scale subresource of the pool's Deployment or StatefulSet (Kubernetes sends SIGTERM

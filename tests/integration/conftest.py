@@ -4,7 +4,7 @@ import pytest
 
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
-from services.launcher import Mesh, MeshSpec
+from services.mesh.launcher import Mesh, MeshSpec
 
 ENGINE = ["--kv-cache-gb", "0.05", "--max-num-batched-tokens", "64"]
 

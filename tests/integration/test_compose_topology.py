@@ -19,7 +19,7 @@ import pytest
 
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
-from services.launcher import free_port, serving
+from services.mesh.launcher import free_port, serving
 from tests.support.compose import DEPLOY, ROOT, compose, flag_value, ours
 from tests.support.redis_server import RedisServer
 

@@ -14,7 +14,7 @@ import yaml
 
 from services.common.config import MeshConfig, owned
 from services.common.tenants import new_key
-from services.launcher import free_port, signal_group
+from services.mesh.launcher import free_port, signal_group
 from tests.support.wait import wait_for
 
 

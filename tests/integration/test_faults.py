@@ -15,7 +15,7 @@ import pytest
 
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
-from services.launcher import Mesh, MeshSpec, client_channel, serving
+from services.mesh.launcher import Mesh, MeshSpec, client_channel, serving
 from tests.integration.conftest import ENGINE
 from tests.support.reference import random_prompts
 from tests.support.streams import greedy_streams
@@ -128,7 +128,7 @@ def gauges(mesh, p) -> dict:
     """A worker's running and waiting gauges as its Prometheus endpoint serves them (absent: missing)."""
     import urllib.request
 
-    from services.launcher import metrics_url
+    from services.mesh.launcher import metrics_url
 
     url = metrics_url(p)  # a restarted worker serves its metrics on a new port
     body = urllib.request.urlopen(url, timeout=5).read().decode()

@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
-from services.launcher import Mesh, MeshSpec
+from services.mesh.launcher import Mesh, MeshSpec
 from tests.integration.conftest import ENGINE
 from tests.integration.test_mesh import generate_request
 

@@ -13,7 +13,7 @@ import redis
 from services.common.certs import make_certs
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
-from services.launcher import Mesh, MeshSpec, client_channel
+from services.mesh.launcher import Mesh, MeshSpec, client_channel
 from tests.integration.conftest import ENGINE
 from tests.integration.test_mesh import generate_request
 
@@ -131,7 +131,7 @@ def supervisor(mesh):
     """The Supervisor service as `meshserve up` hosts it beside this mesh: over the mesh's mutual TLS."""
     import threading
 
-    from services.supervisor import serve
+    from services.mesh.supervisor import serve
 
     server, address = serve(mesh, threading.Lock(), mesh.pools(), 0, say=lambda line: None, tls_dir=mesh.tls_dir)
     yield address

@@ -15,7 +15,7 @@ from services.common.block_hash import extra_keys, hash_blocks
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.common.prefix_index import LIVE_PREFIX, LIVE_TTL_S, PrefixIndex, connect, connect_lookup
-from services.launcher import redis_command
+from services.mesh.launcher import redis_command
 from tests.integration.conftest import start_mesh
 from tests.integration.test_mesh import generate_request
 from tests.support.wait import wait_for

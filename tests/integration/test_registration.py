@@ -14,7 +14,7 @@ _SUPERVISORS: dict = {}
 def supervisor_of(mesh) -> str:
     """The Supervisor service (which `meshserve up` hosts) on the fixture's mesh, started once."""
     if id(mesh) not in _SUPERVISORS:
-        from services.supervisor import serve
+        from services.mesh.supervisor import serve
 
         _SUPERVISORS[id(mesh)] = serve(mesh, threading.Lock(), ("unified",), 0, say=lambda line: None)
     return _SUPERVISORS[id(mesh)][1]

@@ -45,7 +45,7 @@ def test_a_mesh_that_fails_to_start_stops_what_it_started(tiny_model, tmp_path_f
     """The gateway refuses its flags: start() raises, and every process it had started is gone."""
     import pytest
 
-    from services.launcher import Mesh, MeshSpec
+    from services.mesh.launcher import Mesh, MeshSpec
     from tests.integration.conftest import ENGINE
 
     mesh = Mesh(MeshSpec(str(tiny_model), mode="unified", engine_args=ENGINE, gateway_args=["--admission-policy", "x"]),

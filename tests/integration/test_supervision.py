@@ -98,7 +98,7 @@ def test_a_killed_service_is_started_again_and_the_mesh_serves(up, marker):
 
 def pool_state(lines: list, pool: str) -> pb.PoolState:
     """The Supervisor's view of a pool, asked as the operator over the mesh's mutual TLS (as `meshserve scale`)."""
-    from services.launcher import client_channel
+    from services.mesh.launcher import client_channel
 
     found = re.search(r"--supervisor (\S+) --tls-dir (\S+)", "".join(lines))
     with client_channel(found.group(1), found.group(2)) as ch:

@@ -8,7 +8,7 @@ import time
 
 import redis
 
-from services.launcher import free_port, redis_command
+from services.mesh.launcher import free_port, redis_command
 
 
 class RedisServer:

@@ -104,7 +104,7 @@ def test_services_refuse_a_bad_config_file_at_startup_naming_the_key(tmp_path):
 def test_up_gives_each_worker_a_small_pool_unless_the_config_sizes_it(tmp_path):
     from argparse import Namespace
 
-    from services.up import mesh_spec
+    from services.mesh.up import mesh_spec
 
     args = Namespace(port=0, http_port=0, router_port=0, kvstore_port=0, config=None, served_model_name=None)
     assert mesh_spec(load_mesh_config(None, env={}), tmp_path, args).engine_args == ["--kv-cache-gb", "0.25"]

@@ -9,7 +9,7 @@ import pytest
 from services.common.chat import ChatTemplate
 from services.common.errors import ModelLoadError
 from services.engine.model_fetch import KNOWN_MODELS, check_sha256, fetch
-from services.up import TINY_MODEL, resolve_model
+from services.mesh.up import TINY_MODEL, resolve_model
 
 
 @pytest.fixture

@@ -29,7 +29,7 @@ DEFAULT_PORTS = {**rpc.DEFAULT_PORTS, "http": 8000, "autoscaler": 50054,
 def mesh_spec(cfg: MeshConfig, model: Path, args):
     """The processes `meshserve up` starts, from the validated config and the command's ports. Every
     service also reads the config file itself; the flags here carry what `up` decides beyond it."""
-    from services.launcher import MeshSpec
+    from services.mesh.launcher import MeshSpec
 
     set_keys = cfg.engine.model_fields_set
     engine_args = [] if {"kv_cache_gb", "num_blocks"} & set_keys else ["--kv-cache-gb", str(default_kv_gb(model))]
@@ -87,8 +87,8 @@ def resolve_model(name: str | None) -> Path:
 
 
 def cmd_up(args) -> int:
-    from services import supervisor
-    from services.launcher import Mesh, RestartLimit
+    from services.mesh import supervisor
+    from services.mesh.launcher import Mesh, RestartLimit
 
     try:
         cfg = load_mesh_config(args.config)
@@ -101,7 +101,7 @@ def cmd_up(args) -> int:
     autoscaler_port = 0
     if scaling.enabled:
         from services.common.telemetry import METRICS_ENDPOINT_ENV
-        from services.launcher import free_port
+        from services.mesh.launcher import free_port
 
         if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get(METRICS_ENDPOINT_ENV):
             print("the autoscaler needs the workers' metrics: OTLP already goes elsewhere, so have your collector "
@@ -205,7 +205,7 @@ def cmd_client(args) -> int:
 
 
 def cmd_scale(args) -> int:
-    from services.launcher import client_channel
+    from services.mesh.launcher import client_channel
 
     try:
         ch = client_channel(args.supervisor, args.tls_dir)  # as the operator (`client`) over the mesh's mutual TLS
