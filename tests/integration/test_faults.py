@@ -119,7 +119,7 @@ def test_a_killed_service_loses_no_stream(mesh, prompts, reference, victim):
         lambda: mesh.proc(victim).popen.pid != pid and serving(proc.address, tls_dir=mesh.tls_dir))
     wait_for(f"{victim} back", back, max(killed_s + 5 - time.monotonic(), 0))
     again = asyncio.run(run_streams(mesh.gateway, prompts[:4]))
-    assert [t for t, _ in again] == reference[:4]
+    assert [t for t, _ in again] == reference[:4], [status for _, status in again]
     wait_for("every block, sequence and transfer freed", lambda: not idle(mesh) or None, 15)
     wait_for("both routers seeing the same load", lambda: len(set(map(tuple, router_views(mesh)))) == 1, 5)
 
