@@ -5,6 +5,10 @@ no autoscaling, cells are independent: the gateway hands request i of the trace 
 else crosses cells. Each cell then runs as its own Cluster on its share of the trace, with the same worker ids
 as in the whole cluster (so that tie-breaks by worker id agree), in a pool of processes, and the results merge
 in cell order. The merged result is the single-process one, byte for byte (tests/unit/test_sim.py checks it).
+
+The pool's processes come from a fork server, never from forking the caller: a caller with threads (gRPC's
+poller, tqdm's monitor, a test run that has served gRPC in-process) can hold a lock at the fork that the child
+then waits on for ever, which hung a CI run in this very test.
 """
 
 from __future__ import annotations
@@ -65,6 +69,12 @@ class Merged:
         return self._stats
 
 
+def pool(processes: int, initializer=None, initargs: tuple = ()) -> ProcessPoolExecutor:
+    """A pool of `processes` workers forked from a fresh single-threaded server (see the module's docstring)."""
+    return ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("forkserver"),
+                               initializer=initializer, initargs=initargs)
+
+
 def run_cells(spec: ClusterSpec, cost: CostModel, trace: list, processes: int) -> Merged:
     groups = cells(spec)
     n = len(groups)
@@ -72,6 +82,6 @@ def run_cells(spec: ClusterSpec, cost: CostModel, trace: list, processes: int) -
     if processes <= 1:
         parts = [_run_cell(t) for t in tasks]
     else:
-        with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("fork")) as pool:
-            parts = list(pool.map(_run_cell, tasks))
+        with pool(processes) as workers:
+            parts = list(workers.map(_run_cell, tasks))
     return Merged(spec, parts)

@@ -38,7 +38,7 @@ from pathlib import Path
 
 from sim.cluster import AutoscaleSpec, Cluster, ClusterSpec
 from sim.cost import CostModel
-from sim.parallel import splittable
+from sim.parallel import pool, splittable
 from sim.trace import Synthetic, synthetic
 from sim.worker import WorkerSpec
 
@@ -91,8 +91,13 @@ def _run(name: str, spec: ClusterSpec, cost: CostModel, trace: list, processes: 
             "throughput_timeline": r["throughput_timeline"]}
 
 
-_TRACE: list = []  # the study's trace, for the forked processes (not pickled to each)
+_TRACE: list = []  # the study's trace, in each pool process (handed over once per process, not once per job)
 _ONLY: set = set()  # --systems: the systems to run (empty: all)
+
+
+def _keep_trace(trace: list) -> None:
+    global _TRACE
+    _TRACE = trace
 
 
 def _child(job: tuple) -> tuple:
@@ -103,20 +108,15 @@ def _child(job: tuple) -> tuple:
 def _run_all(jobs: list, cost: CostModel, trace: list, processes: int) -> dict:
     """Each (name, spec) on the trace. Systems whose cells are independent run one after the other, each with its
     cells spread over the processes (sim/parallel.py: the same result as one process); the others run side by
-    side, as many at once as processes (forked: they share the trace)."""
-    global _TRACE
-    _TRACE = trace
+    side, as many at once as processes (each process is handed the trace once)."""
     if _ONLY:
         jobs = [(name, spec) for name, spec in jobs if name in _ONLY]
     if not jobs:
         return {}
     if processes <= 1 or len(jobs) == 1 or all(splittable(spec) for _, spec in jobs):
         return {name: _run(name, spec, cost, trace, processes) for name, spec in jobs}
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
-    with ProcessPoolExecutor(min(processes, len(jobs)), mp_context=multiprocessing.get_context("fork")) as pool:
-        done = dict(pool.map(_child, [(name, spec, cost) for name, spec in jobs]))
+    with pool(min(processes, len(jobs)), _keep_trace, (trace,)) as workers:
+        done = dict(workers.map(_child, [(name, spec, cost) for name, spec in jobs]))
     return {name: done[name] for name, _ in jobs}
 
 
