@@ -45,8 +45,8 @@ from bench.calibrate import calibrate, measured_drive
 from bench.common import default_model, log, machine, print_table, random_requests, write_result
 from bench.latency import poisson_arrivals
 from bench.online import drive
-from services.common.tenants import hash_key
 from services.mesh.launcher import Mesh, MeshSpec
+from services.policy.tenants import hash_key
 from sim.cli import simulate
 from sim.cluster import AutoscaleSpec, ClusterSpec
 from sim.cost import CostModel, intervals

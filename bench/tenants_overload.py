@@ -42,8 +42,8 @@ from bench.common import default_model, log, machine, print_table, write_result
 from bench.latency import percentile, poisson_arrivals
 from services.common.convert import request_from_line
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
-from services.common.tenants import hash_key
 from services.mesh.launcher import Mesh, MeshSpec
+from services.policy.tenants import hash_key
 
 SYSTEMS = ("fcfs", "fair", "fair-deadline")
 TENANTS = {"A": (1.0, 1.25), "B": (1.0, 0.25), "C": (2.0, 0.5)}  # name: (weight, rate as a multiple of C)

@@ -76,7 +76,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_tenant_key(args) -> int:
-    from services.common.tenants import new_key
+    from services.policy.tenants import new_key
 
     key, stored = new_key()
     print(f"API key (give it to the tenant; it is not stored anywhere): {key}")

@@ -1,15 +1,15 @@
 """The simulated cluster: gateway, routers, workers, KV links and the autoscaler as discrete events.
 
 What runs is the services' own decision code, imported unchanged:
-- gateway admission: the gateway's I/O-free core (services.gateway.admission_core: tenants' limits, the
+- gateway admission: the gateway's I/O-free core (services.policy.admission: tenants' limits, the
   AdmissionQueue with its arbitration policy, the admission CostModel, room on the mesh, the under-share
   bypass); the simulator supplies only its capacity (the gateway's share of the slots, the polled KV view);
-- routing: the router's I/O-free core (services.router.pick: the filters, the prefix context, the policies
+- routing: the router's I/O-free core (services.policy.routing.pick: the filters, the prefix context, the policies
   by name with their scorers, load guard and in-flight charge, RecentRoutes for prefixes just routed) on
   views.WorkerView refreshed by heartbeats every heartbeat_s, so decisions see state as stale as the real
   router's; tests/unit/test_parity.py drives both sides with one trace and compares the decisions;
 - each worker: sim.worker (the engine's Scheduler, KVCacheManager, BlockPool, StepCostFit);
-- the autoscaler: services.autoscaler.policy (TokenPolicy, CpuPolicy, RatePolicy) deciding every interval_s
+- the autoscaler: services.policy.scaling (TokenPolicy, CpuPolicy, RatePolicy) deciding every interval_s
   on PoolSamples built as its signals build them; new workers take startup_s before they serve, drained
   ones finish what they hold and leave.
 
@@ -30,17 +30,17 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 
-from services.common.admission import reported
 from services.common.block_hash import extra_keys, hash_blocks
 from services.common.errors import MeshError
-from services.common.prefix_index import POOL_MEMBER
-from services.common.tenants import Tenant
-from services.gateway.admission_core import AdmissionCore, MeshView
-from services.router.filters import Need
-from services.router.pick import Prompt, RolePicker
-from services.router.policies import make_policy as make_routing
-from services.router.recent import RecentRoutes
-from services.router.views import WorkerView
+from services.common.members import POOL_MEMBER
+from services.policy.admission import AdmissionCore, MeshView
+from services.policy.admission_queue import reported
+from services.policy.routing.filters import Need
+from services.policy.routing.pick import Prompt, RolePicker
+from services.policy.routing.policies import make_policy as make_routing
+from services.policy.routing.recent import RecentRoutes
+from services.policy.routing.views import WorkerView
+from services.policy.tenants import Tenant
 from sim.cost import CostModel
 from sim.worker import SimRequest, SimWorker, WorkerSpec
 
@@ -51,7 +51,7 @@ HOST_WINDOW_S = 1.0  # the window of the request and token rates the mesh's own 
 
 @dataclass
 class AutoscaleSpec:
-    policy: str = "token"  # token | cpu | rate (services.autoscaler.policy), fixed = no scaling
+    policy: str = "token"  # token | cpu | rate (services.policy.scaling), fixed = no scaling
     interval_s: float = 5.0
     startup_s: float = 120.0
     min_replicas: int = 1
@@ -78,7 +78,7 @@ class ClusterSpec:
     routing: str = "least-outstanding"
     routing_config: dict = field(default_factory=dict)
     admission: str = "fcfs"  # the gateway's queue policy; "none": no queue, straight to routing (workers queue)
-    queue_bursts: bool = True  # the gateway's admission.queue_bursts (services.common.admission)
+    queue_bursts: bool = True  # the gateway's admission.queue_bursts (services.policy.admission_queue)
     starvation_s: float = 30.0
     tenant_weights: dict = field(default_factory=dict)  # tenant -> weight (default 1)
     heartbeat_s: float = 1.0
@@ -341,7 +341,7 @@ class Cluster:
 
     def _pick(self, role: str, sim: SimRequest, cost: int, tokens: list | None, after: WorkerView | None = None):
         """(worker, its prompt's block hashes when computed, the leading blocks to fetch from the pool), decided by
-        the router's own core (services.router.pick) on the cell's heartbeat-stale views; after: the prefill
+        the router's own core (services.policy.routing.pick) on the cell's heartbeat-stale views; after: the prefill
         worker's view, for the decode pick that takes its KV (its block size and topology)."""
         router = self._router(sim)
         roles = router["roles"]
@@ -499,7 +499,7 @@ def _of_role(workers: list, role: str) -> tuple[list, dict]:
 
 
 class Gateway:
-    """One gateway replica: the gateway's own admission core (services.gateway.admission_core: tenants' limits, the
+    """One gateway replica: the gateway's own admission core (services.policy.admission: tenants' limits, the
     queue, room on the mesh, the fair bypass) on the simulated clock, what it has in flight, and its share of the
     workers' slots. With several gateways (a load balancer spreading requests over them in turn) the share is
     even: the real workers hand a freed slot to the gateway holding the fewest unused credits
@@ -667,7 +667,7 @@ class _Scaler:
     """The autoscaler's loop: a PoolSample every interval_s, the policy's decision, workers started or drained."""
 
     def __init__(self, cluster: Cluster, spec: AutoscaleSpec):
-        from services.autoscaler.policy import CpuPolicy, PolicyState, PoolConfig, RatePolicy, TokenPolicy
+        from services.policy.scaling import CpuPolicy, PolicyState, PoolConfig, RatePolicy, TokenPolicy
 
         self.cluster, self.spec = cluster, spec
         role = "unified" if cluster.spec.mode == "unified" else "decode"
@@ -685,7 +685,7 @@ class _Scaler:
         self.decisions = 0
 
     def tick(self) -> None:
-        from services.autoscaler.policy import PoolSample
+        from services.policy.scaling import PoolSample
 
         c, dt = self.cluster, self.spec.interval_s
         w = c.window

@@ -21,13 +21,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.common.arbitration import make_policy
 from services.common.sampling import SamplingParams
 from services.engine.block_pool import BlockPool
 from services.engine.kv_manager import KVCacheManager
 from services.engine.request import Request, Status
 from services.engine.scheduler import Scheduler
 from services.engine.step_cost import StepCostFit
+from services.policy.arbitration import make_policy
 
 OUTPUT_TOKEN = 7  # the token every simulated step samples (content never matters, lengths do)
 MAX_LEAP = 512  # steps in one leap at most
@@ -63,7 +63,7 @@ class SimRequest:
     error: str = ""  # the gRPC status it ended with ("" = completed)
     workers: list = field(default_factory=list)  # worker ids that served it
     cell: int | None = None  # the router (cell) the gateway gave it
-    pending: object = None  # its admission queue entry (services.common.admission.Pending)
+    pending: object = None  # its admission queue entry (services.policy.admission_queue.Pending)
     gateway: object = None  # the gateway replica that admitted it (sim.cluster.Gateway)
     hashes: list = field(default_factory=list)  # its prompt's block hashes, when the KV pool wants them
     ended: bool = False  # completed or failed (the client has its answer)

@@ -2,7 +2,8 @@
 
 It implements the OTLP MetricsService Export RPC itself (a Collector may sit in front and fan out to it,
 Prometheus and Jaeger; traces sent to it are accepted and dropped), turns the metrics into one sample per
-pool every --interval-s (signals.py), asks the policy (policy.py) and tells the actuator (actuators.py).
+pool every --interval-s (signals.py), asks the policy (services/policy/scaling.py) and tells the actuator
+(actuators.py).
 Each decision that changes a pool is a log line with its reason and the metric
 meshserve.autoscaler.decisions{pool, kind, policy}; meshserve.autoscaler.desired_replicas{pool} is what
 the signals alone ask for. Its port speaks plain gRPC (exporters send to it without mesh certificates).
@@ -21,7 +22,6 @@ from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metric
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from services.autoscaler.actuators import ComposeActuator, KubernetesActuator, LocalActuator
-from services.autoscaler.policy import POLICIES, PolicyState
 from services.autoscaler.signals import PoolSignals
 from services.common import rpc
 from services.common.config import (
@@ -33,6 +33,7 @@ from services.common.config import (
     config_from_args,
 )
 from services.common.telemetry import METRICS_ENDPOINT_ENV, add_metrics_flag, setup_telemetry
+from services.policy.scaling import POLICIES, PolicyState
 
 log = logging.getLogger("meshserve.autoscaler")
 DEFAULT_PORT = 50054  # docs/INTERFACES.md

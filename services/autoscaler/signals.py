@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.autoscaler.policy import PoolSample
 from services.common.telemetry import POOL_ATTRIBUTE
+from services.policy.scaling import PoolSample
 
 COUNTERS = {"vllm.prompt_tokens": "prompt", "vllm.generation_tokens": "output", "meshserve.worker.cpu_seconds": "cpu"}
 GAUGES = {"meshserve.worker.queued_prefill_tokens": "queued", "vllm.kv_cache_usage_perc": "kv",

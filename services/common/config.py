@@ -116,13 +116,14 @@ class Guard(Section):
 
 
 class RoutingSection(Section):
-    """The router's policy (services/router/policies.py)."""
+    """The router's policy (services/policy/routing/policies.py)."""
 
     policy: Literal["round-robin", "least-outstanding", "prefix-aware", "lora-aware"] = Field(
         "least-outstanding", description="round-robin | least-outstanding | prefix-aware | lora-aware (prefix-aware "
                                          "with LoRA affinity)")
     lora_placement: bool = Field(True, description="replicate LoRA adapters to workers by measured demand: hot ones "
-                                                   "are read into memory ahead of their requests (placement.py)")
+                                                   "are read into memory ahead of their requests "
+                                                   "(services/policy/routing/adapter_placement.py)")
     weights: dict[str, float] = Field(default_factory=dict,
                                       description='scorer weights, e.g. {"prefix": 1, "load": 0.5}')
     guard: Guard = Field(default_factory=Guard, description="prefix-aware's load guard")
@@ -132,14 +133,14 @@ class RoutingSection(Section):
     @field_validator("weights")
     @classmethod
     def _known_scorers(cls, weights: dict) -> dict:
-        from services.router.policies import make_policy
+        from services.policy.routing.policies import make_policy
 
         make_policy("prefix-aware", {"weights": weights})  # ValueError names the unknown scorer
         return weights
 
 
 class AdmissionSection(Section):
-    """The gateway's admission queue (services/common/admission.py)."""
+    """The gateway's admission queue (services/policy/admission_queue.py)."""
 
     policy: ArbitrationPolicyName = Field("fair-deadline", description="fcfs | priority | deadline | fair | "
                                                                        "fair-deadline")
@@ -170,7 +171,7 @@ class KVSection(Section):
 
 
 class PoolSection(Section):
-    """One pool's scaling bounds, capacity and SLOs (services/autoscaler/policy.py PoolConfig)."""
+    """One pool's scaling bounds, capacity and SLOs (services/policy/scaling.py PoolConfig)."""
 
     role: Literal["prefill", "decode", "unified"] | None = Field(
         None, description="what its workers do: the pool's name when that is a role, else from mesh.worker_pools "
@@ -191,7 +192,7 @@ class PoolSection(Section):
     window_s: PositiveFloat = Field(60.0, description="samples considered for rates and the trend")
 
     def to_pool_config(self, role: str, startup_s: float | None = None):
-        from services.autoscaler.policy import PoolConfig
+        from services.policy.scaling import PoolConfig
 
         return PoolConfig(role, self.min_replicas, self.max_replicas, startup_s or self.startup_s,
                           self.prefill_tokens_per_s, self.decode_tokens_per_s, self.target_util,
@@ -234,7 +235,7 @@ class MeshConfig(Section):
     admission: AdmissionSection = Field(default_factory=AdmissionSection)
     kv: KVSection = Field(default_factory=KVSection)
     autoscaler: AutoscalerSection = Field(default_factory=AutoscalerSection)
-    tenants: list = Field(default_factory=list, description="tenants (services/common/tenants.py)")
+    tenants: list = Field(default_factory=list, description="tenants (services/policy/tenants.py)")
 
     @model_validator(mode="before")
     @classmethod
@@ -248,7 +249,7 @@ class MeshConfig(Section):
     @field_validator("tenants", mode="before")
     @classmethod
     def _tenants(cls, entries):
-        from services.common.tenants import parse_tenants
+        from services.policy.tenants import parse_tenants
 
         parse_tenants(entries)  # ValueError naming the tenant and key
         return entries or []
@@ -273,7 +274,7 @@ class MeshConfig(Section):
         return role
 
     def tenant_objects(self) -> list:
-        from services.common.tenants import parse_tenants
+        from services.policy.tenants import parse_tenants
 
         return parse_tenants(self.tenants)
 

@@ -24,11 +24,12 @@ from __future__ import annotations
 import logging
 import re
 import time
-import uuid
 
 import redis
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
+
+from services.common.members import new_member
 
 log = logging.getLogger("meshserve.prefix_index")
 
@@ -36,7 +37,6 @@ BLOCK_PREFIX = b"ms:b:"
 LIVE_PREFIX = "ms:live:"
 LIVE_TTL_S = 10
 BLOCK_TTL_S = 3600
-POOL_MEMBER = "pool@"  # a kvstore pool's member: pool@<host>#<epoch> (its blocks serve that host's workers)
 
 # ARGV[1]: the live-key prefix; ARGV[2]: the block-key prefix; ARGV[3]: the prompt's 16-byte block
 # hashes, concatenated in order (one argument rather than a key per block: packing hundreds of
@@ -73,15 +73,6 @@ def block_key(block_hash: bytes) -> bytes:
     if len(block_hash) != 16:
         raise ValueError(f"block hashes are 16 bytes, got {len(block_hash)}")
     return BLOCK_PREFIX + block_hash
-
-
-def new_member(worker_id: str) -> str:
-    """This incarnation's member name: the worker id and a fresh epoch."""
-    return f"{worker_id}#{uuid.uuid4().hex[:12]}"
-
-
-def worker_of(member: str) -> str:
-    return member.rsplit("#", 1)[0]
 
 
 def redacted(url: str) -> str:

@@ -14,7 +14,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, NonNegativeIn
 
 
 def _arbitration_policy(name: str) -> str:
-    from services.common.arbitration import make_policy
+    from services.policy.arbitration import make_policy
 
     make_policy(name)  # ValueError naming the known policies
     return name
@@ -64,7 +64,7 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_seqs: int = 256  # sequences in one batch
     max_num_batched_tokens: int = 2048  # token budget per iteration; also the prefill chunk size
-    policy: str = "fair-deadline"  # slot arbitration policy name (services.common.arbitration)
+    policy: str = "fair-deadline"  # slot arbitration policy name (services.policy.arbitration)
     deadline_min_batch: int = 4  # deadline-aware batching never steps fewer sequences than this (when it has them)
 
 

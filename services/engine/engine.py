@@ -22,7 +22,6 @@ from pathlib import Path
 
 import torch
 
-from services.common.arbitration import make_policy
 from services.common.errors import CapacityExhausted, InvalidRequest, NotFound, OutOfRange
 from services.common.request import RequestSpec
 from services.common.tokenizer import Tokenizer, cut_at_stop
@@ -41,6 +40,7 @@ from services.engine.request import Request, SamplingParams, Status
 from services.engine.sampler import Sampler
 from services.engine.scheduler import Scheduler, SchedulerOutput
 from services.engine.step_cost import StepCostFit
+from services.policy.arbitration import make_policy
 
 log = logging.getLogger("meshserve.engine")
 

@@ -7,7 +7,7 @@ then waiting requests in the arbitration policy's order, their prompts chunked t
 left and reusing cached prefix blocks. When blocks run out, the policy's victim among the
 requests not yet scheduled this step is preempted: its blocks are freed and it recomputes
 later (its sampled tokens are kept, so its output is unchanged). When every slot is taken and the
-policy gives a waiting request a running one's slot (services.common.arbitration
+policy gives a waiting request a running one's slot (services.policy.arbitration
 slot_preemption: under the fair policies, an under-share tenant takes the slot of the tenant
 furthest over its weighted share), the running one yields it the same way and the waiting one is
 admitted in the same step. A step that preempted for blocks admits nobody new. The policy learns
@@ -41,9 +41,9 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from services.common.arbitration import ArbitrationPolicy
 from services.engine.kv_manager import KVCacheManager
 from services.engine.request import Request, Status
+from services.policy.arbitration import ArbitrationPolicy
 
 SAFETY = 0.85  # deadline-aware batching aims to finish with this fraction of the time left
 LOST = 0.5  # a deadline request needing steps faster than this fraction of a step at the floor is given up

@@ -16,11 +16,11 @@ from services.common.errors import ModelLoadError
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.common.telemetry import add_metrics_flag, setup_telemetry
-from services.common.tenants import CACHE_SECRET_ENV, Authenticator, cache_secret
 from services.common.tokenizer import Tokenizer
 from services.gateway.admission import Admission
 from services.gateway.credits import CreditPool
 from services.gateway.server import GatewayServicer, ModelInfo, SizeBounds, add_to_server
+from services.policy.tenants import CACHE_SECRET_ENV, Authenticator, cache_secret
 
 log = logging.getLogger("meshserve.gateway")
 

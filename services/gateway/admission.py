@@ -1,8 +1,8 @@
 """The gateway's admission control: tenants' limits, then the admission queue when the mesh is full.
 
-Thin and asyncio-bound; the decisions are admission_core.py's (which the simulator runs too) and
-the pure objects' under it (services.common.tenants, services.common.admission,
-services.common.arbitration). The mesh's capacity is the credits the
+Thin and asyncio-bound; the decisions are services/policy/admission.py's (which the simulator runs too) and
+the pure objects' under it (services.policy.tenants, services.policy.admission_queue,
+services.policy.arbitration). The mesh's capacity is the credits the
 serving workers grant this gateway (services/gateway/credits.py: pushed the moment a slot
 frees): a request is dispatched only while an unused credit is held that no dispatched request
 has yet been routed against, and is then routed to a worker holding one (the router is asked to
@@ -23,10 +23,10 @@ import time
 
 from opentelemetry import metrics
 
-from services.common.admission import Pending
 from services.common.errors import CapacityExhausted, DeadlineExceeded, MeshError
-from services.common.tenants import Tenant
-from services.gateway.admission_core import AdmissionCore
+from services.policy.admission import AdmissionCore
+from services.policy.admission_queue import Pending
+from services.policy.tenants import Tenant
 
 log = logging.getLogger("meshserve.gateway.admission")
 
@@ -49,7 +49,7 @@ class GatewayMetrics:
 
 
 class Admission(AdmissionCore):
-    """The core's decisions (admission_core.py) on the event loop: a caller waits on a future that sweep()'s
+    """The core's decisions (services/policy/admission.py) on the event loop: a caller waits on a future that sweep()'s
     dispatch, push-out or expiry settles; metrics per tenant."""
 
     def __init__(self, policy_name: str = "fair-deadline", starvation_s: float = 30.0, clock=time.monotonic,

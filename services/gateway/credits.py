@@ -1,6 +1,6 @@
 """The gateway's side of credit-based dispatch: one Credits stream per serving worker.
 
-Each worker pushes the credits it grants this gateway the moment a slot frees (services/common/credits.py);
+Each worker pushes the credits it grants this gateway the moment a slot frees (services/policy/credit_ledger.py);
 the gateway dispatches from its admission queue only while it holds an unused credit, sends each request
 to a worker it holds one of, and names the credit in the request. Streams follow the workers the router
 lists (sync()); a broken stream is opened again (a fresh subscription: the worker dropped the old one's

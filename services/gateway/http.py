@@ -37,11 +37,11 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from services.common.chat import ChatTemplate
 from services.common.errors import CapacityExhausted, InvalidRequest, MeshError, NotFound, http_status
 from services.common.pb import meshserve_pb2 as pb
 from services.common.request import ClientRequest
 from services.common.telemetry import PROMETHEUS_CONTENT_TYPE, prometheus_text
+from services.gateway.chat import ChatTemplate
 from services.gateway.openai_models import OpenAIBodyError, parse_body
 
 log = logging.getLogger("meshserve.gateway.http")

@@ -38,10 +38,10 @@ from services.common.errors import (
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.common.request import ClientRequest, RequestSpec
-from services.common.tenants import Authenticator, wire_salt
 from services.common.tokenizer import Tokenizer, cut_at_stop
 from services.gateway.adapters import AdapterCatalog
 from services.gateway.admission import Admission
+from services.policy.tenants import Authenticator, wire_salt
 
 log = logging.getLogger("meshserve.gateway")
 

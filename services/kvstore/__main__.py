@@ -259,7 +259,8 @@ async def publish_loop(servicer: KVStoreServicer, redis_url: str, period_s: floa
                        keepalive_s: float = 2.0) -> None:
     """Publish the pool's content-addressed blocks to the prefix index as a member of its own (pool@<host>):
     the router counts them as a cheaper-than-compute hit for every worker on this host."""
-    from services.common.prefix_index import POOL_MEMBER, IndexPublisher, connect
+    from services.common.members import POOL_MEMBER
+    from services.common.prefix_index import IndexPublisher, connect
 
     publisher = IndexPublisher(connect(redis_url), POOL_MEMBER + servicer.host)
 

@@ -33,7 +33,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.rpc import TLS_DIR_ENV, TLS_NAME_ENV, channel_credentials, read_tls
-from services.common.tenants import CACHE_SECRET_ENV
+from services.policy.tenants import CACHE_SECRET_ENV
 
 PORT_TAKEN = "Address already in use"  # in a service's log when its port was taken before it could bind it
 REDIS_URL_ENV = "REDIS_URL"  # what the kvstore, router and workers read when --redis-url is not given

@@ -17,8 +17,8 @@ from services.common.config import RoutingSection, add_config_flag, add_section_
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.common.prefix_index import PrefixIndex, connect_lookup, redacted
 from services.common.telemetry import add_metrics_flag, setup_telemetry
-from services.router.placement import AdapterPlacement
-from services.router.policies import make_policy
+from services.policy.routing.adapter_placement import AdapterPlacement
+from services.policy.routing.policies import make_policy
 from services.router.registry import Registry
 from services.router.server import RouterServicer
 
@@ -38,7 +38,7 @@ async def watch_index(index: PrefixIndex, server: rpc.Server, servicer: RouterSe
 
 
 async def place_loop(servicer: RouterServicer, period_s: float = 1.0) -> None:
-    """LoRA placement (placement.py) once a second."""
+    """LoRA placement (services/policy/routing/adapter_placement.py) once a second."""
     while True:
         await asyncio.sleep(period_s)
         await servicer.place()

@@ -7,8 +7,8 @@ work and is forgotten.
 from __future__ import annotations
 
 from services.common.errors import NoWorker
-from services.router.filters import Need, candidates
-from services.router.views import WorkerView
+from services.policy.routing.filters import Need, candidates
+from services.policy.routing.views import WorkerView
 
 BEAT_FIELDS = ("block_size", "index_member", "decode_tps", "adapters", "max_num_seqs", "prefill_s_per_token",
                "decode_s_per_step", "running", "waiting", "host", "kv_pool", "host_adapters", "known_adapters",

@@ -24,9 +24,9 @@ from services.common.convert import load_from_pb, load_to_pb
 from services.common.errors import InvalidRequest
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
-from services.router.filters import Need
-from services.router.pick import Prompt, RolePicker
-from services.router.recent import RecentRoutes
+from services.policy.routing.filters import Need
+from services.policy.routing.pick import Prompt, RolePicker
+from services.policy.routing.recent import RecentRoutes
 from services.router.registry import Registry
 
 log = logging.getLogger("meshserve.router")
@@ -58,8 +58,8 @@ class RouterMetrics:
 class RouterServicer(pb_grpc.RouterServicer):
     def __init__(self, registry: Registry, policy_factory, mode: str, beat_ms: int, index=None,
                  recent: RecentRoutes | None = None, meter=None, placement=None):
-        """placement: an AdapterPlacement (placement.py) that sees every routed request's adapter; place() acts on
-        its plan."""
+        """placement: an AdapterPlacement (services/policy/routing/adapter_placement.py) that sees every routed
+        request's adapter; place() acts on its plan."""
         self.registry, self.mode, self.beat_ms, self.index = registry, mode, beat_ms, index
         self.placement, self.channels = placement, rpc.ChannelPool()
         self.prefetches: set = set()  # prefetch calls in flight (held here so that none is collected mid-call)

@@ -23,11 +23,11 @@ import grpc
 
 from services.common import rpc
 from services.common.convert import spec_from_work
-from services.common.credits import CreditLedger
 from services.common.errors import CapacityExhausted, InvalidRequest, MeshError, NotFound, Unavailable
 from services.common.host import host_id
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
+from services.policy.credit_ledger import CreditLedger
 from services.worker.core import KVTransferFailed
 from services.worker.kvlink import KVLink, KVLinks, StaleArena
 from services.worker.measure import DecodeRate
@@ -82,7 +82,7 @@ async def kv_chunks(kv: asyncio.Queue, transfer_id: str):
 
 
 def credited(handler):
-    """A request served by the handler holds one of the worker's slots (services.common.credits) until its stream
+    """A request served by the handler holds one of the worker's slots (services.policy.credit_ledger) until its stream
     ends, and uses up the credit it names."""
     @functools.wraps(handler)
     async def serve(self, request, context):

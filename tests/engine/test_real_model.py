@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from services.common.chat import ChatTemplate
 from services.common.tokenizer import Tokenizer
+from services.gateway.chat import ChatTemplate
 from tests.support.reference import agreement, assert_matches, greedy, hf_greedy, make_engine, run_all
 
 NEW_TOKENS = 24

@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from services.common.config import MeshConfig, owned
-from services.common.tenants import new_key
 from services.mesh.launcher import free_port, signal_group
+from services.policy.tenants import new_key
 from tests.support.wait import wait_for
 
 

@@ -14,7 +14,7 @@ import yaml
 from services.common.arena import segments_of
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
-from services.common.tenants import hash_key
+from services.policy.tenants import hash_key
 from tests.integration.conftest import kvstore_stats, start_mesh
 from tests.integration.test_mesh import generate_request, stream_all
 from tests.support.reference import greedy, make_engine, random_prompts, run_all

@@ -14,12 +14,12 @@ import openai
 import pytest
 import yaml
 
-from services.common.chat import ChatTemplate
 from services.common.errors import HTTP_STATUS
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
-from services.common.tenants import hash_key
 from services.common.tokenizer import Tokenizer
+from services.gateway.chat import ChatTemplate
+from services.policy.tenants import hash_key
 from tests.integration.conftest import start_mesh, worker_stats
 
 KEY, LIMITED = "key-main", "key-limited"

@@ -10,7 +10,7 @@ import yaml
 
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
-from services.common.tenants import hash_key
+from services.policy.tenants import hash_key
 from tests.integration.conftest import start_mesh
 from tests.integration.test_mesh import generate_request
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from services.common.arbitration import make_policy
 from services.common.sampling import SamplingParams
 from services.engine.block_pool import BlockPool
 from services.engine.kv_manager import KVCacheManager
 from services.engine.request import Request
 from services.engine.scheduler import Scheduler
+from services.policy.arbitration import make_policy
 
 
 class Clock:

@@ -8,8 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.common.admission import AdmissionQueue, CostModel, Pending
-from services.common.arbitration import (
+from services.common.errors import CapacityExhausted, DeadlineExceeded
+from services.policy.admission_queue import AdmissionQueue, CostModel, Pending
+from services.policy.arbitration import (
     DeadlinePolicy,
     FairDeadlinePolicy,
     FairPolicy,
@@ -18,7 +19,6 @@ from services.common.arbitration import (
     cost,
     make_policy,
 )
-from services.common.errors import CapacityExhausted, DeadlineExceeded
 
 
 @dataclass

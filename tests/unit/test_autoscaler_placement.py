@@ -6,7 +6,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.autoscaler.placement import Device, distance, inventory, optimum_stranded, place, upgrade_plan
+from services.policy.placement import Device, distance, inventory, optimum_stranded, place, upgrade_plan
 
 
 def random_inventory(rng: random.Random, max_domains: int = 5) -> list[Device]:

@@ -4,7 +4,7 @@ drain, the start-up time as the forecast horizon, the minimum at zero traffic; t
 
 import pytest
 
-from services.autoscaler.policy import (
+from services.policy.scaling import (
     CpuPolicy,
     PolicyState,
     PoolConfig,

@@ -34,6 +34,6 @@ def test_partial_blocks_are_not_hashed():
 
 
 def test_no_torch_import():
-    code = "import sys, services.common.block_hash, services.common.arbitration; print('torch' in sys.modules)"
+    code = "import sys, services.common.block_hash, services.policy.arbitration; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "False"

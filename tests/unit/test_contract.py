@@ -21,7 +21,7 @@ def test_generated_stubs_match_the_protos(tmp_path):
 
 
 @pytest.mark.parametrize("module", ["services.gateway.server", "services.router.__main__", "services.kvstore.__main__",
-                                    "services.common.rpc", "services.router.policies"])
+                                    "services.common.rpc", "services.policy.routing.policies"])
 def test_light_services_never_import_torch(module):
     code = f"import sys, {module}; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()

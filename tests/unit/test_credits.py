@@ -1,9 +1,9 @@
-"""The worker's credit ledger (services/common/credits.py): never more credits out than free slots."""
+"""The worker's credit ledger (services/policy/credit_ledger.py): never more credits out than free slots."""
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.common.credits import CreditLedger
+from services.policy.credit_ledger import CreditLedger
 
 
 def test_free_slots_are_granted_to_the_subscription_holding_fewest_and_used_up_by_requests():

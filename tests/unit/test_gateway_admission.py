@@ -8,8 +8,8 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from services.common.errors import CapacityExhausted, DeadlineExceeded
 from services.common.pb import meshserve_pb2 as pb
-from services.common.tenants import Limits, Tenant
 from services.gateway.admission import Admission
+from services.policy.tenants import Limits, Tenant
 from tests.support.fakes import Clock
 from tests.support.metrics import metric_points
 

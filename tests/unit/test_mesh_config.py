@@ -135,7 +135,7 @@ def test_up_gives_each_worker_a_small_pool_unless_the_config_sizes_it(tmp_path):
 
 
 def test_wire_salts_are_keyed_by_the_secret_not_the_tenant_name():
-    from services.common.tenants import wire_salt
+    from services.policy.tenants import wire_salt
 
     a, b = wire_salt(b"s1", "tenant:alice"), wire_salt(b"s2", "tenant:alice")
     assert a == wire_salt(b"s1", "tenant:alice") and a != b  # stable under one secret, unrelated under another

@@ -6,9 +6,9 @@ import shutil
 
 import pytest
 
-from services.common.chat import ChatTemplate
 from services.common.errors import ModelLoadError
 from services.engine.model_fetch import KNOWN_MODELS, check_sha256, fetch
+from services.gateway.chat import ChatTemplate
 from services.mesh.up import TINY_MODEL, resolve_model
 
 

@@ -2,7 +2,7 @@
 routing, one sequence of arrivals and completions through the gateway's admission and the simulator's gateway,
 and the same decisions out of both.
 
-Both sides run the same I/O-free cores (services.router.pick, services.gateway.admission_core); what this
+Both sides run the same I/O-free cores (services.policy.routing.pick, services.policy.admission); what this
 guards is the code around them, which each side has its own of: what the servicer or the simulator hands the
 core (the filters' Need, the prompt's hashes and what the index holds, the adapter, the decode hop's block
 size and topology; the tenant, the mesh's capacity and KV room, completions) and when it asks. A rule changed
@@ -18,9 +18,9 @@ import pytest
 from services.common.block_hash import extra_keys, hash_blocks, pack_tokens
 from services.common.errors import MeshError
 from services.common.pb import meshserve_pb2 as pb
-from services.common.tenants import Tenant
 from services.gateway.admission import Admission
-from services.router.policies import make_policy
+from services.policy.routing.policies import make_policy
+from services.policy.tenants import Tenant
 from services.router.registry import Registry
 from services.router.server import RouterServicer
 from sim.cluster import Cluster, ClusterSpec

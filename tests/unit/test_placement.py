@@ -4,8 +4,8 @@ that lack their adapter, a bounded rate."""
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.router.placement import AdapterPlacement
-from services.router.views import WorkerView
+from services.policy.routing.adapter_placement import AdapterPlacement
+from services.policy.routing.views import WorkerView
 
 NAMES = ("hot", "warm", "cold", "a", "b", "c")
 

@@ -5,7 +5,8 @@ import asyncio
 import pytest
 
 from services.common.block_hash import extra_keys, hash_blocks
-from services.common.prefix_index import LIVE_TTL_S, IndexPublisher, PrefixIndex, connect, connect_lookup, worker_of
+from services.common.members import worker_of
+from services.common.prefix_index import LIVE_TTL_S, IndexPublisher, PrefixIndex, connect, connect_lookup
 from services.engine.block_pool import BlockPool
 from tests.support.redis_server import RedisServer
 

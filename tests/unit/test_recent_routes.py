@@ -3,7 +3,7 @@
 import pytest
 
 from services.engine.step_cost import StepCostFit
-from services.router.recent import RecentRoutes
+from services.policy.routing.recent import RecentRoutes
 from services.worker.measure import DecodeRate
 from tests.support.fakes import Clock
 

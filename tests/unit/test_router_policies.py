@@ -3,7 +3,7 @@
 import pytest
 
 from services.common.errors import Unavailable
-from services.router.policies import LeastOutstanding, RoundRobin, make_policy
+from services.policy.routing.policies import LeastOutstanding, RoundRobin, make_policy
 from services.router.registry import Registry
 from tests.support.fakes import Clock
 
@@ -65,7 +65,7 @@ def test_unknown_policy():
 
 
 def test_filters_keep_the_decode_hop_to_the_prefill_block_size_and_name_the_filter():
-    from services.router.filters import Need
+    from services.policy.routing.filters import Need
 
     reg = Registry(Clock(), ttl_s=3.0)
     reg.beat("d8", "127.0.0.1:9001", "decode", 0, 100, block_size=8)
@@ -80,7 +80,7 @@ def test_filters_keep_the_decode_hop_to_the_prefill_block_size_and_name_the_filt
 
 
 def test_a_resumed_request_avoids_the_workers_that_failed_it_while_another_can_take_it():
-    from services.router.filters import Need
+    from services.policy.routing.filters import Need
 
     reg = Registry(Clock(), ttl_s=3.0)
     reg.beat("d0", "127.0.0.1:9001", "decode", 0, 100)

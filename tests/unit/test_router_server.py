@@ -12,7 +12,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from services.common.block_hash import extra_keys, hash_blocks
 from services.common.pb import meshserve_pb2 as pb
 from services.common.prefix_index import IndexPublisher, PrefixIndex, connect, connect_lookup
-from services.router.policies import make_policy
+from services.policy.routing.policies import make_policy
 from services.router.registry import Registry
 from services.router.server import RouterServicer
 from tests.support.fakes import Clock
@@ -172,8 +172,8 @@ def test_a_pool_resident_prefix_counts_for_the_workers_of_its_host_that_take_fro
     """The kvstore publishes its pool as pool@<host>: a worker of that host with --kv-pool scores its blocks at
     POOL_CREDIT of a local hit; a local hit still wins at equal load; another host's workers, and workers that do
     not take from the pool, get no credit."""
-    from services.common.prefix_index import POOL_MEMBER
-    from services.router.scoring import POOL_CREDIT
+    from services.common.members import POOL_MEMBER
+    from services.policy.routing.scoring import POOL_CREDIT
 
     async def go():
         client = connect(server.url)
@@ -197,7 +197,7 @@ def test_a_pool_resident_prefix_counts_for_the_workers_of_its_host_that_take_fro
 def test_lora_routes_by_placement_homes_and_prefetches_hot_adapters():
     """Route with an adapter: only workers that registered it; the hot one is homed on both (and prefetched where
     missing), a cold one on one worker, where its requests then go."""
-    from services.router.placement import AdapterPlacement
+    from services.policy.routing.adapter_placement import AdapterPlacement
 
     clock = Clock()
     registry = Registry(clock)

@@ -2,9 +2,9 @@
 
 import pytest
 
-from services.router.policies import PrefixAware, make_policy
-from services.router.scoring import AdapterScorer, LoadGuard, LoadScorer, PrefixScorer, WeightedPicker
-from services.router.views import RouteContext, WorkerView, loads
+from services.policy.routing.policies import PrefixAware, make_policy
+from services.policy.routing.scoring import AdapterScorer, LoadGuard, LoadScorer, PrefixScorer, WeightedPicker
+from services.policy.routing.views import RouteContext, WorkerView, loads
 
 
 def workers(*loads, capacity=1000):
@@ -116,7 +116,7 @@ def test_adapter_scorer_ranks_slot_over_host_over_free_slot_over_evicting():
 
 
 def test_lora_aware_keeps_an_adapter_where_it_is_resident_unless_a_replica_is_less_loaded():
-    from services.router.policies import make_policy
+    from services.policy.routing.policies import make_policy
 
     policy = make_policy("lora-aware")
     a = WorkerView("w0", "", "unified", capacity_tokens=1000, adapters=("sql",), known_adapters=("sql",))

@@ -13,14 +13,14 @@ then only the load scorer counts. Loads are as views.loads() defines them.
 - AdapterScorer: the LoRA affinity of the request's adapter (llm-d's tiers, and one more): 1 in a compute slot,
   0.8 in host memory, 0.6 with a free slot (one read from disk), 0.3 where another adapter's idle slot must go,
   0 where every slot is held by other adapters' running requests (it would wait for one to finish). Where the
-  placement homed the adapter (placement.py), half the score is being one of its homes, half the residency.
+  placement homed the adapter (adapter_placement.py), half the score is being one of its homes, half the residency.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.router.views import RouteContext, Why, WorkerView, closeness, loads
+from services.policy.routing.views import RouteContext, Why, WorkerView, closeness, loads
 
 
 class LoadScorer:

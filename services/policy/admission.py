@@ -2,7 +2,7 @@
 (sim/cluster.py) both run. The clock is injected; nothing here waits, sends or logs.
 
 A request is offered (offer(): the tenant's rate limits, then the admission queue, which may reject it or push
-out another), waits in the queue (services.common.admission.AdmissionQueue with its arbitration policy), and
+out another), waits in the queue (services.policy.admission_queue.AdmissionQueue with its arbitration policy), and
 leaves it when sweep() finds room for it: the tenant's `max_concurrent` not reached, and either room on the mesh
 (has_room(): an unused credit of the workers' not yet routed against, or before the credit streams are known a
 free batch slot in the view; and KV room for its prompt and output) or, under the fair policies, its tenant
@@ -19,9 +19,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from services.common.admission import AdmissionQueue, CostModel, Pending, under_share
-from services.common.arbitration import make_policy
-from services.common.tenants import Tenant, TenantState
+from services.policy.admission_queue import AdmissionQueue, CostModel, Pending, under_share
+from services.policy.arbitration import make_policy
+from services.policy.tenants import Tenant, TenantState
 
 
 @dataclass
@@ -183,7 +183,7 @@ class AdmissionCore:
         return self.has_room(p) or self._under_share(st)
 
     def _under_share(self, st: TenantState) -> bool:
-        """The fair policies' bypass of a full mesh (services.common.admission.under_share)."""
+        """The fair policies' bypass of a full mesh (services.policy.admission_queue.under_share)."""
         if not self.queue.policy.name.startswith("fair"):
             return False
         active = {x.tenant.name: x for x in self.states.values() if x.running or x.queued}

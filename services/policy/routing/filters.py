@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.router.views import WorkerView
+from services.policy.routing.views import WorkerView
 
 
 @dataclass(frozen=True)

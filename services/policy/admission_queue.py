@@ -1,7 +1,7 @@
 """The gateway's admission queue, pure: the clock is passed in, no I/O.
 
 Requests enter when the mesh is at capacity (the gateway decides that from the router's view of
-worker load) and leave in the arbitration policy's order (services.common.arbitration) as
+worker load) and leave in the arbitration policy's order (services.policy.arbitration) as
 capacity frees. The queue adds what only it can know:
 
 - the starvation bound as a promise: every queued request must start within `starvation_s` of
@@ -49,8 +49,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from services.common.arbitration import ArbitrationPolicy, FairPolicy, slack, weighted_shares
 from services.common.errors import CapacityExhausted, DeadlineExceeded
+from services.policy.arbitration import ArbitrationPolicy, FairPolicy, slack, weighted_shares
 
 
 @dataclass(eq=False)

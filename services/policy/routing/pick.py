@@ -17,11 +17,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from services.common.prefix_index import POOL_MEMBER, worker_of
-from services.router.filters import Need, candidates
-from services.router.recent import RecentRoutes
-from services.router.scoring import effective_blocks
-from services.router.views import RouteContext, WorkerView
+from services.common.members import POOL_MEMBER, worker_of
+from services.policy.routing.filters import Need, candidates
+from services.policy.routing.recent import RecentRoutes
+from services.policy.routing.scoring import effective_blocks
+from services.policy.routing.views import RouteContext, WorkerView
 
 PREFIX_ROLES = ("prefill", "unified")  # roles that compute the prompt, where a cached prefix saves work
 

@@ -14,7 +14,7 @@ homes (which workers of a pool serve each adapter) and prefetch orders (worker, 
   before the adapter's next request there; at most max_orders per worker per plan, none repeated for
   reorder_s (the heartbeat shows the adapter once read). A single home reads its adapter on demand.
 
-The router's adapter scorer prefers an adapter's homes (services/router/scoring.py); load still decides
+The router's adapter scorer prefers an adapter's homes (services/policy/routing/scoring.py); load still decides
 between them, and against them when they are far busier.
 """
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from collections import Counter, deque
 
-from services.router.views import WorkerView
+from services.policy.routing.views import WorkerView
 
 STICKY = 0.1  # a worker holding an adapter counts this fraction of a worker's fair share less when homing it
 

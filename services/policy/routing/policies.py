@@ -7,7 +7,7 @@
 - prefix-aware: weighted scorers (prefix 1.0, load 0.5, adapter 0.0 by default) guarded by load
   (load wins outright past a gap of 1.0 load units and a ratio of 2 by default; scoring.py).
 - lora-aware: prefix-aware with LoRA affinity (adapter 1.0, load 1.0): an adapter's requests go where it is
-  resident unless that worker is much busier; the router's placement (placement.py) replicates hot adapters.
+  resident unless that worker is much busier; the router's placement (adapter_placement.py) replicates hot adapters.
 
 The candidates come from the Filter stage (filters.py). select(workers, cost, ctx) only decides
 and says why; the router commits the decision through on_routed(worker, cost), the one commit
@@ -18,8 +18,8 @@ prompt up in the prefix index.
 
 from __future__ import annotations
 
-from services.router.scoring import SCORERS, LoadGuard, WeightedPicker
-from services.router.views import RouteContext, Why, WorkerView, charge, closeness, loads
+from services.policy.routing.scoring import SCORERS, LoadGuard, WeightedPicker
+from services.policy.routing.views import RouteContext, Why, WorkerView, charge, closeness, loads
 
 
 class RoutingPolicy:
