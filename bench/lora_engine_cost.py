@@ -29,7 +29,7 @@ def decode_step_ms(adapters: list, kernel: bool = True) -> tuple[float, float]:
                                scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=512, policy="fcfs"),
                                lora=LoRAConfig(max_loras=8, max_cpu_loras=32, max_lora_rank=64)))
     for a in sorted(set(adapters) - {""}):
-        e.load_adapter(a, str(ROOT / a), prefetch=True)
+        e.adapters.load(a, str(ROOT / a), prefetch=True)
     while e.lora.loading:  # read before timing
         e.lora.wait(1)
         e.lora.poll()

@@ -3,11 +3,11 @@
 add(spec) validates a RequestSpec (services/common/request.py) and queues it (add_request() is the
 same for offline callers, with the prompt as ids or text); step() runs one iteration (schedule ->
 forward -> sample -> update) and returns per-request deltas; abort() ends a request and frees its
-blocks at once. export_kv() and begin_import/import_blocks/end_import (or add(spec, kv=...)) move
-a sequence's KV blocks between engines, so a sequence prefilled in one engine continues decoding
-in another with identical output. load() is a snapshot of what the engine holds.
-LoRA adapters (services/engine/lora.py) register with load_adapter()/unload_adapter() or from the
-config; a request names one in spec.adapter, and a step's batch may mix any of them with the base model.
+blocks at once. load() is a snapshot of what the engine holds. Two parts hang off it, each with its
+own surface: `transfer` (transfer.py: KV exports, staged imports, the mesh's KV pool, the prefix
+index's events; add(spec, kv=...) imports a whole export) and `adapters` (lora_adapters.py: LoRA
+adapters registered from the config or at run time; a request names one in spec.adapter, and a step's
+batch may mix any of them with the base model).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from services.common.errors import CapacityExhausted, InvalidRequest, NotFound, OutOfRange
+from services.common.errors import InvalidRequest, NotFound, OutOfRange
 from services.common.request import RequestSpec
 from services.common.tokenizer import Tokenizer, cut_at_stop
 from services.engine.attention import KVCache, SeqLayout, TorchAttention
@@ -31,15 +31,17 @@ from services.engine.config import EngineConfig
 from services.engine.kernels import lora as lora_kernel
 from services.engine.kernels import paged_attention, sampler
 from services.engine.kv_manager import KVCacheManager
-from services.engine.kv_transfer import KVExport, decode_block, encode_block
+from services.engine.kv_transfer import KVExport
 from services.engine.loader import load_model
 from services.engine.lora import AdapterResidency, LoRABatch, LoRASnapshot
+from services.engine.lora_adapters import LoRAAdapters, configured
 from services.engine.model import LlamaModel
 from services.engine.quant import resolve as resolve_quantization
 from services.engine.request import Request, SamplingParams, Status
 from services.engine.sampler import Sampler
 from services.engine.scheduler import Scheduler, SchedulerOutput
 from services.engine.step_cost import StepCostFit
+from services.engine.transfer import KVTransfer
 from services.policy.arbitration import make_policy
 
 log = logging.getLogger("meshserve.engine")
@@ -106,17 +108,6 @@ def _adapters_of(requests) -> tuple:
     return tuple(sorted({r.adapter for r in requests if r.adapter}))
 
 
-def _configured_adapters(lc) -> list[tuple[str, str]]:
-    """(name, folder) of the config's adapters: lora_dir's subfolders holding an adapter_config.json, then modules."""
-    found = []
-    if lc.lora_dir:
-        root = Path(lc.lora_dir)
-        if not root.is_dir():
-            raise InvalidRequest(f"lora_dir {root}: not a folder")
-        found = [(d.name, str(d)) for d in sorted(root.iterdir()) if (d / "adapter_config.json").is_file()]
-    return found + list(lc.modules)
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig, clock=time.monotonic):
         if config.num_threads:
@@ -143,9 +134,7 @@ class LLMEngine:
         self.step_cost = StepCostFit()  # what its steps take: heartbeats report it, the scheduler caps batches by it
         self.scheduler = Scheduler(self.kv, make_policy(sc.policy), sc.max_num_seqs, sc.max_num_batched_tokens,
                                    clock=clock, lora=self.lora, step_cost=self.step_cost,
-                                   deadline_min_batch=sc.deadline_min_batch)
-        self.scheduler.before_admit = self._admit_pooled
-        self.pooled_blocks = 0  # blocks imported from the mesh's KV pool, since start
+                                   deadline_min_batch=sc.deadline_min_batch, before_admit=self._admit_pooled)
         kernel = paged_attention() if self.model.dtype in (torch.float32, torch.bfloat16) else None
         self.attention = TorchAttention(mc.num_heads, mc.num_kv_heads, mc.head_dim, cc.block_size, kernel=kernel)
         self.sampler = Sampler(loaded.eos_token_ids, kernel=sampler())
@@ -153,8 +142,13 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._seq = itertools.count()
         self.last_step: StepStats | None = None
-        for name, path in _configured_adapters(lc):
-            self.load_adapter(name, path)
+        block_bytes = KVCache.bytes_per_block(mc.num_layers, cc.block_size, mc.num_kv_heads, mc.head_dim,
+                                              self.model.dtype)
+        self.transfer = KVTransfer(self.requests, self.scheduler, self.kv, self.kv_cache, self.model.dtype,
+                                   block_bytes, self.lora, self._new_request)
+        self.adapters = LoRAAdapters(self.lora)
+        for name, path in configured(lc):
+            self.adapters.load(name, path)
 
     def describe_weights(self) -> str:
         """The weights' form and size, as start-up logs print it: "gguf (Q4_1 x210, Q8_0 x1; 98 MB)"."""
@@ -177,7 +171,7 @@ class LLMEngine:
         req = self._new_request(spec)
         req.pooled = pooled if pooled and pooled[2] else None
         if kv is not None:
-            self._import(req, kv)
+            self.transfer.import_whole(req, kv)
         else:
             self.scheduler.add(req)
         self.requests[req.req_id] = req
@@ -248,7 +242,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One iteration; returns a delta for every request that sampled or finished."""
         t0 = time.perf_counter()
-        failed = self._poll_adapters() if self.lora is not None else []
+        failed = self._end_failed_adapters() if self.lora is not None else []
         out = self.scheduler.schedule()
         if out.empty:
             if self.lora is not None and not failed:
@@ -336,198 +330,8 @@ class LLMEngine:
             prefill_context=sum(s.num_new * s.num_computed for s in out.seqs if s.num_new > 1))
         self.step_cost.update(len(out.seqs), out.num_tokens, step_s)
 
-    # ---- KV transfer ------------------------------------------------------------------------
-
-    def export_kv(self, req_id: str, first_block: int = 0) -> KVExport:
-        """The computed KV of a running request from first_block on, with what is needed to continue it."""
-        req = self._running(req_id)
-        return KVExport(
-            token_ids=list(req.tokens), num_prompt=req.num_prompt, num_computed=req.num_computed,
-            block_size=self.kv.block_size, dtype=str(self.model.dtype).removeprefix("torch."),
-            blocks=self.kv_blocks(req_id, first_block, -(-req.num_computed // self.kv.block_size)),
-            sample_seed=req.sample_seed)
-
-    def kv_blocks(self, req_id: str, start: int, end: int) -> list[bytes]:
-        """Raw bytes of blocks [start, end) of a running request's table."""
-        table = self.kv.block_table(self._running(req_id))
-        return [encode_block(self.kv_cache.read_block(b)) for b in table[start:end]]
-
-    def running_progress(self, req_id: str) -> tuple[int, int] | None:
-        """(tokens sampled, full computed blocks) of a running request; None while queued, preempted or gone."""
-        req = self.requests.get(req_id)
-        if req is None or req.status is not Status.RUNNING:
-            return None
-        return req.num_output, req.num_computed // self.kv.block_size
-
-    # ---- the prefix cache's content, for the prefix index ------------------------------------
-
-    def track_block_events(self) -> None:
-        """Start recording stored/evicted block hashes (drained by block_events)."""
-        self.kv.pool.track_events()
-
-    def block_events(self) -> tuple[list[tuple[str, bytes]], bool]:
-        """The ("stored" | "evicted", hash) events since the last call, and whether some were dropped."""
-        return self.kv.pool.drain_events()
-
-    def cached_hashes(self) -> list[bytes]:
-        """Every block hash the KV pool holds now (for a full republish)."""
-        return self.kv.pool.hashes()
-
-    def _running(self, req_id: str) -> Request:
-        return self._in_state(req_id, Status.RUNNING, "running")
-
-    def _in_state(self, req_id: str, status: Status, doing: str) -> Request:
-        req = self.requests.get(req_id)
-        if req is None or req.status is not status:
-            raise NotFound(f"request {req_id!r} is not {doing} here")
-        return req
-
-    def _import(self, req: Request, kv: KVExport) -> None:
-        """Import a whole export at once: begin, write every block, end."""
-        if kv.block_size != self.kv.block_size:
-            raise InvalidRequest(f"KV block size {kv.block_size} differs from this engine's {self.kv.block_size}")
-        self._begin(req, kv.num_computed)
-        try:
-            self._write_blocks(req, 0, kv.blocks)
-            self._end(req, kv.token_ids, kv.num_prompt, kv.num_computed, len(kv.blocks), kv.sample_seed)
-        except InvalidRequest:
-            self.scheduler.unpin(req)
-            self.kv.forget(req)
-            raise
-
-    def begin_import(self, spec: RequestSpec) -> Request:
-        """Reserve blocks for a prompt whose KV will arrive block by block (import_blocks, then end_import)."""
-        req = self._new_request(spec)
-        self._begin(req, req.num_prompt)
-        self.requests[req.req_id] = req
-        return req
-
-    @property
-    def block_bytes(self) -> int:
-        """Bytes of one KV block (every layer's K and V) in this engine's dtype."""
-        mc = self.model_config
-        return KVCache.bytes_per_block(mc.num_layers, self.kv.block_size, mc.num_kv_heads, mc.head_dim,
-                                       self.model.dtype)
-
-    def kv_geometry(self) -> tuple[int, int]:
-        """(tokens per block, bytes per block)."""
-        return self.kv.block_size, self.block_bytes
-
-    def split_blocks(self, data) -> list:
-        """Consecutive raw blocks as one per block (InvalidRequest unless whole blocks)."""
-        size = self.block_bytes
-        if len(data) % size:
-            raise InvalidRequest(f"imported KV data of {len(data)} bytes is not a whole number of {size}-byte blocks")
-        return [data[i:i + size] for i in range(0, len(data), size)]
-
-    def import_blocks(self, req_id: str, first: int, data) -> int:
-        """Write consecutive raw blocks (one buffer, or a list of one per block) from index `first`; returns how
-        many were written."""
-        req = self._receiving(req_id)
-        blocks = data if isinstance(data, list) else self.split_blocks(data)
-        self._write_blocks(req, first, blocks)
-        return len(blocks)
-
-    def read_blocks_into(self, req_id: str, start: int, outs: list) -> None:
-        """Blocks [start, start + len(outs)) of a running request's table, each copied into a flat uint8 tensor."""
-        table = self.kv.block_table(self._running(req_id))
-        for block, out in zip(table[start:start + len(outs)], outs):
-            self.kv_cache.read_block_into(block, out)
-
-    def cached_blocks(self, hashes: list) -> int:
-        """How many of the leading hashes the prefix cache holds here."""
-        pool = self.kv.pool
-        n = 0
-        while n < len(hashes) and self.kv.prefix_caching and pool.lookup(hashes[n]) is not None:
-            n += 1
-        return n
-
     def _admit_pooled(self, req: Request) -> None:
-        """Import a waiting request's pooled blocks; done once they are in (or no longer useful). Short of room,
-        they wait for the next try (the request could not be admitted then either)."""
-        hashes, start, blocks = req.pooled
-        have = self.cached_blocks(hashes)
-        if not self.kv.prefix_caching or have < start or have >= start + len(blocks):
-            req.pooled = None
-            return
-        imported = self.import_cached(hashes, start, blocks)
-        self.pooled_blocks += imported
-        if have + imported >= start + len(blocks):
-            req.pooled = None
-
-    def import_cached(self, hashes: list, start: int, blocks: list) -> int:
-        """Put raw blocks for hashes[start:start + len(blocks)] into the prefix cache (from the mesh's KV pool),
-        behind hashes[:start], which this cache must hold (else nothing happens: a chain with a gap serves no
-        prefix). Blocks it holds already are skipped. The imported blocks are cached, not used: the request added
-        next finds them as its prefix. Short of room, the leading blocks that fit are imported. Returns how many
-        were imported."""
-        if not self.kv.prefix_caching:
-            return 0
-        have = self.cached_blocks(hashes[:start + len(blocks)])
-        if have < start or have >= start + len(blocks):
-            return 0
-        pool = self.kv.pool
-        held = [pool.lookup(h) for h in hashes[:have]]
-        todo = list(zip(hashes[have:start + len(blocks)], blocks[have - start:]))
-        revived = sum(1 for b in held if pool.ref_count[b] == 0)
-        todo = todo[:max(pool.num_available - revived, 0)]
-        if not todo:
-            return 0
-        for b in held:
-            pool.acquire(b)  # so that allocating the new blocks cannot evict the chain they extend
-        new = pool.allocate(len(todo))
-        try:
-            for block, (h, data) in zip(new, todo):
-                self.kv_cache.write_block(block, decode_block(data, self.model.dtype))
-                pool.register(block, h)
-        finally:
-            pool.release(held + new)  # the tail is the first to evict, as for a finished request
-        return len(todo)
-
-    def end_import(self, req_id: str, token_ids: list, num_prompt: int, num_computed: int, num_blocks: int,
-                   sample_seed: int) -> Request:
-        """Check the finished import and join the request to the running batch (sampling on with sample_seed)."""
-        req = self._receiving(req_id)
-        self._end(req, token_ids, num_prompt, num_computed, num_blocks, sample_seed)
-        return req
-
-    def _receiving(self, req_id: str) -> Request:
-        return self._in_state(req_id, Status.RECEIVING, "importing KV")
-
-    def _begin(self, req: Request, num_tokens: int) -> None:
-        live = len(self.scheduler.running) + sum(r.status is Status.RECEIVING for r in self.requests.values())
-        if live >= self.scheduler.max_num_seqs:
-            raise CapacityExhausted("no free sequence slot for imported KV", retry_after_ms=50)
-        if req.adapter:
-            req.lora_slot = self.lora.claim(req.adapter)
-            if req.lora_slot is None:
-                raise CapacityExhausted(f"adapter {req.adapter!r} is not in a slot yet (being read, or every slot is "
-                                        f"in use)", retry_after_ms=50)
-        if not self.kv.allocate(req, num_tokens):
-            self.scheduler.unpin(req)
-            raise CapacityExhausted("not enough free KV blocks for imported KV", retry_after_ms=50)
-        req.status = Status.RECEIVING
-
-    def _write_blocks(self, req: Request, first: int, blocks: list) -> None:
-        table = self.kv.block_table(req)
-        if first + len(blocks) > len(table):
-            raise InvalidRequest(f"imported KV has more blocks than its {len(table)} reserved")
-        try:
-            for block, data in zip(table[first:], blocks):
-                self.kv_cache.write_block(block, decode_block(data, self.model.dtype))
-        except RuntimeError as e:
-            raise InvalidRequest(f"imported KV block is malformed: {e}") from None
-
-    def _end(self, req: Request, token_ids: list, num_prompt: int, num_computed: int, num_blocks: int,
-             sample_seed: int) -> None:
-        if list(token_ids[:num_prompt]) != req.prompt_token_ids or not num_prompt <= num_computed < len(token_ids):
-            raise InvalidRequest("imported KV belongs to a different prompt")
-        if num_blocks != len(self.kv.block_table(req)) or -(-num_computed // self.kv.block_size) != num_blocks:
-            raise InvalidRequest(f"imported KV has {num_blocks} blocks for {num_computed} tokens")
-        req.tokens, req.sample_seed = list(token_ids), sample_seed
-        req.num_computed, req.status = num_computed, Status.RUNNING
-        self.kv.commit(req)
-        self.scheduler.add_running(req)
+        self.transfer.admit_pooled(req)  # the scheduler is built before the transfer part it calls
 
     # ---- introspection ------------------------------------------------------------------------
 
@@ -551,48 +355,13 @@ class LLMEngine:
 
     # ---- LoRA adapters ------------------------------------------------------------------------
 
-    def load_adapter(self, name: str, path: str, prefetch: bool = False) -> dict:
-        """Register a PEFT adapter folder under name (validated from its config and header; InvalidRequest naming
-        it otherwise, with nothing registered). prefetch: start reading its weights now. Returns its listing."""
-        if self.lora is None:
-            raise InvalidRequest(f"adapter {name!r}: this engine has no LoRA slots (max_loras 0)")
-        self.lora.register(name, path)
-        if prefetch:
-            self.lora.prefetch(name, warm=True)
-        return self.adapter_listing(name)
-
-    def unload_adapter(self, name: str) -> None:
-        """Unregister: new requests for it are refused; requests already accepted finish with it."""
-        if self.lora is None:
-            raise NotFound(f"adapter {name!r} is not loaded")
-        self.lora.unregister(name)
-
-    def prefetch_adapter(self, name: str) -> bool:
-        """Read a registered adapter into host memory (and a free slot) ahead of demand; False if it is not
-        registered."""
-        return self.lora is not None and self.lora.prefetch(name, warm=True)
-
-    def adapters(self) -> list[dict]:
-        """Every registered adapter with its residency (slot | host | loading | disk)."""
-        return [self.adapter_listing(n) for n in sorted(self.lora.known)] if self.lora is not None else []
-
-    def adapter_listing(self, name: str) -> dict:
-        lora, info = self.lora, self.lora.known[name]
-        where = ("slot" if lora.slot_of(name) is not None else "host" if name in lora.host
-                 else "loading" if name in lora.loading else "disk")
-        return {"name": name, "path": info.path, "rank": info.rank, "targets": list(info.targets),
-                "residency": where}
-
     def _adapter_in_use(self, name: str) -> bool:
         return any(r.adapter == name for r in self.requests.values())
 
-    def _poll_adapters(self) -> list[RequestOutput]:
+    def _end_failed_adapters(self) -> list[RequestOutput]:
         """Join finished adapter reads; a request waiting on an adapter whose read failed ends (abort)."""
-        self.lora.poll()
         failed = []
-        while self.lora.failed:
-            name, why = self.lora.failed.popitem()
-            self.lora.forget(name)
+        for name, why in self.adapters.failed_reads():
             for req in [r for r in self.scheduler.waiting if r.adapter == name]:
                 log.error("request %s: %s", req.req_id, why)
                 self.scheduler.finish(req, "abort")

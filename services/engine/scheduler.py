@@ -77,7 +77,9 @@ def _remaining(req: Request) -> int:
 class Scheduler:
     def __init__(self, kv: KVCacheManager, policy: ArbitrationPolicy, max_num_seqs: int,
                  max_num_batched_tokens: int, clock=time.monotonic, lora=None, step_cost=None,
-                 deadline_min_batch: int = 4):
+                 deadline_min_batch: int = 4, before_admit=None):
+        """before_admit(req): called with a waiting request that carries pooled blocks, before admitting it (the
+        engine's KVTransfer.admit_pooled)."""
         self.kv, self.policy, self.clock, self.lora = kv, policy, clock, lora
         self.max_num_seqs, self.budget = max_num_seqs, max_num_batched_tokens
         self.cap = BatchCap(max_num_seqs, deadline_min_batch, step_cost, max_num_batched_tokens)
@@ -88,7 +90,7 @@ class Scheduler:
         self.waiting: list[Request] = []  # in arrival order, or kept in the policy's order when it has a sort_key
         self.waiting_tokens = 0  # prompt tokens to compute and output tokens expected of the waiting requests
         self.running: list[Request] = []
-        self.before_admit = None  # called with a waiting request that carries pooled blocks, before admitting it
+        self.before_admit = before_admit
 
     def add(self, req: Request) -> None:
         if self.policy.tracks_activation:

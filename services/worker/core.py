@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.common.errors import MeshError
-from services.worker.protocol import CORE_CALLS, Abort, Add, EndImport, Stop, command, message
+from services.worker.protocol import Abort, Add, EndImport, Stop, command, message
 
 log = logging.getLogger("meshserve.core")
 
@@ -121,7 +121,7 @@ class KVExport:
 
     def __call__(self, engine) -> tuple[list, bool]:
         """(pieces, done)."""
-        progress = engine.running_progress(self.req_id)
+        progress = engine.transfer.running_progress(self.req_id)
         plan = self.plan
         if progress is None:
             if not plan.handoff and self.req_id not in engine.requests:  # finished (or aborted) before the push
@@ -135,7 +135,7 @@ class KVExport:
                 return pieces + [KVPiece(self.req_id, -1, [], b"", None, True)], True
             return pieces, False
         if sampled >= 1:
-            kv = engine.export_kv(self.req_id, first_block=plan.num_blocks)  # the metadata (no more blocks)
+            kv = engine.transfer.export_kv(self.req_id, first_block=plan.num_blocks)  # the metadata (no more blocks)
             total = -(-kv.num_computed // kv.block_size)
             if total != plan.num_blocks:
                 raise KVTransferFailed(f"the request has {total} KV blocks, {plan.num_blocks} were reserved")
@@ -163,10 +163,11 @@ class KVExport:
                 j += 1
             if self.arena is not None:
                 views = [self.arena.slot(plan.slots[k]) for k in range(i, j)]
-                engine.read_blocks_into(self.req_id, i, [torch.frombuffer(v, dtype=torch.uint8) for v in views])
+                outs = [torch.frombuffer(v, dtype=torch.uint8) for v in views]
+                engine.transfer.read_blocks_into(self.req_id, i, outs)
                 pieces.append(KVPiece(self.req_id, i, [checksum(v) for v in views], b"", None, False))
             else:
-                blocks = engine.kv_blocks(self.req_id, i, j)
+                blocks = engine.transfer.kv_blocks(self.req_id, i, j)
                 pieces.append(KVPiece(self.req_id, i, [checksum(b) for b in blocks], b"".join(blocks), None, False))
             i = j
         self.sent = max(self.sent, upto)
@@ -198,6 +199,18 @@ class StepLog:
         self.file.close()
 
 
+def calls(engine, core) -> dict:
+    """protocol.ENGINE_CALLS and CORE_CALLS by name, bound to the engine's parts and the core (an explicit table:
+    a Call reaches these and nothing else of the engine)."""
+    t, a = engine.transfer, engine.adapters
+    return {"load": engine.load, "kv_geometry": t.kv_geometry, "begin_import": t.begin_import,
+            "cached_hashes": t.cached_hashes, "track_block_events": t.track_block_events,
+            "block_events": t.block_events, "load_adapter": a.load, "prefetch_adapter": a.prefetch,
+            "unload_adapter": a.unload, "adapters": a.listing,
+            "core_stats": core.core_stats, "map_arena": core.map_arena, "import_slots": core.import_slots,
+            "import_data": core.import_data}
+
+
 class EngineCore:
     """The loop of the core process (also usable in-process for tests: send is any callable)."""
 
@@ -215,6 +228,7 @@ class EngineCore:
         # Tests and benchmarks: every step takes at least this long (a sleep: the step times of a model far larger
         # than the one loaded, without its CPU; MESHSERVE_STEP_FLOOR_S)
         self.step_floor_s = float(os.environ.get("MESHSERVE_STEP_FLOOR_S") or 0)
+        self.calls = calls(engine, self)  # what a Call may reach: protocol.ENGINE_CALLS and CORE_CALLS, bound
 
     def handle(self, msg: tuple) -> None:
         try:
@@ -251,11 +265,10 @@ class EngineCore:
         if isinstance(msg, EndImport):
             if msg.req_id in self.failed_imports:  # its blocks are not all there: never let it run
                 raise KVTransferFailed(f"request {msg.req_id}'s KV import failed")
-            self.engine.end_import(msg.req_id, **msg.kwargs)
+            self.engine.transfer.end_import(msg.req_id, **msg.kwargs)
             self.live.add(msg.req_id)
             return None
-        target = self if msg.method in CORE_CALLS else self.engine  # command() checked the name
-        result = getattr(target, msg.method)(*msg.args)
+        result = self.calls[msg.method](*msg.args)  # command() checked the name
         return None if msg.method == "begin_import" else result  # the engine's Request stays here
 
     # ---- the kvstore's arena and imports (protocol.CORE_CALLS) -------------------------------------------
@@ -295,7 +308,7 @@ class EngineCore:
         try:
             arena = self._arena(generation)
             views = verified([arena.slot(s) for s in slots], checksums, first)
-            return self.engine.import_blocks(req_id, first, views)
+            return self.engine.transfer.import_blocks(req_id, first, views)
         except Exception:
             self.failed_imports.add(req_id)
             raise
@@ -303,8 +316,8 @@ class EngineCore:
     def import_data(self, req_id: str, first: int, data: bytes, checksums: list) -> int:
         """import_slots for blocks that came as bytes (the gRPC path)."""
         try:
-            blocks = verified(self.engine.split_blocks(data), checksums, first)
-            return self.engine.import_blocks(req_id, first, blocks)
+            blocks = verified(self.engine.transfer.split_blocks(data), checksums, first)
+            return self.engine.transfer.import_blocks(req_id, first, blocks)
         except Exception:
             self.failed_imports.add(req_id)
             raise
@@ -318,7 +331,7 @@ class EngineCore:
             arena = self.arenas.get(p.generation)
             views = [arena.slot(s) for s in p.slots] if arena is not None else []
         else:
-            views = self.engine.split_blocks(p.data)
+            views = self.engine.transfer.split_blocks(p.data)
         out = []
         for view, crc in zip(views, p.checksums):
             if checksum(view) != crc:

@@ -5,9 +5,11 @@ explicit list of methods the servicer may call in the core.
   servicer -> core   Add(seq, spec, export, pooled)     a request; export (core.ExportPlan): stream its KV out
                                                         (prefill: hand it off; unified: push it to the pool);
                                                         pooled (core.PooledPrefix): blocks leased from the pool
-                     EndImport(seq, req_id, kwargs)     finish a staged KV import (LLMEngine.end_import's kwargs)
-                     Call(seq, method, args)            one of ENGINE_CALLS (LLMEngine methods) or CORE_CALLS (the
-                                                        core's own: counters, the kvstore's arena, verified imports)
+                     EndImport(seq, req_id, kwargs)     finish a staged KV import (KVTransfer.end_import's kwargs)
+                     Call(seq, method, args)            one of ENGINE_CALLS (the engine's: load, its KV transfer
+                                                        part, its adapters) or CORE_CALLS (the core's own:
+                                                        counters, the kvstore's arena, verified imports), each
+                                                        bound by name in core.calls()
                      Abort(req_id)
                      Stop()                             exit the loop (closing the pipe alone does not reach a core
                                                         whose reader thread is blocked on it)
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-ENGINE_CALLS = frozenset({  # LLMEngine methods the servicer calls between steps
+ENGINE_CALLS = frozenset({  # what the servicer calls of the engine between steps (core.calls() binds them)
     "load", "kv_geometry", "begin_import", "cached_hashes", "track_block_events", "block_events",
     "load_adapter", "prefetch_adapter", "unload_adapter", "adapters"})
 CORE_CALLS = frozenset({"core_stats", "map_arena", "import_slots", "import_data"})  # EngineCore's own

@@ -85,7 +85,7 @@ def test_malformed_imported_kv_is_rejected_and_frees_everything(tiny_model):
     req = source.add_request("m", list(range(3, 40)), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     while req.num_output < 1:
         source.step()
-    good = source.export_kv("m")
+    good = source.transfer.export_kv("m")
     for broken, fragment in ((dict(blocks=good.blocks[:-1]), "blocks for"),
                              (dict(blocks=[b[:-4] for b in good.blocks]), "malformed"),
                              (dict(token_ids=[7] + good.token_ids[1:]), "different prompt")):

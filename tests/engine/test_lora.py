@@ -54,7 +54,7 @@ def lora_engine(base, adapters, max_loras=8, max_cpu_loras=32, max_seqs=64, max_
                                     lora=LoRAConfig(max_loras=max_loras, max_cpu_loras=max_cpu_loras,
                                                     max_lora_rank=max_rank)), **kw)
     for name, path in adapters.items():
-        engine.load_adapter(name, str(path), prefetch=True)
+        engine.adapters.load(name, str(path), prefetch=True)
     while engine.lora.loading:  # read before the first step, so that what a step holds does not depend on timing
         engine.lora.wait(1.0)
         engine.lora.poll()
@@ -122,7 +122,7 @@ def test_unload_under_load_loses_no_request(lora_models, cases):
     for i, (p, a) in enumerate(zip(prompts, assigned)):
         engine.add_request(f"r{i}", p, greedy(NEW_TOKENS), adapter=a)
     engine.step()
-    engine.unload_adapter("qv8")
+    engine.adapters.unload("qv8")
     assert "qv8" not in engine.lora.known and "qv8" not in engine.load().lora.known
     late = next(i for i, a in enumerate(assigned) if a == "qv8")
     engine.add_request("late", prompts[late], greedy(NEW_TOKENS), adapter="qv8")  # in flight before the unload
@@ -138,8 +138,8 @@ def test_unload_under_load_loses_no_request(lora_models, cases):
     with pytest.raises(NotFound):
         engine.add_request("new", [5, 6], greedy(2), adapter="qv8")
     assert "qv8" not in engine.lora.host and "qv8" not in engine.lora.slot_names  # its memory is free
-    engine.load_adapter("qv8", str(adapters["qv8"]))  # and it can come back
-    assert [a["name"] for a in engine.adapters()] == sorted(ADAPTERS)
+    engine.adapters.load("qv8", str(adapters["qv8"]))  # and it can come back
+    assert [a["name"] for a in engine.adapters.listing()] == sorted(ADAPTERS)
 
 
 # ---- malformed adapters --------------------------------------------------------------------------
@@ -199,9 +199,9 @@ def test_malformed_adapter_is_refused_whole_naming_it(case, lora_models, tmp_pat
     folder = broken(adapters["qv8"], tmp_path / case, **edits)
     engine = lora_engine(base, {"ok": adapters["attn4"]}, max_rank=4 if case == "rank-too-high" else 64)
     with pytest.raises(InvalidRequest) as err:
-        engine.load_adapter(case, str(folder))
+        engine.adapters.load(case, str(folder))
     assert f"adapter {case!r}" in str(err.value) and message in str(err.value)
-    assert [a["name"] for a in engine.adapters()] == ["ok"]  # nothing of it registered
+    assert [a["name"] for a in engine.adapters.listing()] == ["ok"]  # nothing of it registered
     with pytest.raises(NotFound):
         engine.add_request("x", [5, 6], greedy(2), adapter=case)
 
@@ -213,8 +213,8 @@ def test_truncated_weights_are_refused(lora_models, tmp_path):
     (folder / "adapter_model.safetensors").write_bytes(data[: len(data) // 2])
     engine = lora_engine(base, {})
     with pytest.raises(InvalidRequest, match="'cut'"):
-        engine.load_adapter("cut", str(folder))
-    assert engine.adapters() == []
+        engine.adapters.load("cut", str(folder))
+    assert engine.adapters.listing() == []
 
 
 # ---- residency: a property over any sequence of admissions, finishes and reads ----------------------

@@ -93,7 +93,7 @@ def test_export_import_continues_identically(k, hf_models, mixed_prompts, refere
         req = source.add_request(f"x{i}", p, greedy(NEW_TOKENS))
         while req.num_output < k:
             source.step()
-        exported = source.export_kv(req.req_id)
+        exported = source.transfer.export_kv(req.req_id)
         assert source.abort(req.req_id)
         moved = target.add_request(req.req_id, p, greedy(NEW_TOKENS), kv=exported)
         finished[i] = moved

@@ -210,7 +210,7 @@ def test_sampled_tokens_continue_across_export_import(tiny_model, seed):
         source.step()
     target = make_engine(tiny_model)
     target.add_request("unrelated", [5, 6, 7], params)  # the target's own seed stream moves on
-    req = target.add_request("a", prompt, params, kv=source.export_kv("a"))
+    req = target.add_request("a", prompt, params, kv=source.transfer.export_kv("a"))
     while target.has_unfinished():
         target.step()
     assert req.output_token_ids == whole.output_token_ids

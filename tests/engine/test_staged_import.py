@@ -10,7 +10,7 @@ def prefill_elsewhere(model, prompt):
     req = source.add_request("s", prompt, greedy(12))
     while req.num_output < 1:
         source.step()
-    return source.export_kv("s")
+    return source.transfer.export_kv("s")
 
 
 def test_blocks_imported_in_pieces_continue_identically(tiny_model):
@@ -18,11 +18,11 @@ def test_blocks_imported_in_pieces_continue_identically(tiny_model):
     expected = run_all(make_engine(tiny_model), [prompt], greedy(12))[0]
     kv = prefill_elsewhere(tiny_model, prompt)
     target = make_engine(tiny_model)
-    target.begin_import(RequestSpec("s", tuple(prompt), greedy(12)))
+    target.transfer.begin_import(RequestSpec("s", tuple(prompt), greedy(12)))
     assert target.load().blocks_used == len(kv.blocks)
-    assert target.import_blocks("s", 0, b"".join(kv.blocks[:2])) == 2
-    assert target.import_blocks("s", 2, b"".join(kv.blocks[2:])) == len(kv.blocks) - 2
-    req = target.end_import("s", kv.token_ids, kv.num_prompt, kv.num_computed, len(kv.blocks), kv.sample_seed)
+    assert target.transfer.import_blocks("s", 0, b"".join(kv.blocks[:2])) == 2
+    assert target.transfer.import_blocks("s", 2, b"".join(kv.blocks[2:])) == len(kv.blocks) - 2
+    req = target.transfer.end_import("s", kv.token_ids, kv.num_prompt, kv.num_computed, len(kv.blocks), kv.sample_seed)
     while target.has_unfinished():
         target.step()
         target.kv.check_integrity()
@@ -32,7 +32,7 @@ def test_blocks_imported_in_pieces_continue_identically(tiny_model):
 
 def test_abort_while_receiving_frees_the_reserved_blocks(tiny_model):
     target = make_engine(tiny_model)
-    target.begin_import(RequestSpec("r", tuple(range(3, 50)), SamplingParams(max_tokens=4)))
+    target.transfer.begin_import(RequestSpec("r", tuple(range(3, 50)), SamplingParams(max_tokens=4)))
     assert target.load().blocks_used > 0 and not target.has_unfinished()
     assert target.abort("r")
     assert target.load().blocks_used == 0
@@ -49,9 +49,9 @@ def test_blocks_from_the_pool_become_a_prefix_cache_hit_with_identical_output(ti
     kv = prefill_elsewhere(tiny_model, prompt)
     hashes = hash_blocks(prompt[:-1], 16, extra_keys("", ""))  # 5 full blocks, the last token left to compute
     target = make_engine(tiny_model)
-    assert target.import_cached(hashes, 1, kv.blocks[1:5]) == 0  # block 0 is not cached here: a gap
-    assert target.import_cached(hashes, 0, kv.blocks[:5]) == 5
-    assert target.import_cached(hashes, 0, kv.blocks[:5]) == 0  # held already
+    assert target.transfer.import_cached(hashes, 1, kv.blocks[1:5]) == 0  # block 0 is not cached here: a gap
+    assert target.transfer.import_cached(hashes, 0, kv.blocks[:5]) == 5
+    assert target.transfer.import_cached(hashes, 0, kv.blocks[:5]) == 0  # held already
     assert target.load().blocks_used == 0 and target.load().blocks_cached == 5
     req = target.add_request("t", prompt, greedy(8))
     while target.has_unfinished():
@@ -70,7 +70,7 @@ def test_the_core_exports_only_blocks_the_pool_lacks_and_verifies_what_it_import
 
     prompt = random_prompts(1, seed=43, lo=70, hi=70, vocab=4000)[0]  # 5 blocks, the last partial
     source = make_engine(tiny_model)
-    arena = Arena("coretest", source.block_bytes, 16, shm_dir=tmp_path)
+    arena = Arena("coretest", source.transfer.block_bytes, 16, shm_dir=tmp_path)
     sent = []
     core = EngineCore(source, sent.append)
     core.arenas[arena.generation] = arena  # the kvstore's own mapping stands in for the worker's
@@ -90,7 +90,7 @@ def test_the_core_exports_only_blocks_the_pool_lacks_and_verifies_what_it_import
     replies = []
     core = EngineCore(target, replies.append)
     core.arenas[arena.generation] = arena
-    target.begin_import(RequestSpec("d", tuple(prompt), greedy(4)))
+    target.transfer.begin_import(RequestSpec("d", tuple(prompt), greedy(4)))
     arena.slot(3)[:8] = b"\xff" * 8  # corrupted in the pool
     with pytest.raises(KVTransferFailed, match="block 3"):
         core.import_slots("d", 2, arena.generation, [2, 3], [checksum(reference[2]), checksum(reference[3])])
@@ -119,11 +119,11 @@ def test_pooled_blocks_wait_for_room_and_join_the_prefix_cache_when_the_request_
     target.step()  # the hog holds 9 of the 10 blocks, then all 10
     req = target.add(RequestSpec("t", tuple(prompt), greedy(6)), pooled=(hashes, 0, kv.blocks[:5]))
     target.step()
-    assert req.pooled is not None and target.pooled_blocks <= 1  # no room yet: waiting (at most a block fits)
+    assert req.pooled is not None and target.transfer.pooled_blocks <= 1  # no room yet: waiting (at most a block fits)
     while target.has_unfinished():
         target.step()
         target.kv.check_integrity()
-    assert hog.finish_reason == "length" and target.pooled_blocks >= 5 and req.num_preemptions == 0
+    assert hog.finish_reason == "length" and target.transfer.pooled_blocks >= 5 and req.num_preemptions == 0
     assert req.num_cached_prompt == 80 and req.output_token_ids == expected
 
 
@@ -134,7 +134,7 @@ def test_a_superseded_arena_is_unmapped_once_no_export_writes_to_it(tiny_model, 
     from services.worker.core import EngineCore, ExportPlan
 
     engine = make_engine(tiny_model)
-    old, new = (Arena(f"retire{i}", engine.block_bytes, 8, shm_dir=tmp_path) for i in range(2))
+    old, new = (Arena(f"retire{i}", engine.transfer.block_bytes, 8, shm_dir=tmp_path) for i in range(2))
     core = EngineCore(engine, lambda msg: None)
     core.arenas[old.generation] = old
     prompt = random_prompts(1, seed=47, lo=40, hi=40, vocab=4000)[0]

@@ -6,11 +6,17 @@ from types import SimpleNamespace
 import pytest
 
 from services.worker import protocol
-from services.worker.core import EngineCore
+from services.worker.core import EngineCore, calls
+
+# the engine's transfer and adapters parts, as core.calls() binds them
+PARTS = SimpleNamespace(**{name: None for name in (
+    "kv_geometry", "begin_import", "cached_hashes", "track_block_events", "block_events", "load", "prefetch", "unload",
+    "listing")})
 
 
 class FakeEngine:
     step_cost = None
+    transfer = adapters = PARTS
 
     def load(self):
         return "load"
@@ -22,6 +28,11 @@ class FakeEngine:
 def core():
     sent = []
     return EngineCore(FakeEngine(), sent.append), sent
+
+
+def test_the_core_binds_exactly_the_calls_the_protocol_lists():
+    c, _ = core()
+    assert set(calls(FakeEngine(), c)) == protocol.ENGINE_CALLS | protocol.CORE_CALLS
 
 
 def test_a_listed_engine_method_is_called_and_its_result_replied():
@@ -55,5 +66,9 @@ def test_the_servicer_side_refuses_an_unlisted_method_before_sending():
     assert protocol.ENGINE_CALLS.isdisjoint(protocol.CORE_CALLS)
     assert all(hasattr(EngineCore, m) for m in protocol.CORE_CALLS)
     from services.engine.engine import LLMEngine
+    from services.engine.lora_adapters import LoRAAdapters
+    from services.engine.transfer import KVTransfer
 
-    assert all(hasattr(LLMEngine, m) for m in protocol.ENGINE_CALLS)
+    # what core.calls() binds the ENGINE_CALLS to exists on the engine's real parts (the fake mirrors them)
+    assert all(hasattr(KVTransfer, m) or hasattr(LoRAAdapters, m) for m in vars(PARTS) if m != "load")
+    assert hasattr(LLMEngine, "load")
