@@ -3,7 +3,7 @@
 It implements the OTLP MetricsService Export RPC itself (a Collector may sit in front and fan out to it,
 Prometheus and Jaeger; traces sent to it are accepted and dropped), turns the metrics into one sample per
 pool every --interval-s (signals.py), asks the policy (services/policy/scaling.py) and tells the actuator
-(actuators.py).
+(services/mesh/actuators.py).
 Each decision that changes a pool is a log line with its reason and the metric
 meshserve.autoscaler.decisions{pool, kind, policy}; meshserve.autoscaler.desired_replicas{pool} is what
 the signals alone ask for. Its port speaks plain gRPC (exporters send to it without mesh certificates).
@@ -15,99 +15,24 @@ import argparse
 import asyncio
 import logging
 import os
-import time
 
-from opentelemetry import metrics
-from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2_grpc
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 
-from services.autoscaler.actuators import ComposeActuator, KubernetesActuator, LocalActuator
-from services.autoscaler.signals import PoolSignals
+from services.autoscaler.server import Autoscaler, DroppedTraces
 from services.common import rpc
 from services.common.config import (
     AutoscalerSection,
-    PoolSection,
     add_config_flag,
     add_section_flags,
     announce,
     config_from_args,
 )
 from services.common.telemetry import METRICS_ENDPOINT_ENV, add_metrics_flag, setup_telemetry
-from services.policy.scaling import POLICIES, PolicyState
+from services.mesh.actuators import ComposeActuator, KubernetesActuator, LocalActuator
 
 log = logging.getLogger("meshserve.autoscaler")
 DEFAULT_PORT = 50054  # docs/INTERFACES.md
-
-
-class Autoscaler(metrics_service_pb2_grpc.MetricsServiceServicer):
-    def __init__(self, section: AutoscalerSection, actuator, pools: list[str], clock=time.monotonic, meter=None,
-                 roles: dict | None = None):
-        """roles: pool -> role for pools that are not a role (MeshConfig.pool_role)."""
-        self.section, self.actuator, self.pools, self.clock = section, actuator, pools, clock
-        self.roles = {p: (roles or {}).get(p, p) for p in pools}
-        self.signals = PoolSignals()
-        self.samples: dict[str, list] = {p: [] for p in pools}
-        self.states: dict[str, PolicyState] = {p: PolicyState() for p in pools}
-        self.desired: dict[str, int] = {}
-        meter = meter or metrics.get_meter("meshserve.autoscaler")
-        self.decisions = meter.create_counter("meshserve.autoscaler.decisions",
-                                              description="scaling decisions that changed a pool, by kind")
-        meter.create_observable_gauge("meshserve.autoscaler.desired_replicas", [self._observe_desired],
-                                      description="replicas the signals ask for, before hysteresis and bounds")
-
-    def _observe_desired(self, options):
-        for pool, n in self.desired.items():
-            yield metrics.Observation(n, {"pool": pool})
-
-    async def Export(self, request, context):
-        self.signals.ingest(request, self.clock())
-        return metrics_service_pb2.ExportMetricsServiceResponse()
-
-    def policy(self, pool: str, startup_s: float):
-        section = self.section.pools.get(pool) or PoolSection()
-        config = section.to_pool_config(self.roles[pool], startup_s or None)
-        name = self.section.policy
-        if name == "cpu-utilisation":
-            return POLICIES[name](config, self.section.target_cpu)
-        if name == "request-rate":
-            return POLICIES[name](config, self.section.requests_per_s_per_replica)
-        return POLICIES[name](config)
-
-    async def tick(self) -> list:
-        """One round: sample, decide and act for every pool; returns [(pool, Decision)]."""
-        out = []
-        for pool in self.pools:
-            now = self.clock()
-            status = await self.actuator.state(pool)
-            sample = self.signals.sample(pool, now, starting=status.starting, ready=status.ready)
-            samples = self.samples[pool]
-            samples.append(sample)
-            policy = self.policy(pool, status.startup_s)
-            del samples[:-max(2, int(policy.config.window_s / max(self.section.interval_s, 0.1)) + 2)]
-            d = policy.decide(samples, self.states[pool], now)
-            self.desired[pool] = d.desired
-            if d.kind != "hold":
-                log.info("%s: %s to %d (%s; ready %d, starting %d)", pool, d.kind, d.target, d.reason, status.ready,
-                         status.starting)
-                self.decisions.add(1, {"pool": pool, "kind": d.kind, "policy": policy.name})
-                await self.actuator.scale(pool, d.target, f"{policy.name}: {d.reason}")
-            out.append((pool, d))
-        return out
-
-    async def run(self) -> None:
-        while True:
-            await asyncio.sleep(self.section.interval_s)
-            try:
-                await self.tick()
-            except Exception as e:  # an actuator away: try again next round
-                log.warning("scaling round failed: %s", e)
-
-
-class _Traces(trace_service_pb2_grpc.TraceServiceServicer):
-    """Traces sent here (one OTLP endpoint for everything) are accepted and dropped."""
-
-    async def Export(self, request, context):
-        return trace_service_pb2.ExportTraceServiceResponse()
 
 
 def make_actuator(args):
@@ -139,7 +64,7 @@ async def serve(args, section: AutoscalerSection, roles: dict) -> None:
     server = rpc.Server([], args.port, args.host, public=True)
     autoscaler = Autoscaler(section, make_actuator(args), args.scaled_pools.split(","), roles=roles)
     metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(autoscaler, server.server)
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(_Traces(), server.server)
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(DroppedTraces(), server.server)
     await server.set_serving(True)
     loop = asyncio.create_task(autoscaler.run())
     print(f"autoscaler listening on {server.address} (OTLP metrics; policy {section.policy}, "

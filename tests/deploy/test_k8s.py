@@ -146,7 +146,7 @@ def test_the_autoscalers_rbac_allows_exactly_what_its_actuator_calls(overlay):
 
 def actuator_calls(kind: str) -> tuple:
     """The client methods the Kubernetes actuator calls for a workload kind (their names)."""
-    from services.autoscaler.actuators import KubernetesActuator
+    from services.mesh.actuators import KubernetesActuator
 
     class Apps:
         def __getattr__(self, name):

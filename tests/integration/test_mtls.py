@@ -159,7 +159,7 @@ def test_the_supervisor_wants_an_operator_certificate(mesh, supervisor):
     for identity in ("client", "autoscaler"):
         with client_channel(supervisor, mesh.tls_dir, identity) as ch:
             assert {p.pool: p.ready for p in pools(ch).pools} == {"prefill": 1, "decode": 1}
-    from services.autoscaler.actuators import LocalActuator
+    from services.mesh.actuators import LocalActuator
 
     async def as_the_autoscaler():  # its local actuator, as `meshserve up` starts it (--supervisor-tls-dir)
         actuator = LocalActuator(supervisor, mesh.tls_dir)

@@ -9,9 +9,9 @@ from opentelemetry.exporter.otlp.proto.common._internal.metrics_encoder import e
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-from services.autoscaler.__main__ import Autoscaler
-from services.autoscaler.actuators import ComposeActuator, PoolStatus
+from services.autoscaler.server import Autoscaler
 from services.common.config import AutoscalerSection, PoolSection
+from services.mesh.actuators import ComposeActuator, PoolStatus
 from tests.unit.test_autoscaler_signals import step, worker
 
 
@@ -143,7 +143,7 @@ class FakeKubeAPI:
 def test_kubernetes_actuator_against_a_fake_api_server():
     from kubernetes import client
 
-    from services.autoscaler.actuators import KubernetesActuator
+    from services.mesh.actuators import KubernetesActuator
 
     api = FakeKubeAPI(replicas=3, ready=2)
     try:

@@ -290,7 +290,7 @@ def test_a_refused_put_reaches_the_sender_with_its_status_every_time():
 
     from services.common.pb import meshserve_pb2 as pb
     from services.common.pb import meshserve_pb2_grpc as pb_grpc
-    from services.kvstore.__main__ import KVStoreServicer
+    from services.kvstore.server import KVStoreServicer
 
     async def send_all(address):
         codes = []
@@ -322,7 +322,7 @@ def test_every_byte_survives_both_transports():
 
     from services.common.pb import meshserve_pb2 as pb
     from services.common.pb import meshserve_pb2_grpc as pb_grpc
-    from services.kvstore.__main__ import KVStoreServicer
+    from services.kvstore.server import KVStoreServicer
 
     instance = f"unit{os.getpid()}"
     servicer = KVStoreServicer(64 * 4096, 60, instance, host="this-host")
@@ -383,7 +383,7 @@ def test_bad_calls_get_a_clear_status_and_change_nothing():
 
     from services.common.pb import meshserve_pb2 as pb
     from services.common.pb import meshserve_pb2_grpc as pb_grpc
-    from services.kvstore.__main__ import KVStoreServicer
+    from services.kvstore.server import KVStoreServicer
 
     servicer = KVStoreServicer(64 * 1024, 60, "unitbad", transport="grpc")
     Code = grpc.StatusCode
