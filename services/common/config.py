@@ -21,10 +21,11 @@ import re
 import types
 import typing
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     NonNegativeFloat,
@@ -32,6 +33,7 @@ from pydantic import (
     PositiveFloat,
     PositiveInt,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -223,6 +225,64 @@ class AutoscalerSection(Section):
         return pools
 
 
+def _a_number(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError("must be a number > 0")
+    return value
+
+
+Rate = Annotated[float, BeforeValidator(_a_number), Field(gt=0)]  # a number > 0 (not a bool, not a string)
+Count = Annotated[int, BeforeValidator(_a_number), Field(gt=0)]
+KEY_HASH = re.compile(r"sha256\$[0-9a-fA-F]+\$[0-9a-fA-F]+")
+
+
+class LimitsSection(Section):
+    """A tenant's limits (services/policy/tenants.py Limits); none by default."""
+
+    requests_per_s: Rate | None = Field(None, description="requests admitted per second (token bucket)")
+    tokens_per_min: Rate | None = Field(None, description="prompt + output tokens admitted per minute")
+    max_concurrent: Count | None = Field(None, description="requests in flight at once")
+    max_prompt_tokens: Count | None = Field(None, description="longest prompt")
+    max_output_tokens: Count | None = Field(None, description="largest max_tokens")
+    max_queued: Count | None = Field(None, description="requests waiting in the admission queue")
+
+
+class TenantSection(Section):
+    """One tenant: who it is (API key hashes), its share, its limits and what it may use (docs/TENANTS.md)."""
+
+    name: str = Field(min_length=1, description="the tenant's name (metrics, logs, fair shares)")
+    api_key_hashes: list[str] = Field(default_factory=list, validate_default=True,
+                                      description="sha256$<salt hex>$<digest hex> (`meshserve tenant key`)")
+    weight: Rate = Field(1.0, description="its share of the mesh against other tenants")
+    limits: LimitsSection = Field(default_factory=LimitsSection)
+    priorities: list[Annotated[int, Field(ge=0, strict=True)]] | None = Field(
+        None, description="the priorities it may use (default: any)")
+    adapters: list[str] | None = Field(None, description="the LoRA adapters it may use (default: any)")
+    cache_domain: str = Field("", description="tenants naming one domain share cached prefixes (default: its own)")
+    admin: bool = Field(False, strict=True, description="may load and unload LoRA adapters")
+
+    @field_validator("api_key_hashes")
+    @classmethod
+    def _key_hashes(cls, hashes: list, info: ValidationInfo) -> list:
+        who = f"tenant {info.data.get('name')!r}"
+        if not hashes:
+            raise ValueError(f"{who}: api_key_hashes is required (make one with `meshserve tenant key`)")
+        for h in hashes:
+            if not KEY_HASH.fullmatch(h):
+                raise ValueError(f"{who}: api key hash {h[:12]!r}... is not sha256$<salt hex>$<digest hex>")
+        return hashes
+
+    def tenant(self):
+        """The policy's Tenant (services/policy/tenants.py)."""
+        from services.policy.tenants import Limits, Tenant
+
+        pairs = tuple((bytes.fromhex(h.split("$")[1]), bytes.fromhex(h.split("$")[2])) for h in self.api_key_hashes)
+        return Tenant(self.name, pairs, float(self.weight), Limits(**self.limits.model_dump()),
+                      frozenset(self.priorities) if self.priorities is not None else None,
+                      frozenset(self.adapters) if self.adapters is not None else None,
+                      f"domain:{self.cache_domain}" if self.cache_domain else f"tenant:{self.name}", self.admin)
+
+
 RENAMED = {("mesh", "policy"): "routing.policy", ("engine", "policy"): "engine.slot_policy"}
 
 
@@ -235,7 +295,7 @@ class MeshConfig(Section):
     admission: AdmissionSection = Field(default_factory=AdmissionSection)
     kv: KVSection = Field(default_factory=KVSection)
     autoscaler: AutoscalerSection = Field(default_factory=AutoscalerSection)
-    tenants: list = Field(default_factory=list, description="tenants (services/policy/tenants.py)")
+    tenants: list[TenantSection] = Field(default_factory=list, description="tenants (docs/TENANTS.md)")
 
     @model_validator(mode="before")
     @classmethod
@@ -248,11 +308,21 @@ class MeshConfig(Section):
 
     @field_validator("tenants", mode="before")
     @classmethod
-    def _tenants(cls, entries):
-        from services.policy.tenants import parse_tenants
+    def _a_list(cls, entries):
+        if entries is None:
+            return []
+        if not isinstance(entries, list):
+            raise ValueError("tenants must be a list")
+        return entries
 
-        parse_tenants(entries)  # ValueError naming the tenant and key
-        return entries or []
+    @field_validator("tenants")
+    @classmethod
+    def _named_once(cls, tenants: list) -> list:
+        names = [t.name for t in tenants]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"tenant {twice[0]!r} is defined twice")
+        return tenants
 
     @model_validator(mode="after")
     def _autoscaled_pools_have_roles(self):
@@ -274,9 +344,7 @@ class MeshConfig(Section):
         return role
 
     def tenant_objects(self) -> list:
-        from services.policy.tenants import parse_tenants
-
-        return parse_tenants(self.tenants)
+        return [t.tenant() for t in self.tenants]
 
 
 class ConfigError(ValueError):
@@ -359,13 +427,22 @@ def describe(e: ValidationError, source: str) -> str:
 
 
 def _model_at(loc: tuple):
+    """The section model at an error's location (through lists of sections: tenants.0), or None."""
     model = MeshConfig
     for part in loc:
-        field = model.model_fields.get(part) if isinstance(part, str) else None
-        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+        if isinstance(part, int):
+            args = typing.get_args(model)
+            model = args[0] if args else None
+            continue
+        field = model.model_fields.get(part) if _is_model(model) else None
+        if field is None:
             return None
         model = field.annotation
-    return model
+    return model if _is_model(model) else None
+
+
+def _is_model(t) -> bool:
+    return isinstance(t, type) and issubclass(t, BaseModel)
 
 
 def env_overrides(env: dict | None = None) -> dict:

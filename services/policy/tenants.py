@@ -1,6 +1,7 @@
 """Tenants: who may call the mesh, with what share, under which limits. Pure: the clock is injected.
 
-From the mesh config file's `tenants` list (validated at start; errors name the tenant and key):
+From the mesh config file's `tenants` list (validated at start by services/common/config.py TenantSection; errors name
+the tenant and key):
 
     tenants:
       - name: acme
@@ -30,9 +31,6 @@ from dataclasses import dataclass, field
 from services.common.errors import CapacityExhausted, PermissionDenied, Unauthenticated
 
 DEFAULT_TENANT = "default"
-LIMIT_KEYS = {"requests_per_s", "tokens_per_min", "max_concurrent", "max_prompt_tokens", "max_output_tokens",
-              "max_queued"}
-TENANT_KEYS = {"name", "api_key_hashes", "weight", "limits", "priorities", "adapters", "cache_domain", "admin"}
 
 
 def hash_key(key: str, salt: bytes | None = None) -> str:
@@ -185,68 +183,5 @@ class TenantState:
                                         retry_after_ms=_ms(wait))
 
 
-
 def _ms(seconds: float) -> int:
     return max(1, math.ceil(seconds * 1000))
-
-
-def parse_tenants(entries) -> list[Tenant]:
-    """The config file's tenants list as Tenants; ValueError naming the tenant and key on anything wrong."""
-    if entries is None:
-        return []
-    if not isinstance(entries, list):
-        raise ValueError("tenants must be a list")
-    out, names = [], set()
-    for i, e in enumerate(entries):
-        where = f"tenants[{i}]"
-        if not isinstance(e, dict):
-            raise ValueError(f"{where} must be a mapping")
-        unknown = set(e) - TENANT_KEYS
-        if unknown:
-            raise ValueError(f"{where}: unknown key(s) {sorted(unknown)} (known: {', '.join(sorted(TENANT_KEYS))})")
-        name = e.get("name")
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"{where}: name is required")
-        where = f"tenant {name!r}"
-        if name in names:
-            raise ValueError(f"{where} is defined twice")
-        names.add(name)
-        hashes = e.get("api_key_hashes") or []
-        if not hashes:
-            raise ValueError(f"{where}: api_key_hashes is required (make one with `meshserve tenant key`)")
-        pairs = []
-        for h in hashes:
-            parts = str(h).split("$")
-            if len(parts) != 3 or parts[0] != "sha256":
-                raise ValueError(f"{where}: api key hash {str(h)[:12]!r}... is not sha256$<salt hex>$<digest hex>")
-            try:
-                pairs.append((bytes.fromhex(parts[1]), bytes.fromhex(parts[2])))
-            except ValueError:
-                raise ValueError(f"{where}: api key hash is not hex") from None
-        weight = e.get("weight", 1)
-        if not isinstance(weight, (int, float)) or isinstance(weight, bool) or not weight > 0:
-            raise ValueError(f"{where}: weight must be a number > 0, got {weight!r}")
-        limits = e.get("limits") or {}
-        if not isinstance(limits, dict) or set(limits) - LIMIT_KEYS:
-            raise ValueError(f"{where}: limits must be a mapping of {', '.join(sorted(LIMIT_KEYS))}")
-        for k, v in limits.items():
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
-                raise ValueError(f"{where}: limits.{k} must be a number > 0, got {v!r}")
-        priorities = e.get("priorities")
-        if priorities is not None and (not isinstance(priorities, list) or
-                                       not all(isinstance(p, int) and p >= 0 for p in priorities)):
-            raise ValueError(f"{where}: priorities must be a list of integers >= 0")
-        adapters = e.get("adapters")
-        if adapters is not None and (not isinstance(adapters, list) or not all(isinstance(a, str) for a in adapters)):
-            raise ValueError(f"{where}: adapters must be a list of names")
-        domain = e.get("cache_domain") or ""
-        if not isinstance(domain, str):
-            raise ValueError(f"{where}: cache_domain must be a string")
-        admin = e.get("admin", False)
-        if not isinstance(admin, bool):
-            raise ValueError(f"{where}: admin must be true or false")
-        out.append(Tenant(name, tuple(pairs), float(weight), Limits(**limits),
-                          frozenset(priorities) if priorities is not None else None,
-                          frozenset(adapters) if adapters is not None else None,
-                          f"domain:{domain}" if domain else f"tenant:{name}", admin))
-    return out
