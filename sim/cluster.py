@@ -1,7 +1,7 @@
 """The simulated cluster: gateway, routers, workers, KV links and the autoscaler as discrete events.
 
 What runs is the services' own decision code, imported unchanged:
-- gateway admission: the gateway's I/O-free core (services.policy.admission: tenants' limits, the
+- gateway admission: the gateway's I/O-free core (services.policy.admission_core: tenants' limits, the
   AdmissionQueue with its arbitration policy, the admission CostModel, room on the mesh, the under-share
   bypass); the simulator supplies only its capacity (the gateway's share of the slots, the polled KV view);
 - routing: the router's I/O-free core (services.policy.routing.pick: the filters, the prefix context, the policies
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, replace
 from services.common.block_hash import extra_keys, hash_blocks
 from services.common.errors import MeshError
 from services.common.members import POOL_MEMBER
-from services.policy.admission import AdmissionCore, MeshView
+from services.policy.admission_core import AdmissionCore, MeshView
 from services.policy.admission_queue import reported
 from services.policy.routing.filters import Need
 from services.policy.routing.pick import Prompt, RolePicker
@@ -499,7 +499,7 @@ def _of_role(workers: list, role: str) -> tuple[list, dict]:
 
 
 class Gateway:
-    """One gateway replica: the gateway's own admission core (services.policy.admission: tenants' limits, the
+    """One gateway replica: the gateway's own admission core (services.policy.admission_core: tenants' limits, the
     queue, room on the mesh, the fair bypass) on the simulated clock, what it has in flight, and its share of the
     workers' slots. With several gateways (a load balancer spreading requests over them in turn) the share is
     even: the real workers hand a freed slot to the gateway holding the fewest unused credits

@@ -93,7 +93,7 @@ def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 def _pick_linear():
     """oneDNN's linear where this torch build has it and MESHSERVE_ONEDNN is not 0, else F.linear.
 
-    On the CPUs measured (../shared/notes/cpu-speed.md) torch's default float32 linear goes
+    On the CPUs measured (docs/BENCHMARKS.md, `python -m bench.linear_probe`) torch's default float32 linear goes
     through MKL, which on AMD processors skips its widest code paths; oneDNN (what vLLM's CPU
     build uses) runs the engine's shapes 2-2.7x faster on AVX-512 with results equal to ~3e-6."""
     if os.environ.get("MESHSERVE_ONEDNN", "1") == "0" or not torch.backends.mkldnn.is_available():

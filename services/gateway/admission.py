@@ -1,6 +1,6 @@
 """The gateway's admission control: tenants' limits, then the admission queue when the mesh is full.
 
-Thin and asyncio-bound; the decisions are services/policy/admission.py's (which the simulator runs too) and
+Thin and asyncio-bound; the decisions are services/policy/admission_core.py's (which the simulator runs too) and
 the pure objects' under it (services.policy.tenants, services.policy.admission_queue,
 services.policy.arbitration). The mesh's capacity is the credits the
 serving workers grant this gateway (services/gateway/credits.py: pushed the moment a slot
@@ -24,7 +24,7 @@ import time
 from opentelemetry import metrics
 
 from services.common.errors import CapacityExhausted, DeadlineExceeded, MeshError
-from services.policy.admission import AdmissionCore
+from services.policy.admission_core import AdmissionCore
 from services.policy.admission_queue import Pending
 from services.policy.tenants import Tenant
 
@@ -49,8 +49,8 @@ class GatewayMetrics:
 
 
 class Admission(AdmissionCore):
-    """The core's decisions (services/policy/admission.py) on the event loop: a caller waits on a future that sweep()'s
-    dispatch, push-out or expiry settles; metrics per tenant."""
+    """The core's decisions (services/policy/admission_core.py) on the event loop: a caller waits on a future that
+    sweep()'s dispatch, push-out or expiry settles; metrics per tenant."""
 
     def __init__(self, policy_name: str = "fair-deadline", starvation_s: float = 30.0, clock=time.monotonic,
                  meter=None, queue_bursts: bool = True):

@@ -3,8 +3,8 @@
 The services wrap them (asyncio servicers translate protobuf to these objects and back), the simulator drives the
 very same objects (sim/), and unit tests feed them tables. `lint-imports` holds this package to that (pyproject).
 
-- admission.py: the gateway's admission core (tenants' limits, the queue, room on the mesh, the fair bypass);
-  admission_queue.py: the queue itself and its cost model; arbitration.py: who gets the next slot (FCFS, fair
+- admission_core.py: the gateway's admission core (tenants' limits, the queue, room on the mesh, the fair bypass);
+  admission_queue.py: the queue itself and its service-time model; arbitration.py: who gets the next slot (FCFS, fair
   shares, deadline slack), also the engine's slot arbitration; tenants.py: tenants, keys and their limits.
 - credit_ledger.py: a worker's batch slots as credits granted to gateways.
 - routing/: the router's pick (filters -> context -> policy -> commit) and its scorers and adapter placement.

@@ -91,7 +91,7 @@ def _median(xs: list) -> float:
 
 
 @dataclass
-class CostModel:
+class ServiceTimeModel:
     """Predicted service time = prompt x prefill_s_per_token + max_tokens x decode_s_per_step.
 
     Two sources, the second preferred: the workers' own step-cost fits from their heartbeats
@@ -179,7 +179,7 @@ def _listed(x) -> list:
 
 
 def reported(values: list | float) -> float:
-    """What CostModel.update takes from workers' reports (one value or one per worker): their median, the
+    """What ServiceTimeModel.update takes from workers' reports (one value or one per worker): their median, the
     unreported (0 or less, not finite) left out; 0 when none reported."""
     xs = [x for x in _listed(values) if x > 0 and math.isfinite(x)]
     return _median(xs) if xs else 0.0

@@ -21,7 +21,7 @@ REAL = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.floats(-2, 3
 TEXT = st.one_of(st.binary(max_size=300), st.text(max_size=200).map(str.encode))
 NAME = st.one_of(st.just(""), st.just("tiny"), st.text(max_size=300))
 
-# What bad input may get (../shared/INTERFACES.md "Errors"); OK when the fuzzed request happens to be valid.
+# What bad input may get (docs/INTERFACES.md "Errors"); OK when the fuzzed request happens to be valid.
 GRPC_ALLOWED = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE,
                 grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED}
 HTTP_ALLOWED = {200, 400, 404, 413, 429, 504}

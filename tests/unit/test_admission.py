@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.common.errors import CapacityExhausted, DeadlineExceeded
-from services.policy.admission_queue import AdmissionQueue, CostModel, Pending
+from services.policy.admission_queue import AdmissionQueue, Pending, ServiceTimeModel
 from services.policy.arbitration import (
     DeadlinePolicy,
     FairDeadlinePolicy,
@@ -202,7 +202,7 @@ def test_a_lone_tenants_burst_without_deadlines_is_queued_in_order_past_the_boun
 
 
 def test_cost_model():
-    m = CostModel(prefill_s_per_token=0.001, decode_s_per_step=0.01)
+    m = ServiceTimeModel(prefill_s_per_token=0.001, decode_s_per_step=0.01)
     assert m.predict(100, 10) == pytest.approx(0.2)
     m.update(0.002, 0)
     assert m.predict(100, 10) == pytest.approx(0.3)

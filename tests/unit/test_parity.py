@@ -2,7 +2,7 @@
 routing, one sequence of arrivals and completions through the gateway's admission and the simulator's gateway,
 and the same decisions out of both.
 
-Both sides run the same I/O-free cores (services.policy.routing.pick, services.policy.admission); what this
+Both sides run the same I/O-free cores (services.policy.routing.pick, services.policy.admission_core); what this
 guards is the code around them, which each side has its own of: what the servicer or the simulator hands the
 core (the filters' Need, the prompt's hashes and what the index holds, the adapter, the decode hop's block
 size and topology; the tenant, the mesh's capacity and KV room, completions) and when it asks. A rule changed

@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from services.policy.admission_queue import AdmissionQueue, CostModel, Pending, under_share
+from services.policy.admission_queue import AdmissionQueue, Pending, ServiceTimeModel, under_share
 from services.policy.arbitration import make_policy
 from services.policy.tenants import Tenant, TenantState
 
@@ -36,7 +36,7 @@ class AdmissionCore:
     def __init__(self, policy_name: str = "fair-deadline", starvation_s: float = 30.0, clock=time.monotonic,
                  queue_bursts: bool = True):
         self.clock = clock
-        self.cost = CostModel()
+        self.cost = ServiceTimeModel()
         self.queue = AdmissionQueue(make_policy(policy_name, starvation_s), starvation_s=starvation_s,
                                     trust_predictions=self.cost.trusted, queue_bursts=queue_bursts)
         self.view = MeshView()
