@@ -27,6 +27,8 @@ from services.common.config import (
     add_section_flags,
     announce,
     config_from_args,
+    service_pairs,
+    workload_pairs,
 )
 from services.common.telemetry import METRICS_ENDPOINT_ENV, add_metrics_flag, setup_telemetry
 from services.mesh.actuators import ComposeActuator, KubernetesActuator, LocalActuator
@@ -35,40 +37,32 @@ log = logging.getLogger("meshserve.autoscaler")
 DEFAULT_PORT = 50054  # docs/INTERFACES.md
 
 
-def make_actuator(args):
-    if args.actuator == "local":
-        return LocalActuator(args.supervisor, args.supervisor_tls_dir)
-    if args.actuator == "compose":
-        services = dict(pair.split("=", 1) for pair in args.compose_services.split(",")) if args.compose_services \
-            else {}
-        return ComposeActuator(args.compose_file, args.compose_project, services)
-    if args.actuator == "kubernetes":
-        return KubernetesActuator(args.k8s_namespace, parse_workloads(args.k8s_workloads))
-    raise SystemExit(f"unknown actuator {args.actuator!r}")
+def make_actuator(section: AutoscalerSection):
+    if section.actuator == "local":
+        return LocalActuator(section.supervisor, section.supervisor_tls_dir)
+    if section.actuator == "compose":
+        return ComposeActuator(section.compose_file, section.compose_project, service_pairs(section.compose_services))
+    return KubernetesActuator(section.k8s_namespace, workload_pairs(section.k8s_workloads))
 
 
 def parse_workloads(text: str) -> dict:
     """`decode=Deployment/meshserve-decode,sql=StatefulSet/sql` -> {pool: (kind, name)}; SystemExit naming a bad
     pair."""
-    out = {}
-    for pair in filter(None, text.split(",")):
-        pool, _, workload = pair.partition("=")
-        kind, _, name = workload.partition("/")
-        if not pool or kind not in ("Deployment", "StatefulSet") or not name:
-            raise SystemExit(f"--k8s-workloads: {pair!r} is not POOL=Deployment/NAME or POOL=StatefulSet/NAME")
-        out[pool] = (kind, name)
-    return out
+    try:
+        return workload_pairs(text)
+    except ValueError as e:
+        raise SystemExit(f"--k8s-workloads: {e}") from None
 
 
 async def serve(args, section: AutoscalerSection, roles: dict) -> None:
     server = rpc.Server([], args.port, args.host, public=True)
-    autoscaler = Autoscaler(section, make_actuator(args), args.scaled_pools.split(","), roles=roles)
+    autoscaler = Autoscaler(section, make_actuator(section), section.scaled_pools.split(","), roles=roles)
     metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(autoscaler, server.server)
     trace_service_pb2_grpc.add_TraceServiceServicer_to_server(DroppedTraces(), server.server)
     await server.set_serving(True)
     loop = asyncio.create_task(autoscaler.run())
     print(f"autoscaler listening on {server.address} (OTLP metrics; policy {section.policy}, "
-          f"pools {args.scaled_pools}, actuator {args.actuator}, every {section.interval_s:g} s)", flush=True)
+          f"pools {section.scaled_pools}, actuator {section.actuator}, every {section.interval_s:g} s)", flush=True)
     await server.run(grace_s=args.grace_s)
     loop.cancel()
 
@@ -76,21 +70,6 @@ async def serve(args, section: AutoscalerSection, roles: dict) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m services.autoscaler", description=__doc__)
     rpc.add_server_flags(ap, "AUTOSCALER_PORT", grace_s=1.0, default_port=DEFAULT_PORT)
-    ap.add_argument("--scaled-pools", default=os.environ.get("AUTOSCALER_POOLS", "decode"),
-                    help="comma-separated pools to scale: prefill, decode, unified, or named groups of workers "
-                         "(mesh.worker_pools, or autoscaler.pools.NAME.role)")
-    ap.add_argument("--actuator", choices=("local", "compose", "kubernetes"),
-                    default=os.environ.get("AUTOSCALER_ACTUATOR", "local"))
-    ap.add_argument("--supervisor", default=os.environ.get("MESHSERVE_SUPERVISOR", "127.0.0.1:50055"),
-                    help="local actuator: the Supervisor address `meshserve up` printed")
-    ap.add_argument("--supervisor-tls-dir", default=os.environ.get("MESHSERVE_SUPERVISOR_TLS_DIR", ""),
-                    help="local actuator: the mesh's certificates folder, when the Supervisor speaks mutual TLS")
-    ap.add_argument("--compose-file", default="deploy/docker-compose.yml")
-    ap.add_argument("--compose-project", default="meshserve")
-    ap.add_argument("--compose-services", default="", help="pool=service pairs, e.g. decode=decode,prefill=prefill")
-    ap.add_argument("--k8s-namespace", default=os.environ.get("AUTOSCALER_K8S_NAMESPACE", "meshserve"))
-    ap.add_argument("--k8s-workloads", default=os.environ.get("AUTOSCALER_K8S_WORKLOADS", ""),
-                    help="pool=Kind/name pairs, e.g. decode=Deployment/decode,prefill=Deployment/prefill")
     add_config_flag(ap)
     add_section_flags(ap, "autoscaler")
     add_metrics_flag(ap)
@@ -98,7 +77,7 @@ def main() -> None:
     cfg = config_from_args(ap, args, "autoscaler")
     section = cfg.autoscaler
     try:
-        roles = {pool: cfg.pool_role(pool) for pool in args.scaled_pools.split(",")}
+        roles = {pool: cfg.pool_role(pool) for pool in section.scaled_pools.split(",")}
     except ValueError as e:
         raise SystemExit(f"autoscaler: {e}") from None
     if os.environ.get(METRICS_ENDPOINT_ENV, "").endswith(f":{args.port}"):

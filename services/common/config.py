@@ -214,6 +214,33 @@ class AutoscalerSection(Section):
                                                                             "bounds, capacity, SLOs")
     target_cpu: PositiveFloat = Field(0.7, description="cpu-utilisation: the target utilisation")
     requests_per_s_per_replica: PositiveFloat = Field(4.0, description="request-rate: one worker's share")
+    scaled_pools: str = Field("decode", description="the pools it scales, comma-separated: prefill, decode, unified, "
+                                                    "or named groups of workers (mesh.worker_pools, or "
+                                                    "autoscaler.pools.NAME.role)")
+    actuator: Literal["local", "compose", "kubernetes"] = Field(
+        "local", description="what scales: meshserve up's Supervisor, Docker Compose, or Kubernetes")
+    supervisor: str = Field("127.0.0.1:50055", description="local: the Supervisor's address (meshserve up prints it)")
+    supervisor_tls_dir: str = Field("", description="local: the mesh's certificates folder, when the Supervisor "
+                                                    "speaks mutual TLS")
+    compose_file: str = Field("deploy/docker-compose.yml", description="compose: the Compose file")
+    compose_project: str = Field("meshserve", description="compose: the project")
+    compose_services: str = Field("", description="compose: pool=service pairs, e.g. decode=decode,prefill=prefill "
+                                                  "(default: the service named as the pool)")
+    k8s_namespace: str = Field("meshserve", description="kubernetes: the namespace")
+    k8s_workloads: str = Field("", description="kubernetes: pool=Kind/name pairs, e.g. "
+                                               "decode=Deployment/decode,prefill=StatefulSet/prefill")
+
+    @field_validator("compose_services")
+    @classmethod
+    def _service_pairs(cls, text: str) -> str:
+        service_pairs(text)
+        return text
+
+    @field_validator("k8s_workloads")
+    @classmethod
+    def _workload_pairs(cls, text: str) -> str:
+        workload_pairs(text)
+        return text
 
     @field_validator("pools")
     @classmethod
@@ -223,6 +250,30 @@ class AutoscalerSection(Section):
             if name in ROLES and pool.role not in (None, name):
                 raise ValueError(f"pool {name!r} is the {name} role's: its role cannot be {pool.role}")
         return pools
+
+
+def service_pairs(text: str) -> dict:
+    """`decode=decode,prefill=prefill` -> {pool: service}; ValueError naming a bad pair."""
+    out = {}
+    for pair in filter(None, text.split(",")):
+        pool, _, service = pair.partition("=")
+        if not pool or not service:
+            raise ValueError(f"{pair!r} is not POOL=SERVICE")
+        out[pool] = service
+    return out
+
+
+def workload_pairs(text: str) -> dict:
+    """`decode=Deployment/meshserve-decode,sql=StatefulSet/sql` -> {pool: (kind, name)}; ValueError naming a bad
+    pair."""
+    out = {}
+    for pair in filter(None, text.split(",")):
+        pool, _, workload = pair.partition("=")
+        kind, _, name = workload.partition("/")
+        if not pool or kind not in ("Deployment", "StatefulSet") or not name:
+            raise ValueError(f"{pair!r} is not POOL=Deployment/NAME or POOL=StatefulSet/NAME")
+        out[pool] = (kind, name)
+    return out
 
 
 def _a_number(value):

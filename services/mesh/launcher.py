@@ -303,9 +303,10 @@ class Mesh:
         `autoscaler` over the mesh's mutual TLS when that is on)."""
         config = ["--config", self.spec.config_file] if self.spec.config_file else []
         tls = ["--supervisor-tls-dir", self.tls_dir] if self.tls_dir else []
+        local = ["--actuator", "local", "--supervisor", supervisor, *tls]  # whatever actuator the file names
         proc = self._spawn("autoscaler", [sys.executable, "-m", "services.autoscaler", "--port", str(port),
-                                          "--metrics-port", "0", "--supervisor", supervisor, *tls, "--scaled-pools",
-                                          ",".join(pools), *config], port)
+                                          "--metrics-port", "0", *local, "--scaled-pools", ",".join(pools), *config],
+                           port)
         self.wait_healthy(timeout_s)
         return proc
 
