@@ -667,7 +667,7 @@ class _Scaler:
     """The autoscaler's loop: a PoolSample every interval_s, the policy's decision, workers started or drained."""
 
     def __init__(self, cluster: Cluster, spec: AutoscaleSpec):
-        from services.policy.scaling import CpuPolicy, PolicyState, PoolConfig, RatePolicy, TokenPolicy
+        from services.policy.scaling import CpuPolicy, PoolConfig, RatePolicy, SignalWindow, TokenPolicy
 
         self.cluster, self.spec = cluster, spec
         role = "unified" if cluster.spec.mode == "unified" else "decode"
@@ -679,8 +679,7 @@ class _Scaler:
         self.policy = {"token": lambda: TokenPolicy(config), "cpu": lambda: CpuPolicy(config, spec.target_cpu),
                        "rate": lambda: RatePolicy(config, spec.requests_per_s_per_replica),
                        "fixed": lambda: None}[spec.policy]()
-        self.state = PolicyState()
-        self.samples: list = []
+        self.signals = SignalWindow()  # the autoscaler service's own loop (services/policy/scaling.py)
         self.busy_before: dict[str, float] = {}
         self.decisions = 0
 
@@ -706,10 +705,8 @@ class _Scaler:
             ttft_p90_s=ttfts[int(0.9 * (len(ttfts) - 1))] if ttfts else None,
             cpu_util=sum(busy) / len(busy) if busy else 0.0)
         w.reset()
-        self.samples = [s for s in self.samples if c.now - s.t <= max(self.spec.window_s, self.spec.down_window_s)]
-        self.samples.append(sample)
         if self.policy is not None:
-            d = self.policy.decide(self.samples, self.state, c.now)
+            d = self.signals.decide(self.policy, sample)
             self.decisions += 1
             current = sample.ready + sample.starting
             for _ in range(max(0, d.target - current)):

@@ -17,7 +17,7 @@ from services.common.config import (
     AutoscalerSection,
     PoolSection,
 )
-from services.policy.scaling import POLICIES, PolicyState
+from services.policy.scaling import POLICIES, SignalWindow
 
 log = logging.getLogger("meshserve.autoscaler")
 
@@ -29,8 +29,7 @@ class Autoscaler(metrics_service_pb2_grpc.MetricsServiceServicer):
         self.section, self.actuator, self.pools, self.clock = section, actuator, pools, clock
         self.roles = {p: (roles or {}).get(p, p) for p in pools}
         self.signals = PoolSignals()
-        self.samples: dict[str, list] = {p: [] for p in pools}
-        self.states: dict[str, PolicyState] = {p: PolicyState() for p in pools}
+        self.windows: dict[str, SignalWindow] = {p: SignalWindow() for p in pools}
         self.desired: dict[str, int] = {}
         meter = meter or metrics.get_meter("meshserve.autoscaler")
         self.decisions = meter.create_counter("meshserve.autoscaler.decisions",
@@ -63,11 +62,8 @@ class Autoscaler(metrics_service_pb2_grpc.MetricsServiceServicer):
             now = self.clock()
             status = await self.actuator.state(pool)
             sample = self.signals.sample(pool, now, starting=status.starting, ready=status.ready)
-            samples = self.samples[pool]
-            samples.append(sample)
             policy = self.policy(pool, status.startup_s)
-            del samples[:-max(2, int(policy.config.window_s / max(self.section.interval_s, 0.1)) + 2)]
-            d = policy.decide(samples, self.states[pool], now)
+            d = self.windows[pool].decide(policy, sample)
             self.desired[pool] = d.desired
             if d.kind != "hold":
                 log.info("%s: %s to %d (%s; ready %d, starting %d)", pool, d.kind, d.target, d.reason, status.ready,

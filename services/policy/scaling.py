@@ -239,6 +239,23 @@ class RatePolicy(_Hysteresis):
 POLICIES = {p.name: p for p in (TokenPolicy, CpuPolicy, RatePolicy)}
 
 
+class SignalWindow:
+    """One pool's samples and what its policy remembers, between decisions: the loop that the autoscaler service
+    (samples from OTLP metrics) and the simulator (samples from its events) both run, one sample per interval.
+    Samples older than the policy's window_s are dropped (no policy reads them; the down window lives in the
+    PolicyState)."""
+
+    def __init__(self):
+        self.samples: list[PoolSample] = []
+        self.state = PolicyState()
+
+    def decide(self, policy, sample: PoolSample) -> Decision:
+        """Add this interval's sample and return the policy's decision at its time."""
+        self.samples = [s for s in self.samples if sample.t - s.t <= policy.config.window_s]
+        self.samples.append(sample)
+        return policy.decide(self.samples, self.state, sample.t)
+
+
 def size_pair(prefill: PoolConfig, decode: PoolConfig, prompt_tokens_per_s: float,
               output_tokens_per_s: float) -> tuple[int, int]:
     """Prefill and decode replicas for a prompt/output token mix, together: each pool's share of the work at its

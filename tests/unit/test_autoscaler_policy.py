@@ -151,3 +151,24 @@ def test_pair_sized_together_from_the_token_mix():
     assert size_pair(p, d, prompt_tokens_per_s=4000, output_tokens_per_s=1000) == (4, 4)
     assert size_pair(p, d, prompt_tokens_per_s=8000, output_tokens_per_s=200) == (8, 1)
     assert size_pair(p, d, prompt_tokens_per_s=0, output_tokens_per_s=0) == (1, 1)
+
+
+@pytest.mark.parametrize("policy", [TokenPolicy(DECODE), CpuPolicy(DECODE, 0.7), RatePolicy(DECODE, 4.0)],
+                         ids=lambda p: p.name)
+def test_the_signal_window_decides_as_the_whole_history_would(policy):
+    """SignalWindow (the loop the autoscaler service and the simulator share) keeps only the policy's window of
+    samples; its decisions over a long, changing recording are those of the policy shown every sample so far."""
+    import random
+
+    from services.policy.scaling import SignalWindow
+
+    rng, ready, window, everything, state = random.Random(7), 2, SignalWindow(), [], PolicyState()
+    for i in range(200):  # 1,000 s of a load that rises, falls and spikes, a sample every 5 s
+        out = max(0.0, 800 + 700 * ((i // 40) % 2) - 600 * (i > 150) + rng.uniform(-200, 200))
+        sample = PoolSample(5.0 * i, ready, 0, output_tokens_per_s=out, requests_per_s=out / 50,
+                            cpu_util=min(1.0, out / (500 * ready)))
+        everything.append(sample)
+        got, want = window.decide(policy, sample), policy.decide(everything, state, sample.t)
+        assert got == want, i
+        ready = got.target
+    assert len(window.samples) <= DECODE.window_s / 5 + 1 < len(everything)
