@@ -120,8 +120,9 @@ class LLMEngine:
         log.info("weights: %s", self.describe_weights())
         self.tokenizer = Tokenizer(config.model_dir) if (Path(config.model_dir) / "tokenizer.json").exists() else None
         cc, sc = config.cache, config.scheduler
-        num_blocks = cc.num_blocks or max(1, cc.kv_cache_bytes // KVCache.bytes_per_block(
-            mc.num_layers, cc.block_size, mc.num_kv_heads, mc.head_dim, self.model.dtype))
+        block_bytes = KVCache.bytes_per_block(mc.num_layers, cc.block_size, mc.num_kv_heads, mc.head_dim,
+                                              self.model.dtype)
+        num_blocks = cc.num_blocks or max(1, cc.kv_cache_bytes // block_bytes)
         self.info = RuntimeInfo(num_blocks, loaded.eos_token_ids, mc.vocab_size,
                                 min(mc.max_positions, num_blocks * cc.block_size))
         self.kv_cache = KVCache(mc.num_layers, num_blocks, cc.block_size, mc.num_kv_heads, mc.head_dim,
@@ -142,8 +143,6 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._seq = itertools.count()
         self.last_step: StepStats | None = None
-        block_bytes = KVCache.bytes_per_block(mc.num_layers, cc.block_size, mc.num_kv_heads, mc.head_dim,
-                                              self.model.dtype)
         self.transfer = KVTransfer(self.requests, self.scheduler, self.kv, self.kv_cache, self.model.dtype,
                                    block_bytes, self.lora, self._new_request)
         self.adapters = LoRAAdapters(self.lora)
