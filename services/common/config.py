@@ -327,7 +327,8 @@ class TenantSection(Section):
         """The policy's Tenant (services/policy/tenants.py)."""
         from services.policy.tenants import Limits, Tenant
 
-        pairs = tuple((bytes.fromhex(h.split("$")[1]), bytes.fromhex(h.split("$")[2])) for h in self.api_key_hashes)
+        pairs = tuple((bytes.fromhex(salt), bytes.fromhex(digest))
+                      for _, salt, digest in (h.split("$") for h in self.api_key_hashes))
         return Tenant(self.name, pairs, float(self.weight), Limits(**self.limits.model_dump()),
                       frozenset(self.priorities) if self.priorities is not None else None,
                       frozenset(self.adapters) if self.adapters is not None else None,
