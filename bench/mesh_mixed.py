@@ -140,12 +140,16 @@ def in_process(model_dir: Path, reqs: list, arrivals: list | None) -> dict:
     return summarize(list(timings.values()), time.perf_counter() - t0)
 
 
-def kv_rates(kvstore: str, total: int = 256 * 1024 * 1024, per_message: int = 16) -> dict:
+def kv_rates(kvstore: str, total: int = 256 * 1024 * 1024, per_message: int = 16, shm: bool = True,
+             sink: tuple[str, int] | None = None) -> dict:
     """GB/s of one put and one get of `total` bytes of the mesh's KV blocks, `per_message` blocks per message (as
     a prefill step sends a 256-token chunk of the bench model), as workers do it over each transport: gRPC (bytes
     in messages) and shared memory (bytes written into and read out of the kvstore's arena, with their checksum
     (XXH3-64);
-    only metadata in messages). Beside a raw loopback socket copy of the same bytes."""
+    only metadata in messages). Beside a raw loopback socket copy of the same bytes.
+
+    Across hosts (bench/kv_hop.py, between containers): shm=False, and the raw copy goes to `sink` (a socket_sink
+    on the kvstore's side) instead of loopback."""
     from services.common.arena import MappedArena, checksum
     from services.common.host import host_id
 
@@ -202,36 +206,46 @@ def kv_rates(kvstore: str, total: int = 256 * 1024 * 1024, per_message: int = 16
             return put_s, get_s, count * size, size
 
     put_s, get_s, nbytes, size = asyncio.run(hops(shm=False))
-    shm_put_s, shm_get_s, _, _ = asyncio.run(hops(shm=True))
-    raw_s = _loopback_copy(nbytes, per_message * size)
     gb = nbytes / 1e9
-    return {"kv_put_gbytes_per_s": round(gb / put_s, 3), "kv_get_gbytes_per_s": round(gb / get_s, 3),
-            "kv_put_shm_gbytes_per_s": round(gb / shm_put_s, 3), "kv_get_shm_gbytes_per_s": round(gb / shm_get_s, 3),
-            "loopback_copy_gbytes_per_s": round(gb / raw_s, 3)}
+    rates = {"kv_put_gbytes_per_s": round(gb / put_s, 3), "kv_get_gbytes_per_s": round(gb / get_s, 3)}
+    if shm:
+        shm_put_s, shm_get_s, _, _ = asyncio.run(hops(shm=True))
+        rates.update(kv_put_shm_gbytes_per_s=round(gb / shm_put_s, 3), kv_get_shm_gbytes_per_s=round(gb / shm_get_s, 3))
+    if sink is None:
+        rates["loopback_copy_gbytes_per_s"] = round(gb / _loopback_copy(nbytes, per_message * size), 3)
+    else:
+        rates["socket_copy_gbytes_per_s"] = round(gb / _socket_copy(sink, nbytes, per_message * size), 3)
+    return rates
+
+
+def socket_sink(server: socket.socket, connections: int = 1) -> None:
+    """Accept `connections` connections on a listening socket, one after another, and read each to its end."""
+    for _ in range(connections):
+        conn, _ = server.accept()
+        with conn:
+            while conn.recv(1 << 20):
+                pass
+
+
+def _socket_copy(to: tuple[str, int], total: int, block: int) -> float:
+    """Seconds to send `total` bytes in `block`-sized writes to a socket_sink at `to`, until it has read them."""
+    data = bytes(block)
+    t = time.perf_counter()
+    with socket.create_connection(to) as c:
+        for _ in range(total // block):
+            c.sendall(data)
+        c.shutdown(socket.SHUT_WR)
+        c.recv(1)  # the sink closes once it has read everything
+    return time.perf_counter() - t
 
 
 def _loopback_copy(total: int, block: int) -> float:
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen(1)
-    received = []
-
-    def sink():
-        conn, _ = server.accept()
-        n = 0
-        while chunk := conn.recv(1 << 20):
-            n += len(chunk)
-        received.append(n)
-        conn.close()
-
-    th = threading.Thread(target=sink)
+    th = threading.Thread(target=socket_sink, args=(server,))
     th.start()
-    data = bytes(block)
-    t = time.perf_counter()
-    with socket.create_connection(server.getsockname()) as c:
-        for _ in range(total // block):
-            c.sendall(data)
+    elapsed = _socket_copy(server.getsockname(), total, block)
     th.join()
-    elapsed = time.perf_counter() - t
     server.close()
     return elapsed

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -35,16 +36,22 @@ METRICS_ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"  # the SDK's variab
 POOL_ATTRIBUTE = "meshserve.pool"  # a worker's resource attribute: the pool the autoscaler counts it in
 
 
+def _resource(service_name: str, attributes: dict | None):
+    """service.name, host.name (a container's hostname tells replicas of one service apart in a trace), and more."""
+    from opentelemetry.sdk.resources import Resource
+
+    return Resource.create({"service.name": service_name, "host.name": socket.gethostname(), **(attributes or {})})
+
+
 def setup_tracing(service_name: str, attributes: dict | None = None) -> None:
     if not os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
         return
     from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
     from opentelemetry.instrumentation.grpc import GrpcAioInstrumentorClient, GrpcAioInstrumentorServer
-    from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    provider = TracerProvider(resource=Resource.create({"service.name": service_name, **(attributes or {})}))
+    provider = TracerProvider(resource=_resource(service_name, attributes))
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(insecure=True), schedule_delay_millis=200))
     trace.set_tracer_provider(provider)
     GrpcAioInstrumentorServer().instrument()
@@ -60,7 +67,6 @@ def setup_metrics(service_name: str, interval_ms: int | None = None, attributes:
     global _reader
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader, PeriodicExportingMetricReader
-    from opentelemetry.sdk.resources import Resource
 
     _reader = InMemoryMetricReader()
     readers = [_reader]
@@ -70,9 +76,7 @@ def setup_metrics(service_name: str, interval_ms: int | None = None, attributes:
         interval = interval_ms or int(os.environ.get("OTEL_METRIC_EXPORT_INTERVAL", "5000"))
         readers.append(PeriodicExportingMetricReader(OTLPMetricExporter(insecure=True),
                                                      export_interval_millis=interval))
-    metrics.set_meter_provider(MeterProvider(resource=Resource.create({"service.name": service_name,
-                                                                       **(attributes or {})}),
-                                             metric_readers=readers))
+    metrics.set_meter_provider(MeterProvider(resource=_resource(service_name, attributes), metric_readers=readers))
 
 
 def setup_telemetry(service_name: str, metrics_port: int | None = None, host: str = "127.0.0.1",
@@ -90,7 +94,10 @@ def setup_telemetry(service_name: str, metrics_port: int | None = None, host: st
     return port
 
 
-def add_metrics_flag(ap, env: str = "MESHSERVE_METRICS_PORT") -> None:
+METRICS_PORT_ENV = "MESHSERVE_METRICS_PORT"
+
+
+def add_metrics_flag(ap, env: str = METRICS_PORT_ENV) -> None:
     ap.add_argument("--metrics-port", type=int, default=int(os.environ.get(env, "-1")),
                     help=f"serve Prometheus text at GET /metrics on this port (0 = any free port; -1 = off; env {env})")
 

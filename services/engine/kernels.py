@@ -212,7 +212,8 @@ def build_all(isa: str | None = None) -> dict[str, bool]:
 
 
 def main() -> int:
-    """python -m services.engine.kernels: build every kernel for this CPU now (scripts/setup.sh runs it)."""
+    """python -m services.engine.kernels [--strict]: build every kernel for this CPU now (scripts/setup.sh runs it;
+    the Dockerfile with --strict: a kernel that does not build fails the image instead of running PyTorch's path)."""
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     if os.environ.get("MESHSERVE_KERNELS", "1") == "0":
         print("MESHSERVE_KERNELS=0: the kernels are off; nothing to build")
@@ -221,7 +222,7 @@ def main() -> int:
     built = build_all(isa)
     print(f"kernels for {isa}: " + ", ".join(f"{k} {'ready' if ok else 'UNAVAILABLE (PyTorch fallback)'}"
                                              for k, ok in built.items()))
-    return 0
+    return 1 if "--strict" in sys.argv[1:] and not all(built.values()) else 0
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Actuators: where a decision becomes processes, behind one interface (state(pool), scale(pool, n, reason)).
 
 - LocalActuator: the Supervisor service of `meshserve up` (services/mesh/supervisor.py): starts workers, drains them.
-- ComposeActuator: `docker compose up -d --scale SERVICE=N --no-recreate SERVICE` (Compose stops surplus
+- ComposeActuator: `docker compose up -d --scale SERVICE=N --no-recreate SERVICE` (or the standalone
+  `docker-compose` v2 binary where there is no docker CLI: the autoscaler's image has only that) (Compose stops surplus
   containers with SIGTERM and its stop grace: the worker drains in it); state from `docker compose ps`.
 - KubernetesActuator: the scale subresource of the pool's Deployment or StatefulSet (Kubernetes sends SIGTERM
   and waits terminationGracePeriodSeconds: the same drain).
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import subprocess
 from dataclasses import dataclass
 
@@ -56,7 +58,9 @@ class ComposeActuator:
 
     def __init__(self, compose_file: str, project: str, services: dict, run=subprocess.run):
         """services: pool -> Compose service name; run: subprocess.run (a fake in tests)."""
-        self.base = ["docker", "compose", "-f", compose_file, "-p", project]
+        compose = ["docker", "compose"] if shutil.which("docker") or not shutil.which("docker-compose") \
+            else ["docker-compose"]
+        self.base = [*compose, "-f", compose_file, "-p", project]
         self.services, self.run = services, run
 
     def _call(self, *args) -> str:

@@ -16,7 +16,7 @@ import yaml
 
 from services.autoscaler.__main__ import DEFAULT_PORT as AUTOSCALER_PORT
 from services.common import rpc
-from tests.support.compose import DEPLOY, ROOT, compose, flag_value, ours
+from tests.support.compose import DEPLOY, ROOT, compose, flag_value, interpolate, ours
 from tests.support.deploy import code_variables, command_problems, read_by_code
 
 
@@ -124,3 +124,51 @@ def test_the_mesh_file_validates_and_the_image_pins_torch_as_pyproject_does():
     assert dockerfile.index("torch==${TORCH_VERSION}") < dockerfile.index("pip install /src")  # torch first
     assert re.search(r"^USER meshserve$", dockerfile, re.M)  # not root
     assert "download.pytorch.org/whl/cpu" in dockerfile  # the CPU build unless VARIANT=cuda
+    packages = re.search(r'include = \[(.*)\]', (ROOT / "pyproject.toml").read_text()).group(1)
+    for package in re.findall(r'"(\w+)\*"', packages):  # every package the project installs is copied in
+        assert f"COPY {package} /src/{package}" in dockerfile, package
+
+
+def _override() -> dict:
+    """deploy/docker-compose.local.yml, with Compose's merge tags (!reset, !override) read as plain values."""
+    class Loader(yaml.SafeLoader):
+        pass
+
+    def plain(loader, node):
+        return loader.construct_sequence(node) if isinstance(node, yaml.SequenceNode) else \
+            loader.construct_mapping(node) if isinstance(node, yaml.MappingNode) else loader.construct_scalar(node)
+
+    for tag in ("!reset", "!override"):
+        Loader.add_constructor(tag, plain)
+    return yaml.load((DEPLOY / "docker-compose.local.yml").read_text(), Loader=Loader)
+
+
+def test_the_local_override_swaps_only_images_this_project_builds_and_keeps_the_wiring():
+    if shutil.which("docker") and subprocess.run(["docker", "compose", "version"], capture_output=True,
+                                                 timeout=60).returncode == 0:
+        done = subprocess.run(["docker", "compose", "-f", str(DEPLOY / "docker-compose.yml"), "-f",
+                               str(DEPLOY / "docker-compose.local.yml"), "config", "-q"],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+    local, main = _override()["services"], compose()["services"]
+    assert set(local) <= set(main) | {"prometheus"}  # it adds Prometheus and changes nothing else's name
+    script = (ROOT / "scripts/container-images.sh").read_text()
+    for name, service in local.items():
+        image = interpolate(service.get("image", ""), {})
+        if image.startswith("localhost/"):  # built here from deploy/local/NAME.Dockerfile
+            assert f"localhost/meshserve-{name}:bookworm" == image and (DEPLOY / f"local/{name}.Dockerfile").exists()
+            assert "for name in redis prometheus" in script and name in ("redis", "prometheus")
+        elif image:
+            assert image == "meshserve:latest", name
+    # the receiver takes the collector's place: the port the services send to, metrics on to the autoscaler
+    receiver = local["otel-collector"]["command"]
+    assert not command_problems(receiver), command_problems(receiver)
+    endpoint = main["gateway"]["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"]
+    assert endpoint == f"http://otel-collector:{flag_value(receiver, '--port')}"
+    assert flag_value(receiver, "--forward-metrics") == f"autoscaler:{AUTOSCALER_PORT}"
+    assert flag_value(receiver, "--host") == "0.0.0.0"
+    # Prometheus scrapes the metrics port every service is given, on every service with a health probe
+    scrape = yaml.safe_load((DEPLOY / "local/prometheus.yml").read_text())["scrape_configs"][0]["dns_sd_configs"][0]
+    port = main["gateway"]["environment"]["MESHSERVE_METRICS_PORT"]
+    assert str(scrape["port"]) == port
+    assert set(scrape["names"]) == {n for n, s in ours().items() if "healthcheck" in s and n != "autoscaler"}

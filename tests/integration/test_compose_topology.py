@@ -48,12 +48,13 @@ def topology(tiny_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("compose")
     spans = tmp / "spans.jsonl"
     otlp = free_port()
-    receiver = subprocess.Popen([sys.executable, "-m", "tests.support.otlp_receiver", str(otlp), str(spans),
-                                 str(tmp / "metrics.jsonl")], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    receiver = subprocess.Popen([sys.executable, "-m", "services.common.otlp_receiver", "--port", str(otlp),
+                                 "--spans", str(spans), "--metrics", str(tmp / "metrics.jsonl")],
+                                stdout=subprocess.PIPE, text=True, cwd=ROOT)
     redis = RedisServer().start()
     procs: list[subprocess.Popen] = []
     try:
-        assert receiver.stdout.readline().strip() == "receiving"
+        assert receiver.stdout.readline().startswith("receiving")
         services = ours()
         ports = {name: (flag_value(services[name]["command"], "--port"), free_port())
                  for name in ("router", "kvstore")}
@@ -63,7 +64,8 @@ def topology(tiny_model, tmp_path_factory):
             env = {**os.environ, **service["environment"],
                    "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{otlp}",  # the collector's stand-in
                    "MESHSERVE_CONFIG": str(DEPLOY / "mesh.yaml"), "MESHSERVE_ADVERTISE_HOST": "127.0.0.1",
-                   "MESHSERVE_ENGINE__THREADS": "1", "MESHSERVE_ENGINE__KV_CACHE_GB": "0.05"}
+                   "MESHSERVE_ENGINE__THREADS": "1", "MESHSERVE_ENGINE__KV_CACHE_GB": "0.05",
+                   "MESHSERVE_METRICS_PORT": "0"}  # each container has 9464 to itself; processes here do not
             for i in range(replicas):
                 command = emulate(service["command"], ports, redis.url, str(tiny_model))
                 if name in ports:  # the fixed port others reach it on, remapped

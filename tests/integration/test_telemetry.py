@@ -25,10 +25,10 @@ def traced(tiny_model, tmp_path_factory):
     """A disaggregated mesh exporting to an in-process OTLP receiver, after four requests (one shared prefix)."""
     tmp = tmp_path_factory.mktemp("telemetry")
     port, spans, points = free_port(), tmp / "spans.jsonl", tmp / "metrics.jsonl"
-    receiver = subprocess.Popen([sys.executable, "-m", "tests.support.otlp_receiver", str(port), str(spans),
-                                 str(points)], stdout=subprocess.PIPE, text=True)
+    receiver = subprocess.Popen([sys.executable, "-m", "services.common.otlp_receiver", "--port", str(port),
+                                 "--spans", str(spans), "--metrics", str(points)], stdout=subprocess.PIPE, text=True)
     try:
-        assert receiver.stdout.readline().strip() == "receiving"
+        assert receiver.stdout.readline().startswith("receiving")
         env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}", "OTEL_METRIC_EXPORT_INTERVAL": "500"}
         mesh = Mesh(MeshSpec(str(tiny_model), decode=1, engine_args=ENGINE, env=env), log_dir=str(tmp)).start()
         try:

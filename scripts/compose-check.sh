@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The container check (.ci/run runs it after the tests, under its own time limit): a container engine (made where
+# none is), the images, then scripts/compose_check.py against `docker compose up` of deploy/docker-compose.yml.
+# Skipped, with the reason printed, only where no container engine can be made.
+#
+#   bash scripts/compose-check.sh [--out RESULT.json] [--kv-hop MB]    # flags of scripts/compose_check.py
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-.venv/bin/python}
+start=$SECONDS
+if ! engine=$(bash scripts/container-engine.sh); then
+    echo "compose-check: SKIPPED: no container engine here and none can be made (see the lines above)"
+    exit 0
+fi
+eval "$engine"
+bash scripts/container-images.sh
+local_override=()
+docker image inspect localhost/meshserve-base:bookworm > /dev/null 2>&1 && local_override=(--local)
+# the model from the host's cache when it has it (tests fetched it), so that no container downloads it again
+if models=$("$PY" -c "from services.engine.model_fetch import cached_path; p = cached_path('smollm2-135m-instruct'); \
+print(p.parent if p.is_dir() else '')" 2>/dev/null) && [ -n "$models" ]; then
+    export MESHSERVE_MODELS=$models
+fi
+echo "compose-check: engine and images ready in $((SECONDS - start)) s; models: ${MESHSERVE_MODELS:-the models volume}"
+exec "$PY" scripts/compose_check.py "${local_override[@]}" "$@"
