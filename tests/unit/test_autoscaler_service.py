@@ -97,6 +97,12 @@ def test_compose_actuator_makes_the_exact_calls():
         ["docker", "compose", "-f", "deploy/docker-compose.yml", "-p", "meshserve", "ps", "--format", "json", "decode"],
         ["docker", "compose", "-f", "deploy/docker-compose.yml", "-p", "meshserve", "up", "-d", "--scale",
          "decode=3", "--no-recreate", "decode"]]
+    # an override after the main file, listed as COMPOSE_FILE lists them (deploy/docker-compose.local.yml)
+    calls.clear()
+    act = ComposeActuator("/d/docker-compose.yml:/d/docker-compose.local.yml", "p", {"decode": "decode"}, run=run)
+    asyncio.run(act.scale("decode", 2, "burst"))
+    assert calls == [["docker", "compose", "-f", "/d/docker-compose.yml", "-f", "/d/docker-compose.local.yml",
+                      "-p", "p", "up", "-d", "--scale", "decode=2", "--no-recreate", "decode"]]
 
 
 class FakeKubeAPI:
