@@ -367,7 +367,9 @@ class Check:
         stop.set()
         for t in threads:
             t.join(timeout=300)
-        decisions = [ln for ln in self.compose("logs", "--no-color", "autoscaler").splitlines() if "scale" in ln]
+        logs = self.compose("logs", "--no-color", "autoscaler").splitlines()
+        decisions = [ln.split("|", 1)[-1].strip() for ln in logs
+                     if "autoscaler INFO" in ln and (" up to " in ln or " down to " in ln)]
         self.result["autoscale"] = {"first_new_container_s": grown, "new_container_serving_s": served_s if serving
                                     else None, "streams_completed": done[0], "failed": len(failed),
                                     "decisions": decisions[-5:]}
