@@ -293,6 +293,9 @@ class LimitsSection(Section):
 
     requests_per_s: Rate | None = Field(None, description="requests admitted per second (token bucket)")
     tokens_per_min: Rate | None = Field(None, description="prompt + output tokens admitted per minute")
+    prompt_tokens_per_min: Rate | None = Field(None, description="prompt tokens admitted per minute")
+    output_tokens_per_min: Rate | None = Field(None, description="output tokens per minute (max_tokens reserved at "
+                                                                  "admission, the unmade part given back at the end)")
     max_concurrent: Count | None = Field(None, description="requests in flight at once")
     max_prompt_tokens: Count | None = Field(None, description="longest prompt")
     max_output_tokens: Count | None = Field(None, description="largest max_tokens")

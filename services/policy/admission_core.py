@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from services.common.errors import MeshError
 from services.policy.admission_queue import AdmissionQueue, Pending, ServiceTimeModel, under_share
 from services.policy.arbitration import make_policy
 from services.policy.tenants import Tenant, TenantState
@@ -92,17 +93,22 @@ class AdmissionCore:
         queue's rejections (MeshError)."""
         now = self.clock()
         st = self.state(tenant, now)
-        st.admit_rates(prompt_tokens + max_tokens, now)
+        st.admit_rates(prompt_tokens, max_tokens, now)
         prioritized = deadline_s is not None and self.queue.policy.uses_deadlines  # deadline-aware batching's
         predicted = (self.cost.predict_prioritized(prompt_tokens, max_tokens) if prioritized
                      else self.cost.predict(prompt_tokens, max_tokens))
         p = Pending(req_id, tenant.name, tenant.weight, now, 0, prompt_tokens, max_tokens, priority=priority,
                     deadline_s=deadline_s, predicted_s=predicted, max_queued=tenant.limits.max_queued,
                     predicted_first_s=min(self.cost.predict_first(prompt_tokens), predicted))
-        pushed = self.queue.offer(p, now)
+        try:
+            pushed = self.queue.offer(p, now)
+        except MeshError:
+            st.settle(prompt_tokens, max_tokens, None)  # refused by the queue: it was never served
+            raise
         st.queued += 1
         for q in pushed:
             self.states[q.tenant].queued -= 1
+            self.states[q.tenant].settle(q.input_tokens, q.max_tokens, None)
         return p, pushed
 
     def sweep(self) -> tuple[list[Pending], list[Pending]]:
@@ -112,6 +118,7 @@ class AdmissionCore:
         expired = self.queue.expired(now)
         for p in expired:
             self.states[p.tenant].queued -= 1
+            self.states[p.tenant].settle(p.input_tokens, p.max_tokens, None)
         dispatched = []
         while self.queue.queue:
             p = self.queue.next(now, can_run=self._can_run)
@@ -148,6 +155,7 @@ class AdmissionCore:
         (True then: the caller should sweep())."""
         if self.queue.cancel(p):
             self.states[p.tenant].queued -= 1
+            self.states[p.tenant].settle(p.input_tokens, p.max_tokens, None)
         if id(p) in self.queue.running:
             self.release(p, 0)
             return True
@@ -171,6 +179,7 @@ class AdmissionCore:
         if not p.routed:
             self.unrouted -= 1
         self.states[p.tenant].running -= 1
+        self.states[p.tenant].settle(p.input_tokens, p.max_tokens, output_tokens)
         self.queue.finished(p, output_tokens, self.clock(), first_token_s)
 
     # ---- the rules ----------------------------------------------------------------------------------------------

@@ -48,7 +48,9 @@ def new_key() -> tuple[str, str]:
 @dataclass(frozen=True)
 class Limits:
     requests_per_s: float | None = None
-    tokens_per_min: float | None = None
+    tokens_per_min: float | None = None  # prompt + output
+    prompt_tokens_per_min: float | None = None
+    output_tokens_per_min: float | None = None
     max_concurrent: int | None = None
     max_prompt_tokens: int | None = None
     max_output_tokens: int | None = None
@@ -145,6 +147,10 @@ class TokenBucket:
             return math.inf
         return (amount - self.level) / self.rate
 
+    def give(self, amount: float) -> None:
+        """Put back what take() took (a reservation not used), never above the capacity."""
+        self.level = min(self.capacity, self.level + amount)
+
 
 @dataclass
 class TenantState:
@@ -160,27 +166,47 @@ class TenantState:
         lim = self.tenant.limits
         if lim.requests_per_s is not None:
             self.buckets["requests"] = TokenBucket(lim.requests_per_s, max(1.0, lim.requests_per_s), self.now)
-        if lim.tokens_per_min is not None:
-            self.buckets["tokens"] = TokenBucket(lim.tokens_per_min / 60, lim.tokens_per_min, self.now)
+        for kind, per_min in (("tokens", lim.tokens_per_min), ("prompt tokens", lim.prompt_tokens_per_min),
+                              ("output tokens", lim.output_tokens_per_min)):
+            if per_min is not None:
+                self.buckets[kind] = TokenBucket(per_min / 60, per_min, self.now)
 
-    def admit_rates(self, tokens: int, now: float) -> None:
-        """Charge the rate limits for one request, or raise RESOURCE_EXHAUSTED with when to retry."""
-        name = self.tenant.name
-        if "requests" in self.buckets:
-            wait = self.buckets["requests"].take(1, now)
-            if wait:
-                raise CapacityExhausted(f"tenant {name!r} is over its {self.tenant.limits.requests_per_s} requests/s",
-                                        retry_after_ms=_ms(wait))
-        if "tokens" in self.buckets:
-            wait = self.buckets["tokens"].take(tokens, now)
-            if wait:
-                if "requests" in self.buckets:
-                    self.buckets["requests"].level += 1  # not admitted: give the request back
-                if math.isinf(wait):
-                    raise CapacityExhausted(f"request of {tokens} tokens exceeds tenant {name!r}'s "
-                                            f"{self.tenant.limits.tokens_per_min:g} tokens/min", retry_after_ms=0)
-                raise CapacityExhausted(f"tenant {name!r} is over its {self.tenant.limits.tokens_per_min:g} tokens/min",
-                                        retry_after_ms=_ms(wait))
+    def admit_rates(self, prompt_tokens: int, max_tokens: int, now: float) -> None:
+        """Charge the rate limits for one request, or raise RESOURCE_EXHAUSTED with when to retry (and charge
+        nothing). Output tokens are charged as max_tokens, reserved: settle() gives back what was not made."""
+        name, lim = self.tenant.name, self.tenant.limits
+        charges = {"requests": 1, "tokens": prompt_tokens + max_tokens, "prompt tokens": prompt_tokens,
+                   "output tokens": max_tokens}
+        limits = {"requests": f"{lim.requests_per_s:g} requests/s" if lim.requests_per_s else "",
+                  "tokens": f"{lim.tokens_per_min:g} tokens/min" if lim.tokens_per_min else "",
+                  "prompt tokens": f"{lim.prompt_tokens_per_min:g} prompt tokens/min"
+                  if lim.prompt_tokens_per_min else "",
+                  "output tokens": f"{lim.output_tokens_per_min:g} output tokens/min"
+                  if lim.output_tokens_per_min else ""}
+        taken = []
+        for kind, bucket in self.buckets.items():
+            wait = bucket.take(charges[kind], now)
+            if not wait:
+                taken.append(kind)
+                continue
+            for k in taken:  # not admitted: give back what the other limits took
+                self.buckets[k].give(charges[k])
+            if math.isinf(wait):
+                raise CapacityExhausted(f"request of {charges[kind]} {kind} exceeds tenant {name!r}'s "
+                                        f"{limits[kind]} (retrying will not help)", retry_after_ms=0)
+            raise CapacityExhausted(f"tenant {name!r} is over its {limits[kind]}", retry_after_ms=_ms(wait))
+
+    def settle(self, prompt_tokens: int, max_tokens: int, output_tokens: int | None) -> None:
+        """A request admitted by admit_rates() ended with output_tokens made: the unmade part of its max_tokens goes
+        back to the output and total budgets. None: it was never served (pushed out of the queue, or expired
+        there): everything it was charged goes back, the request too."""
+        unmade = max_tokens - (output_tokens or 0)
+        back = {"tokens": unmade, "output tokens": unmade}
+        if output_tokens is None:
+            back.update({"requests": 1, "tokens": prompt_tokens + max_tokens, "prompt tokens": prompt_tokens})
+        for kind, bucket in self.buckets.items():
+            if back.get(kind, 0) > 0:
+                bucket.give(back[kind])
 
 
 def _ms(seconds: float) -> int:

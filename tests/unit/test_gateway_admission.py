@@ -98,3 +98,38 @@ def test_a_request_cancelled_as_it_is_dispatched_gives_its_slot_back():
         third = await asyncio.wait_for(adm.admit(A, "a3", 10, 5, 0, None), 1)  # the slot is free for the next
         assert third.dispatched_s is not None
     asyncio.run(go())
+
+
+def test_prompt_and_output_tokens_are_limited_apart_and_unmade_output_is_given_back():
+    """Token-based rate limits per tenant: prompt and output tokens per minute, each its own bucket. Output is
+    reserved as max_tokens at admission and the part a request did not make comes back when it ends; a request
+    the queue refuses or drops is charged nothing."""
+    async def go():
+        clock = Clock(100.0)
+        t = Tenant("T", limits=Limits(prompt_tokens_per_min=600, output_tokens_per_min=120))
+        adm = Admission("fcfs", 30.0, clock=clock)
+        adm.update_view([pb.WorkerLoad(role="unified", max_num_seqs=8, kv_capacity_tokens=100_000)], "unified")
+        a = await adm.admit(t, "a", 100, 100, 0, None)  # reserves 100 of the 120 output tokens
+        with pytest.raises(CapacityExhausted, match="output tokens/min") as over:
+            await adm.admit(t, "b", 100, 100, 0, None)
+        # 80 more output tokens at 2 per second: 40 s, said in Retry-After's terms
+        assert over.value.retry_after_ms == 40_000
+        adm.done(a, output_tokens=10)  # made 10 of its 100: 90 come back
+        b = await adm.admit(t, "b", 100, 100, 0, None)  # fits now: 120 - 10 - 100 = 10 left
+        adm.done(b, output_tokens=100)
+        with pytest.raises(CapacityExhausted, match="prompt tokens/min") as over:
+            await adm.admit(t, "c", 500, 1, 0, None)  # 400 of 600 prompt tokens left
+        assert over.value.retry_after_ms == 10_000  # 100 more at 10 a second
+        with pytest.raises(CapacityExhausted, match="retrying will not help") as over:
+            await adm.admit(t, "d", 10, 121, 0, None)  # more output than the whole minute's budget
+        assert over.value.retry_after_ms == 0
+        clock.now += 60  # a minute on, both buckets are full again
+        c = await adm.admit(t, "c", 500, 1, 0, None)
+        adm.done(c, output_tokens=1)
+        # refused by the queue (a deadline already past): nothing charged
+        st = adm.states["T"]
+        before = {k: b.level for k, b in st.buckets.items()}
+        with pytest.raises(DeadlineExceeded):
+            await adm.admit(t, "e", 50, 50, 0, clock.now - 1)
+        assert {k: b.level for k, b in st.buckets.items()} == pytest.approx(before)
+    asyncio.run(go())
