@@ -14,6 +14,7 @@ from bench import (
     prefix_shared,
     router_latency,
     sampler,
+    scale_from_zero,
     sim_validate,
     skewed_costs,
     soak,
@@ -24,7 +25,7 @@ from bench import (
 WORKLOADS = {"engine-mixed": engine_mixed, "mesh-mixed": mesh_mixed, "prefix-shared": prefix_shared,
              "skewed-costs": skewed_costs, "router-latency": router_latency, "tenants-overload": tenants_overload,
              "sampler": sampler, "soak": soak, "lora-zipf": lora_zipf,
-             "burst-autoscale": burst_autoscale, "sim-validate": sim_validate}
+             "burst-autoscale": burst_autoscale, "sim-validate": sim_validate, "scale-from-zero": scale_from_zero}
 
 
 def add_bench_parser(sub, func) -> None:

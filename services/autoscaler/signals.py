@@ -12,7 +12,10 @@ into rates and interval percentiles:
 - TTFT and inter-token p90: from the histograms' bucket counts over the interval (the bucket's upper bound);
 - queued prefill tokens (sum) and KV occupancy (the fullest worker): gauges, latest;
 - CPU utilisation: `meshserve.worker.cpu_seconds` (servicer + engine core) over the interval, per core the
-  worker uses, averaged over workers (the HPA baseline's signal).
+  worker uses, averaged over workers (the HPA baseline's signal);
+- requests waiting for a worker: the gateways' `meshserve.gateway.waiting_for_worker` gauge (per pool, the
+  requests a gateway holds because that pool has no worker at all), summed over gateways: what scales a pool
+  from zero, where no worker exports anything.
 
 A worker silent for `stale_s` no longer counts. Pure apart from the parsing: the clock is passed in.
 """
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.common.telemetry import POOL_ATTRIBUTE
+from services.common.telemetry import POOL_ATTRIBUTE, WAITING_FOR_WORKER
 from services.policy.scaling import PoolSample
 
 COUNTERS = {"vllm.prompt_tokens": "prompt", "vllm.generation_tokens": "output", "meshserve.worker.cpu_seconds": "cpu"}
@@ -57,6 +60,7 @@ class PoolSignals:
         self.stale_s = stale_s
         self.workers: dict[str, WorkerSeries] = {}
         self.last_sample_s: dict[str, float] = {}
+        self.waiting: dict[tuple, tuple] = {}  # (gateway instance, pool) -> (requests waiting for a worker, seen)
 
     def ingest(self, request, now: float) -> int:
         """Record an ExportMetricsServiceRequest; returns how many data points were used."""
@@ -66,6 +70,12 @@ class PoolSignals:
             for sm in rm.scope_metrics:
                 for m in sm.metrics:
                     kind = m.WhichOneof("data")
+                    if m.name == WAITING_FOR_WORKER:
+                        source = _attr(rm.resource.attributes, "service.instance.id") or pool
+                        for p in getattr(m, kind).data_points:
+                            self.waiting[(source, _attr(p.attributes, "pool"))] = (_number(p), now)
+                            used += 1
+                        continue
                     if m.name not in COUNTERS and m.name not in GAUGES and m.name not in HISTOGRAMS:
                         continue
                     for p in getattr(m, kind).data_points:
@@ -108,13 +118,15 @@ class PoolSignals:
             queued += w.values.get("meshserve.worker.queued_prefill_tokens", 0.0)
             kv = max(kv, w.values.get("vllm.kv_cache_usage_perc", 0.0))
             w.previous, w.sampled = dict(w.values), True
+        waiting = sum(n for (_, p), (n, seen) in self.waiting.items() if p == pool and now - seen <= self.stale_s)
         starts = sum(sum(d[1]) for d in hist["ttft"])
         finishes = sum(sum(d[1]) for d in hist["e2e"])
         return PoolSample(now, len(live) if ready is None else ready, starting,
                           prompt_tokens_per_s=rates["prompt"], output_tokens_per_s=rates["output"],
                           requests_per_s=max(starts, finishes) / dt if dt > 0 else 0.0,
                           queued_prefill_tokens=queued, kv_usage=kv, ttft_p90_s=_p90(hist["ttft"]),
-                          itl_p90_s=_p90(hist["itl"]), cpu_util=cpu_util / len(live) if live else 0.0)
+                          itl_p90_s=_p90(hist["itl"]), cpu_util=cpu_util / len(live) if live else 0.0,
+                          waiting_for_worker=waiting)
 
 
 def _delta(before, after) -> tuple:

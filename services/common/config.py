@@ -77,9 +77,10 @@ class MeshSection(Section):
     served_model_name: list[str] = Field(default_factory=list,
                                          description="names requests use for the model (default: the folder's name)")
     mode: Literal["disaggregated", "unified"] = Field("disaggregated", description="prefill/decode split or not")
-    prefill: PositiveInt = Field(1, description="prefill workers (disaggregated)")
-    decode: PositiveInt = Field(2, description="decode workers (disaggregated)")
-    unified: PositiveInt = Field(1, description="unified workers (unified mode)")
+    prefill: NonNegativeInt = Field(1, description="prefill workers (disaggregated; 0: none until the autoscaler "
+                                                   "starts one, for a pool it scales from zero)")
+    decode: NonNegativeInt = Field(2, description="decode workers (disaggregated; 0 as for prefill)")
+    unified: NonNegativeInt = Field(1, description="unified workers (unified mode; 0 as for prefill)")
     router: PositiveInt = Field(1, description="routers: stateless, every worker beats to each, the gateway spreads "
                                                "Route calls over them and fails over when one is down")
     tls: bool = Field(True, description="mutual TLS between the mesh's services, with certificates minted per run "

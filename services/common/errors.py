@@ -82,7 +82,12 @@ class NoWorker(Unavailable):
     (bounded by its deadline and admission.no_worker_grace_s); across gRPC it travels as UNAVAILABLE with the
     trailing metadata REASON_KEY: NO_WORKER."""
 
-    REASON_KEY, NO_WORKER = "meshserve-reason", "no-worker"
+    REASON_KEY, NO_WORKER, ROLE_KEY = "meshserve-reason", "no-worker", "meshserve-empty-role"
+
+    def __init__(self, message: str, empty_role: str = ""):
+        super().__init__(message)
+        self.empty_role = empty_role  # a role with no worker registered at all ("" = some pass no filter): what
+        # the gateway reports as waiting for a worker of that pool (scale from zero)
 
 
 HTTP_STATUS = {"INVALID_ARGUMENT": 400, "OUT_OF_RANGE": 400, "NOT_FOUND": 404, "UNAUTHENTICATED": 401,

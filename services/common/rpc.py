@@ -81,7 +81,8 @@ async def abort(context: grpc.aio.ServicerContext, err: MeshError) -> None:
     if isinstance(err, CapacityExhausted):
         context.set_trailing_metadata((("retry-after-ms", str(err.retry_after_ms)),))
     elif isinstance(err, NoWorker):
-        context.set_trailing_metadata(((NoWorker.REASON_KEY, NoWorker.NO_WORKER),))
+        context.set_trailing_metadata(((NoWorker.REASON_KEY, NoWorker.NO_WORKER),)
+                                      + (((NoWorker.ROLE_KEY, err.empty_role),) if err.empty_role else ()))
     await context.abort(status_of(err), str(err))
 
 
@@ -120,8 +121,10 @@ def mapped(method):
 
 def forward_rpc_error(e: grpc.aio.AioRpcError, peer: str = "") -> MeshError:
     """A downstream failure (of the service at `peer`) as a MeshError with the same status, for the caller to see."""
-    no_worker = (NoWorker.REASON_KEY, NoWorker.NO_WORKER) in tuple(e.trailing_metadata() or ())
-    err = NoWorker(e.details()) if no_worker else MeshError(e.details() or e.code().name)
+    trailing = tuple(e.trailing_metadata() or ())
+    no_worker = (NoWorker.REASON_KEY, NoWorker.NO_WORKER) in trailing
+    empty = next((v for k, v in trailing if k == NoWorker.ROLE_KEY), "")
+    err = NoWorker(e.details(), empty) if no_worker else MeshError(e.details() or e.code().name)
     err.code, err.peer = e.code().name, peer
     return err
 

@@ -34,13 +34,18 @@ UNIT_SUFFIX = {"ms": "_milliseconds", "s": "_seconds", "By": "_bytes"}
 _reader = None  # the pull reader behind /metrics, once setup_metrics ran
 METRICS_ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"  # the SDK's variable for a metrics-only endpoint
 POOL_ATTRIBUTE = "meshserve.pool"  # a worker's resource attribute: the pool the autoscaler counts it in
+WAITING_FOR_WORKER = "meshserve.gateway.waiting_for_worker"  # a gateway's gauge, per pool: requests it holds because
+# that pool has no worker at all (the autoscaler's signal to scale a pool from zero)
 
 
 def _resource(service_name: str, attributes: dict | None):
-    """service.name, host.name (a container's hostname tells replicas of one service apart in a trace), and more."""
+    """service.name, host.name (a container's hostname tells replicas of one service apart in a trace),
+    service.instance.id (host and process: one per process, also where several share a host), and more."""
     from opentelemetry.sdk.resources import Resource
 
-    return Resource.create({"service.name": service_name, "host.name": socket.gethostname(), **(attributes or {})})
+    host = socket.gethostname()
+    return Resource.create({"service.name": service_name, "host.name": host,
+                            "service.instance.id": f"{host}:{os.getpid()}", **(attributes or {})})
 
 
 def setup_tracing(service_name: str, attributes: dict | None = None) -> None:

@@ -26,11 +26,13 @@ log = logging.getLogger("meshserve.gateway")
 
 
 async def watch_mesh(server: rpc.Server, routers: list, mode: str, admission: Admission,
-                     period_s: float = 0.25) -> None:
+                     period_s: float = 0.25, from_zero: frozenset = frozenset()) -> None:
     """Poll the routers' view of the workers (the first that answers): readiness (SERVING while a router answers
-    and has the workers this mode needs) and the admission queue's capacity and cost model."""
+    and has the workers this mode needs) and the admission queue's capacity and cost model. Roles in from_zero
+    (configured to start with no worker: the autoscaler starts one when a request waits for it) are not needed:
+    the gateway must take that request and hold it."""
     stubs = [pb_grpc.RouterStub(rpc.channel(r)) for r in routers]  # channels held for the loop's lifetime
-    need = {"unified"} if mode == "unified" else {"prefill", "decode"}
+    need = ({"unified"} if mode == "unified" else {"prefill", "decode"}) - from_zero
     while True:
         for stub in stubs:
             try:
@@ -66,7 +68,8 @@ async def serve(args, config: MeshConfig) -> None:
     public_tls = tuple(Path(f).read_bytes() for f in tls) if tls else None
     server = rpc.Server(["Generation"], args.port, args.host, public=True, public_tls=public_tls)
     add_to_server(servicer, server.server)
-    tasks = [asyncio.create_task(watch_mesh(server, routers, args.mode, admission)),
+    from_zero = frozenset(r for r in ("prefill", "decode", "unified") if getattr(config.mesh, r) == 0)
+    tasks = [asyncio.create_task(watch_mesh(server, routers, args.mode, admission, from_zero=from_zero)),
              asyncio.create_task(admission.tick()),
              asyncio.create_task(servicer.adapters.run())]
     http = None

@@ -38,6 +38,7 @@ from services.common.errors import (
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.common.request import ClientRequest, RequestSpec
+from services.common.telemetry import WAITING_FOR_WORKER
 from services.common.tokenizer import Tokenizer, cut_at_stop
 from services.gateway.adapters import AdapterCatalog
 from services.gateway.admission import Admission
@@ -160,8 +161,17 @@ class GatewayServicer(pb_grpc.GenerationServicer):
         self.routers = list(routers)
         self._route_turn = itertools.count()
         self.adapters = AdapterCatalog(self._list_workers, self.worker, model.name)
-        self.resumes = metrics.get_meter("meshserve.gateway").create_counter(
+        meter = metrics.get_meter("meshserve.gateway")
+        self.resumes = meter.create_counter(
             "meshserve.gateway.resumes", description="requests resumed on another worker after a failure")
+        self.waiting_for_worker: dict[str, int] = {}  # pool -> requests held because it has no worker at all
+        meter.create_observable_gauge(
+            WAITING_FOR_WORKER, [self._observe_waiting], unit="{request}",
+            description="requests held because their pool has no worker (the autoscaler scales it from zero)")
+
+    def _observe_waiting(self, options):
+        for pool, n in list(self.waiting_for_worker.items()):
+            yield metrics.Observation(n, {"pool": pool})
 
     def worker(self, address: str) -> pb_grpc.WorkerStub:
         return pb_grpc.WorkerStub(self.channels.get(address))
@@ -309,50 +319,55 @@ class GatewayServicer(pb_grpc.GenerationServicer):
         it up (the admission ticket's). While the router has no live worker for it (NoWorker), the request is held
         and routed again, without using an attempt (see _Held)."""
         avoid: set = set()
-        attempt, held = 0, _Held(self.no_worker_grace_s)
-        while True:
-            done = len(streamed)
-            p = spec.sampling
-            now = replace(spec, request_id=spec.request_id + (f".r{attempt}" if attempt else ""),
-                          prompt_token_ids=spec.prompt_token_ids + tuple(streamed), resumed_outputs=done,
-                          sampling=replace(p, max_tokens=p.max_tokens - done, min_tokens=max(p.min_tokens - done, 0)))
-            try:
-                work = work_from_spec(now, uuid.uuid4().hex, self.kvstore)
-                packed, bs = pack_tokens(now.prompt_token_ids), self.admission.view.block_size
-                hashes = prompt_hashes(packed, bs, work.adapter, work.cache_salt) if bs else []
-                decision = await self._route(pb.RouteRequest(
-                    request_id=now.request_id, prompt_tokens=len(now.prompt_token_ids),
-                                                             max_tokens=now.sampling.max_tokens,
-                    prompt_u32=packed, block_hashes=b"".join(hashes), hash_block_size=bs if hashes else 0,
-                    adapter=work.adapter, cache_salt=work.cache_salt,
-                    avoid=sorted(avoid.union(self.admission.avoid()))), _left(spec.deadline_s,
-                                                                              "in the admission queue"))
-                if ticket is not None:
-                    work.credit_from = self.admission.routed(ticket, decision.decode_worker)
+        attempt, held = 0, _Held(self.no_worker_grace_s, self.waiting_for_worker)
+        try:
+            while True:
+                done = len(streamed)
+                p = spec.sampling
+                now = replace(spec, request_id=spec.request_id + (f".r{attempt}" if attempt else ""),
+                              prompt_token_ids=spec.prompt_token_ids + tuple(streamed), resumed_outputs=done,
+                              sampling=replace(p, max_tokens=p.max_tokens - done,
+                                               min_tokens=max(p.min_tokens - done, 0)))
                 try:
-                    async for ev in self._events(decision, work, _left(spec.deadline_s, "while routing")):
-                        yield ev
-                        if ev.finish_reason:
-                            return
-                    raise Unavailable("a worker's stream ended before the request finished")
-                except BaseException:  # cancelled too: the call may have ended before the worker saw it
-                    self.admission.give_back(decision.decode_worker, work.credit_from, work.request_id)
-                    raise
-            except NoWorker as e:
-                await held.wait(e, spec.request_id, spec.deadline_s)
-                continue
-            except MeshError as e:
-                held.since = None
-                delay = min(RESUME_BACKOFF_S * 2 ** attempt, MAX_BACKOFF_S)
-                if (e.code != "UNAVAILABLE" or attempt + 1 == MAX_ATTEMPTS
-                        or (spec.deadline_s is not None and time.monotonic() + delay >= spec.deadline_s)):
-                    raise
-                avoid.add(e.peer)
-                self.resumes.add(1, {"after_tokens": "0" if not streamed else "some"})
-                log.warning("request %s: %s (from %s); attempt %d in %.2f s, resuming after %d streamed tokens",
-                            spec.request_id, e, e.peer or "the gateway", attempt + 2, delay, len(streamed))
-                await asyncio.sleep(delay)
-                attempt += 1
+                    work = work_from_spec(now, uuid.uuid4().hex, self.kvstore)
+                    packed, bs = pack_tokens(now.prompt_token_ids), self.admission.view.block_size
+                    hashes = prompt_hashes(packed, bs, work.adapter, work.cache_salt) if bs else []
+                    decision = await self._route(pb.RouteRequest(
+                        request_id=now.request_id, prompt_tokens=len(now.prompt_token_ids),
+                                                                 max_tokens=now.sampling.max_tokens,
+                        prompt_u32=packed, block_hashes=b"".join(hashes), hash_block_size=bs if hashes else 0,
+                        adapter=work.adapter, cache_salt=work.cache_salt,
+                        avoid=sorted(avoid.union(self.admission.avoid()))), _left(spec.deadline_s,
+                                                                                  "in the admission queue"))
+                    held.leave()  # routed: a worker is there
+                    if ticket is not None:
+                        work.credit_from = self.admission.routed(ticket, decision.decode_worker)
+                    try:
+                        async for ev in self._events(decision, work, _left(spec.deadline_s, "while routing")):
+                            yield ev
+                            if ev.finish_reason:
+                                return
+                        raise Unavailable("a worker's stream ended before the request finished")
+                    except BaseException:  # cancelled too: the call may have ended before the worker saw it
+                        self.admission.give_back(decision.decode_worker, work.credit_from, work.request_id)
+                        raise
+                except NoWorker as e:
+                    await held.wait(e, spec.request_id, spec.deadline_s)
+                    continue
+                except MeshError as e:
+                    held.since = None
+                    delay = min(RESUME_BACKOFF_S * 2 ** attempt, MAX_BACKOFF_S)
+                    if (e.code != "UNAVAILABLE" or attempt + 1 == MAX_ATTEMPTS
+                            or (spec.deadline_s is not None and time.monotonic() + delay >= spec.deadline_s)):
+                        raise
+                    avoid.add(e.peer)
+                    self.resumes.add(1, {"after_tokens": "0" if not streamed else "some"})
+                    log.warning("request %s: %s (from %s); attempt %d in %.2f s, resuming after %d streamed tokens",
+                                spec.request_id, e, e.peer or "the gateway", attempt + 2, delay, len(streamed))
+                    await asyncio.sleep(delay)
+                    attempt += 1
+        finally:
+            held.leave()  # it no longer waits for a worker, however it ended
 
     async def _route(self, request: pb.RouteRequest, timeout: float | None) -> pb.RouteDecision:
         """Route calls spread over the routers (stateless: each sees every worker's heartbeats and the Redis
@@ -506,10 +521,23 @@ class _Held:
     workers for that long fails its requests with UNAVAILABLE naming the wait). A worker that is restarting or
     still loading its model, or busy past its heartbeats, costs a wait, not the request."""
 
-    def __init__(self, grace_s: float):
+    def __init__(self, grace_s: float, waiting: dict | None = None):
+        """waiting: pool -> requests held because that pool has no worker at all (shared by the gateway's
+        requests, exported for the autoscaler); this request counts in it while it waits for such a pool."""
         self.grace_s, self.since, self.delay = grace_s, None, 0.05
+        self.waiting, self.pool = waiting if waiting is not None else {}, ""
+
+    def leave(self) -> None:
+        if self.pool:
+            self.waiting[self.pool] -= 1
+            self.pool = ""
 
     async def wait(self, e: NoWorker, request_id: str, deadline_s: float | None) -> None:
+        if e.empty_role != self.pool:
+            self.leave()
+            if e.empty_role:
+                self.pool = e.empty_role
+                self.waiting[self.pool] = self.waiting.get(self.pool, 0) + 1
         now = time.monotonic()
         if self.since is None:
             self.since, self.delay = now, 0.05

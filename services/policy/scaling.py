@@ -21,7 +21,9 @@ TokenPolicy sizes by work in tokens, looking ahead by the pool's measured start-
   target of the last `down_window_s` was below the current size by `down_margin` (hysteresis), at most
   `max_step` at a time, never within `cooldown_s` of the previous change, and by drain (the router stops
   routing to the replica, its requests finish, then it stops);
-- min/max bounds; with no traffic for the window, `min_replicas`.
+- min/max bounds; with no traffic for the window, `min_replicas`, which may be 0 (scale to zero);
+- from zero: a pool with no replica, ready or starting, while the gateways hold requests for it
+  (`waiting_for_worker`) goes to max(1, min_replicas) at once.
 
 Baselines, in the same shape, for comparison: CpuPolicy (the Kubernetes HPA formula on CPU utilisation, with
 its 5-minute scale-down stabilisation) and RatePolicy (requests per second over a per-replica rate).
@@ -50,6 +52,7 @@ class PoolSample:
     ttft_p90_s: float | None = None  # over the sample's interval; None = no first token in it
     itl_p90_s: float | None = None  # inter-token latency p90
     cpu_util: float = 0.0  # mean CPU utilisation of the ready replicas, 0..1
+    waiting_for_worker: float = 0.0  # requests the gateways hold because the pool has no worker at all
 
 
 @dataclass(frozen=True)
@@ -126,6 +129,14 @@ class _Hysteresis(ABC):
             return Decision(c.min_replicas, "hold", "no samples yet", c.min_replicas)
         latest = recent[-1]
         current = latest.ready + latest.starting
+        if latest.waiting_for_worker > 0 and current == 0 and c.max_replicas > 0:
+            # from zero: requests are held at the gateways and nothing will serve them; no forecast, no cooldown
+            target = max(1, c.min_replicas)
+            state.first_t = now if state.first_t is None else state.first_t
+            state.desired_history.append((now, target))
+            state.last_change_t, state.last_kind = now, "up"
+            return Decision(target, "up", f"{latest.waiting_for_worker:.0f} request(s) wait for a worker and the "
+                                          f"pool has none", target)
         desired, why = self.desired(recent, now)
         desired = max(c.min_replicas, min(c.max_replicas, desired))
         if state.first_t is None:

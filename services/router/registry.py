@@ -61,5 +61,5 @@ class Registry:
         out, emptied_by = candidates(self.prune(), need)
         if not out:
             detail = "" if emptied_by == "role" else f" passing the {emptied_by} filter ({need})"
-            raise NoWorker(f"no live {need.role} worker{detail}")
+            raise NoWorker(f"no live {need.role} worker{detail}", need.role if emptied_by == "role" else "")
         return out

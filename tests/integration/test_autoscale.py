@@ -157,3 +157,29 @@ def test_meshserve_scale_by_hand(up):
     assert bad.returncode == 1 and "OUT_OF_RANGE" in bad.stderr
     ok = subprocess.run(cli + ["unified", "1"], capture_output=True, text=True, timeout=60)
     assert ok.returncode == 0 and "unified: 1 ready, 0 starting, 0 draining (unified-0)" in ok.stdout, ok.stderr
+
+
+# from zero: no worker at the start; the autoscaler may go down to none again
+FROM_ZERO = {"mesh": {**CONFIG["mesh"], "unified": 0}, "engine": CONFIG["engine"],
+             "autoscaler": {**CONFIG["autoscaler"], "pools": {"unified": {
+                 **CONFIG["autoscaler"]["pools"]["unified"], "min_replicas": 0, "max_replicas": 1}}}}
+
+
+@pytest.mark.parametrize("up", [FROM_ZERO], indirect=True)
+def test_a_request_to_an_empty_pool_makes_the_autoscaler_start_a_worker_that_serves_it(up):
+    """Scale from zero: the gateway holds the request (the pool has no worker) and exports that it does; the
+    autoscaler starts a worker; the request is served whole. Then, idle, the pool goes back to zero."""
+    proc, lines = up
+    text = "".join(lines)
+    gateway = next(ln.strip() for ln in lines if re.fullmatch(r"127\.0\.0\.1:\d+", ln.strip()))
+    supervisor = re.search(r"--supervisor (127\.0\.0\.1:\d+)", text).group(1)
+    assert pools(supervisor)["unified"].ready == 0 and registered(lines) == []
+    assert generate(gateway, 0) == 48  # held, then served by the worker the autoscaler started for it
+    text = "".join(lines)
+    assert re.search(r"scale unified: started unified-0 \(token-policy: 1 request\(s\) wait for a worker", text), \
+        text[-3000:]
+    wait_for(lambda: pools(supervisor)["unified"].ready == 0 and pools(supervisor)["unified"].draining == 0, 120,
+             "the drain back to zero", lines)
+    log = open(re.search(r"its decisions in (\S+)", "".join(lines)).group(1)).read()
+    assert re.search(r"unified: up to 1 \(1 request\(s\) wait for a worker and the pool has none", log), log[-2000:]
+    assert re.search(r"unified: drain to 0 \(no traffic", log), log[-2000:]

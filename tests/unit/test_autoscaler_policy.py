@@ -172,3 +172,25 @@ def test_the_signal_window_decides_as_the_whole_history_would(policy):
         assert got == want, i
         ready = got.target
     assert len(window.samples) <= DECODE.window_s / 5 + 1 < len(everything)
+
+
+@pytest.mark.parametrize("policy", [TokenPolicy, CpuPolicy, RatePolicy])
+def test_a_pool_at_zero_starts_one_replica_when_requests_wait_for_it_and_scales_back_to_zero(policy):
+    pool = PoolConfig("unified", min_replicas=0, max_replicas=4, startup_s=10, cooldown_s=30, down_window_s=60)
+    p, state = policy(pool), PolicyState()
+    idle = [PoolSample(t, 0, 0) for t in (0, 5, 10)]
+    assert (p.decide(idle, state, 10).kind, p.decide(idle, state, 10).target) == ("hold", 0)  # nothing asks
+    # a request arrives: the gateway holds it (no worker at all) and says so; no forecast, no cooldown to wait out
+    state.last_change_t, state.last_kind = 9.0, "up"
+    waiting = idle + [PoolSample(15, 0, 0, waiting_for_worker=1)]
+    d = p.decide(waiting, state, 15)
+    assert (d.kind, d.target) == ("up", 1) and "wait for a worker" in d.reason
+    # once it is starting, nothing more is asked for it (the held request is not counted twice)
+    assert p.decide(waiting + [PoolSample(16, 0, 1, waiting_for_worker=1)], state, 16).target == 1
+    # with no traffic for long enough (the CPU baseline's window is the HPA's 300 s) it goes back to zero, by drain
+    quiet = [PoolSample(t, 1, 0) for t in range(600, 700, 5)]
+    later = p.decide(quiet, state, 700)
+    assert (later.kind, later.target) == ("drain", 0)
+    # a pool whose maximum is zero is never started
+    off = policy(PoolConfig("unified", min_replicas=0, max_replicas=0))
+    assert off.decide(waiting, PolicyState(), 15).target == 0

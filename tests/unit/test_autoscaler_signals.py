@@ -92,3 +92,27 @@ def test_a_named_pool_is_counted_apart_from_its_role():
     assert signals.live("unified", 10.0) == ["u0"] and signals.live("lora-a", 10.0) == ["la0"]
     assert signals.sample("lora-a", 10.0).prompt_tokens_per_s == 30.0
     assert signals.sample("unified", 10.0).prompt_tokens_per_s == 0.0
+
+
+def test_requests_a_gateway_holds_for_an_empty_pool_reach_that_pools_sample():
+    """The gateway's waiting_for_worker gauge (per pool), summed over gateways, stale ones dropped: what scales a
+    pool from zero, where no worker exports anything."""
+    from opentelemetry.metrics import Observation
+
+    from services.common.telemetry import WAITING_FOR_WORKER
+
+    signals, readers = PoolSignals(stale_s=15.0), []
+    for instance, held in (("gw-a", {"unified": 2}), ("gw-b", {"unified": 1, "decode": 3})):
+        reader = InMemoryMetricReader()
+        provider = MeterProvider(metric_readers=[reader], resource=Resource.create(
+            {"service.name": "gateway", "service.instance.id": instance}))
+        provider.get_meter("t").create_observable_gauge(
+            WAITING_FOR_WORKER, [lambda o, held=held: [Observation(n, {"pool": p}) for p, n in held.items()]])
+        readers.append(reader)
+    for reader in readers:
+        export(signals, reader, 100.0)
+    assert signals.sample("unified", 101.0).waiting_for_worker == 3
+    assert signals.sample("decode", 101.0).waiting_for_worker == 3
+    assert signals.sample("prefill", 101.0).waiting_for_worker == 0
+    export(signals, readers[0], 110.0)  # gw-b stops reporting: after stale_s it no longer counts
+    assert signals.sample("unified", 120.0).waiting_for_worker == 2
