@@ -313,6 +313,8 @@ class TenantSection(Section):
     limits: LimitsSection = Field(default_factory=LimitsSection)
     priorities: list[Annotated[int, Field(ge=0, strict=True)]] | None = Field(
         None, description="the priorities it may use (default: any)")
+    criticalities: list[Literal["critical", "standard", "sheddable"]] | None = Field(
+        None, description="the criticalities it may send (default: any; sheddable always)")
     adapters: list[str] | None = Field(None, description="the LoRA adapters it may use (default: any)")
     cache_domain: str = Field("", description="tenants naming one domain share cached prefixes (default: its own)")
     admin: bool = Field(False, strict=True, description="may load and unload LoRA adapters")
@@ -330,6 +332,7 @@ class TenantSection(Section):
 
     def tenant(self):
         """The policy's Tenant (services/policy/tenants.py)."""
+        from services.policy.bands import band_of
         from services.policy.tenants import Limits, Tenant
 
         pairs = tuple((bytes.fromhex(salt), bytes.fromhex(digest))
@@ -337,7 +340,8 @@ class TenantSection(Section):
         return Tenant(self.name, pairs, float(self.weight), Limits(**self.limits.model_dump()),
                       frozenset(self.priorities) if self.priorities is not None else None,
                       frozenset(self.adapters) if self.adapters is not None else None,
-                      f"domain:{self.cache_domain}" if self.cache_domain else f"tenant:{self.name}", self.admin)
+                      f"domain:{self.cache_domain}" if self.cache_domain else f"tenant:{self.name}", self.admin,
+                      frozenset(band_of(c) for c in self.criticalities) if self.criticalities is not None else None)
 
 
 RENAMED = {("mesh", "policy"): "routing.policy", ("engine", "policy"): "engine.slot_policy"}

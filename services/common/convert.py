@@ -71,7 +71,7 @@ def spec_from_work(msg: pb.WorkRequest, clock=time.monotonic) -> RequestSpec:
     return RequestSpec(msg.request_id, tuple(msg.prompt_token_ids), sampling_from_pb(msg.sampling),
                        priority=msg.priority, tenant=msg.tenant, weight=msg.weight or 1.0, deadline_s=deadline_s,
                        predicted_s=msg.predicted_s, adapter=msg.adapter, cache_salt=msg.cache_salt,
-                       resumed_outputs=msg.resumed_outputs)
+                       resumed_outputs=msg.resumed_outputs, band=msg.band)
 
 
 def work_from_spec(spec: RequestSpec, transfer_id: str, kvstore: str, clock=time.monotonic) -> pb.WorkRequest:
@@ -81,7 +81,7 @@ def work_from_spec(spec: RequestSpec, transfer_id: str, kvstore: str, clock=time
                           sampling=sampling_to_pb(spec.sampling), priority=spec.priority, transfer_id=transfer_id,
                           kvstore=kvstore, adapter=spec.adapter, cache_salt=spec.cache_salt, tenant=spec.tenant,
                           weight=spec.weight, predicted_s=spec.predicted_s, deadline_unix_ms=deadline,
-                          resumed_outputs=spec.resumed_outputs)
+                          resumed_outputs=spec.resumed_outputs, band=spec.band)
 
 
 def client_request_from_pb(msg: pb.GenerateRequest) -> ClientRequest:
@@ -92,7 +92,8 @@ def client_request_from_pb(msg: pb.GenerateRequest) -> ClientRequest:
     return ClientRequest(client_id=msg.request_id, sampling=sampling_from_pb(msg.sampling),
                          text=utf8(msg.text, "text") if kind == "text" else None,
                          token_ids=tuple(msg.token_ids.ids) if kind == "token_ids" else None, model=msg.model,
-                         adapter=msg.adapter, priority=msg.priority, deadline_ms=msg.deadline_ms)
+                         adapter=msg.adapter, priority=msg.priority, deadline_ms=msg.deadline_ms,
+                         criticality=msg.criticality, slo_ttft_ms=msg.slo_ttft_ms, slo_tpot_ms=msg.slo_tpot_ms)
 
 
 def request_from_line(obj: dict) -> pb.GenerateRequest:
@@ -107,7 +108,9 @@ def request_from_line(obj: dict) -> pb.GenerateRequest:
         if obj.get(name) is not None:
             setattr(s, name, obj[name])
     req = pb.GenerateRequest(request_id=str(obj.get("id", "")), sampling=s, priority=int(obj.get("priority", 0)),
-                             deadline_ms=int(obj.get("deadline_ms", 0)), adapter=obj.get("adapter") or "")
+                             deadline_ms=int(obj.get("deadline_ms", 0)), adapter=obj.get("adapter") or "",
+                             criticality=str(obj.get("criticality") or ""), slo_ttft_ms=int(obj.get("slo_ttft_ms", 0)),
+                             slo_tpot_ms=int(obj.get("slo_tpot_ms", 0)))
     if "prompt_token_ids" in obj:
         req.token_ids.ids.extend(obj["prompt_token_ids"])
     else:

@@ -11,6 +11,8 @@ class MeshError(Exception):
 
     code = "INTERNAL"  # the gRPC status name this error maps to
     peer = ""  # the address of the service that reported it, when it came from another
+    retry_after_ms: int | None = None  # when trying again is sensible (None: no advice); gRPC trailing metadata
+    # retry-after-ms, HTTP Retry-After (429 and 503)
 
 
 class InvalidRequest(MeshError):
@@ -75,6 +77,10 @@ class Unavailable(MeshError):
 
     code = "UNAVAILABLE"
 
+    def __init__(self, message: str, retry_after_ms: int | None = None):
+        super().__init__(message)
+        self.retry_after_ms = retry_after_ms
+
 
 class NoWorker(Unavailable):
     """No live worker can take the request right now (none registered for its role, or none passing the routing
@@ -84,8 +90,8 @@ class NoWorker(Unavailable):
 
     REASON_KEY, NO_WORKER, ROLE_KEY = "meshserve-reason", "no-worker", "meshserve-empty-role"
 
-    def __init__(self, message: str, empty_role: str = ""):
-        super().__init__(message)
+    def __init__(self, message: str, empty_role: str = "", retry_after_ms: int | None = None):
+        super().__init__(message, retry_after_ms)
         self.empty_role = empty_role  # a role with no worker registered at all ("" = some pass no filter): what
         # the gateway reports as waiting for a worker of that pool (scale from zero)
 

@@ -23,7 +23,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common.errors import CapacityExhausted, MeshError, NoWorker, PermissionDenied, Unavailable
+from services.common.errors import MeshError, NoWorker, PermissionDenied, Unavailable
 from services.common.pb import meshserve_pb2
 
 log = logging.getLogger("meshserve.rpc")
@@ -78,11 +78,12 @@ def status_of(err: MeshError) -> grpc.StatusCode:
 
 
 async def abort(context: grpc.aio.ServicerContext, err: MeshError) -> None:
-    if isinstance(err, CapacityExhausted):
-        context.set_trailing_metadata((("retry-after-ms", str(err.retry_after_ms)),))
-    elif isinstance(err, NoWorker):
-        context.set_trailing_metadata(((NoWorker.REASON_KEY, NoWorker.NO_WORKER),)
-                                      + (((NoWorker.ROLE_KEY, err.empty_role),) if err.empty_role else ()))
+    metadata = (("retry-after-ms", str(err.retry_after_ms)),) if err.retry_after_ms is not None else ()
+    if isinstance(err, NoWorker):
+        metadata += ((NoWorker.REASON_KEY, NoWorker.NO_WORKER),) + (((NoWorker.ROLE_KEY, err.empty_role),)
+                                                                     if err.empty_role else ())
+    if metadata:
+        context.set_trailing_metadata(metadata)
     await context.abort(status_of(err), str(err))
 
 

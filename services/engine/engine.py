@@ -43,6 +43,7 @@ from services.engine.scheduler import Scheduler, SchedulerOutput
 from services.engine.step_cost import StepCostFit
 from services.engine.transfer import KVTransfer
 from services.policy.arbitration import make_policy
+from services.policy.bands import BANDS
 
 log = logging.getLogger("meshserve.engine")
 
@@ -187,9 +188,11 @@ class LLMEngine:
         self._validate(spec.request_id, ids, spec.sampling, spec.adapter)
         if not spec.weight > 0:
             raise InvalidRequest(f"weight must be > 0, got {spec.weight}")
+        if spec.band not in BANDS:
+            raise InvalidRequest(f"band must be one of {list(BANDS)}, got {spec.band}")
         return Request(spec.request_id, ids, spec.sampling, arrival_s=self.clock(), seq_no=next(self._seq),
-                       priority=spec.priority, adapter=spec.adapter, cache_salt=spec.cache_salt, tenant=spec.tenant,
-                       weight=spec.weight, deadline_s=spec.deadline_s, predicted_s=spec.predicted_s,
+                       priority=spec.priority, band=spec.band, adapter=spec.adapter, cache_salt=spec.cache_salt,
+                       tenant=spec.tenant, weight=spec.weight, deadline_s=spec.deadline_s, predicted_s=spec.predicted_s,
                        sample_seed=self._sample_seed(spec.sampling), resumed_outputs=spec.resumed_outputs)
 
     def _sample_seed(self, params: SamplingParams) -> int:

@@ -23,6 +23,7 @@ class Request:
     arrival_s: float  # engine clock at add_request
     seq_no: int  # admission order, the arbitration tie-break
     priority: int = 0  # 0 most urgent
+    band: int = 1  # services.policy.bands: 0 critical, 1 standard, 2 sheddable (strict, before any policy)
     adapter: str = ""  # LoRA adapter name ("" = base model)
     cache_salt: str = ""  # isolation domain for prefix hashing
     tenant: str = ""  # who asked (slot arbitration; "" = the default tenant)

@@ -24,8 +24,9 @@ import time
 from opentelemetry import metrics
 
 from services.common.errors import CapacityExhausted, DeadlineExceeded, MeshError
-from services.policy.admission_core import AdmissionCore
+from services.policy.admission_core import NO_SLO, AdmissionCore, Slo
 from services.policy.admission_queue import Pending
+from services.policy.bands import STANDARD
 from services.policy.tenants import Tenant
 
 log = logging.getLogger("meshserve.gateway.admission")
@@ -43,6 +44,9 @@ class GatewayMetrics:
         self.queue_wait = meter.create_histogram("meshserve.gateway.queue_wait", unit="ms",
                                                  description="time in the admission queue, by tenant")
         self.ttft = meter.create_histogram("meshserve.gateway.ttft", unit="ms", description="time to first token")
+        self.slo = meter.create_counter("meshserve.gateway.slo", description=(
+            "requests carrying a latency target, by tenant, objective (ttft, tpot) and outcome (met, missed, "
+            "rejected: refused at arrival as predicted to miss)"))
 
     def outcome(self, tenant: str, outcome: str, reason: str = "") -> None:
         self.requests.add(1, {"tenant": tenant, "outcome": outcome, **({"reason": reason} if reason else {})})
@@ -57,20 +61,21 @@ class Admission(AdmissionCore):
         super().__init__(policy_name, starvation_s, clock, queue_bursts)
         self.waiters: dict[int, asyncio.Future] = {}
         self.metrics = GatewayMetrics(meter)
-        self._reported: set = set()  # (tenant, priority) pairs reported once: they report 0 when their queue empties
+        self._reported: set = set()  # (tenant, band, priority) reported once: they report 0 when their queue empties
         meter = meter or metrics.get_meter("meshserve.gateway")
         meter.create_observable_gauge("meshserve.gateway.queue_depth", [self._observe_depth], unit="{request}",
-                                      description="requests waiting in the admission queue, by tenant and priority")
-        meter.create_observable_gauge("meshserve.gateway.queue_oldest_wait", [self._observe_oldest], unit="s",
-                                      description="how long the oldest waiting request has waited, by tenant and "
+                                      description="requests waiting in the admission queue, by tenant, band and "
                                                   "priority")
+        meter.create_observable_gauge("meshserve.gateway.queue_oldest_wait", [self._observe_oldest], unit="s",
+                                      description="how long the oldest waiting request has waited, by tenant, band "
+                                                  "and priority")
 
     def _observe(self, index: int):
         now = self.waiting()
         self._reported |= set(now)
-        for tenant, priority in sorted(self._reported):
-            value = now.get((tenant, priority), (0, 0.0))[index]
-            yield metrics.Observation(value, {"tenant": tenant, "priority": str(priority)})
+        for tenant, band, priority in sorted(self._reported):
+            value = now.get((tenant, band, priority), (0, 0.0))[index]
+            yield metrics.Observation(value, {"tenant": tenant, "band": band, "priority": str(priority)})
 
     def _observe_depth(self, options):
         return self._observe(0)
@@ -83,12 +88,15 @@ class Admission(AdmissionCore):
         self.pump()
 
     async def admit(self, tenant: Tenant, req_id: str, prompt_tokens: int, max_tokens: int, priority: int,
-                    deadline_s: float | None) -> Pending:
+                    deadline_s: float | None, band: int = STANDARD, slo: Slo = NO_SLO) -> Pending:
         """Wait for a dispatch slot; raises the tenant's and the queue's rejections. Call done() after."""
         try:
-            p, pushed = self.offer(tenant, req_id, prompt_tokens, max_tokens, priority, deadline_s)
+            p, pushed = self.offer(tenant, req_id, prompt_tokens, max_tokens, priority, deadline_s, band, slo)
         except MeshError as e:
             self.metrics.outcome(tenant.name, "rejected", _reason(e))
+            for objective, target in (("ttft", slo.ttft_s), ("tpot", slo.tpot_s)):
+                if target is not None:
+                    self.metrics.slo.add(1, {"tenant": tenant.name, "objective": objective, "outcome": "rejected"})
             raise
         for q in pushed:
             self.metrics.outcome(q.tenant, "rejected", "pushed-out")
@@ -116,6 +124,9 @@ class Admission(AdmissionCore):
     def done(self, p: Pending, output_tokens: int, first_token_s: float | None = None,
              last_token_s: float | None = None) -> None:
         super().done(p, output_tokens, first_token_s, last_token_s)
+        outcomes = self.slo_outcome(p, output_tokens, first_token_s, last_token_s) if first_token_s is not None else {}
+        for objective, met in outcomes.items():  # of completed requests (a cancelled one met or missed nothing)
+            self.metrics.slo.add(1, {"tenant": p.tenant, "objective": objective, "outcome": "met" if met else "missed"})
         self.metrics.tokens.add(p.input_tokens, {"tenant": p.tenant, "kind": "prompt"})
         self.metrics.tokens.add(output_tokens, {"tenant": p.tenant, "kind": "output"})
         self.pump()

@@ -8,12 +8,14 @@ GatewayServicer.generate(), the same tenant, admission, routing and streaming pa
   A list of prompts gives one choice per prompt.
 - GET /v1/models, GET /health, GET /metrics (the gateway's metrics as Prometheus text).
 - Extensions load generators send are honoured: ignore_eos, min_tokens, top_k, min_p,
-  repetition_penalty (1.0 only); meshserve's own: priority, deadline_ms. null means absent.
+  repetition_penalty (1.0 only); meshserve's own: priority, deadline_ms, criticality, slo_ttft_ms,
+  slo_tpot_ms (also as headers x-criticality, x-slo-ttft-ms, x-slo-tpot-ms). null means absent.
 - A field that would change the result and that we cannot honour (n > 1, best_of > 1, echo,
   suffix, tools, response_format other than text, a non-zero penalty, logit_bias, logprobs > 1)
   is a 400 in the OpenAI error shape naming the field.
 - Authorization: Bearer KEY is the same tenant key as gRPC's. Errors map as in INTERFACES.md
-  (429 carries Retry-After). A client that disconnects aborts its request everywhere.
+  (429 and 503 carry Retry-After when the mesh can tell when to try again). A client that
+  disconnects aborts its request everywhere.
 - Traced: a server span per request; the mesh calls it makes are its children.
 """
 
@@ -37,9 +39,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from services.common.errors import CapacityExhausted, InvalidRequest, MeshError, NotFound, http_status
+from services.common.errors import InvalidRequest, MeshError, NotFound, http_status
 from services.common.pb import meshserve_pb2 as pb
-from services.common.request import ClientRequest
+from services.common.request import ClientRequest, with_headers
 from services.common.telemetry import PROMETHEUS_CONTENT_TYPE, prometheus_text
 from services.gateway.chat import ChatTemplate
 from services.gateway.openai_models import OpenAIBodyError, parse_body
@@ -55,8 +57,7 @@ class OpenAIError(Exception):
 
     @staticmethod
     def of(err: MeshError) -> OpenAIError:
-        return OpenAIError(http_status(err), str(err), code=err.code.lower(),
-                           retry_after_ms=err.retry_after_ms if isinstance(err, CapacityExhausted) else None)
+        return OpenAIError(http_status(err), str(err), code=err.code.lower(), retry_after_ms=err.retry_after_ms)
 
     def response(self) -> JSONResponse:
         kind = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -64,7 +65,7 @@ class OpenAIError(Exception):
                 415: "invalid_request_error", 429: "rate_limit_error", 504: "timeout_error",
                 503: "service_unavailable_error"}.get(self.status, "internal_error")
         headers = {}
-        if self.retry_after_ms is not None and self.status == 429:
+        if self.retry_after_ms is not None and self.status in (429, 503):
             headers = {"Retry-After": str(math.ceil(self.retry_after_ms / 1000)),  # 0 beside 0: the same advice
                        "retry-after-ms": str(self.retry_after_ms)}
         return JSONResponse({"error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}},
@@ -153,6 +154,10 @@ class HttpFront:
                 span.set_attribute("enduser.id", body["user"])
             await self._learn_adapter(body.get("model"))
             reqs, stream, include_usage, want_logprobs = self._requests(body, chat)
+            try:
+                reqs = [with_headers(r, request.headers) for r in reqs]
+            except InvalidRequest as e:
+                raise bad("headers", str(e)) from None
         except OpenAIError as e:
             span.set_attribute("http.response.status_code", e.status)
             span.end()
@@ -196,7 +201,8 @@ class HttpFront:
                 out.append(ClientRequest(
                     client_id=uuid.uuid4().hex, sampling=b.sampling(mt, b.want_logprobs),
                     text=p if isinstance(p, str) else None, token_ids=tuple(p) if isinstance(p, list) else None,
-                    priority=b.priority or 0, deadline_ms=b.deadline_ms or 0, model=adapter))
+                    priority=b.priority or 0, deadline_ms=b.deadline_ms or 0, model=adapter,
+                    criticality=b.criticality or "", slo_ttft_ms=b.slo_ttft_ms or 0, slo_tpot_ms=b.slo_tpot_ms or 0))
         except OpenAIBodyError as e:
             raise bad(e.param, str(e)) from None
         return out, bool(b.stream), b.include_usage, b.want_logprobs

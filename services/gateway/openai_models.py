@@ -9,7 +9,7 @@ field from the validation error's location (OpenAIBodyError.param), never from m
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -83,8 +83,12 @@ class _Body(BaseModel):
     min_tokens: NonNegInt | None = None
     stream: StrictBool | None = None
     stream_options: StreamOptions | None = None
-    priority: NonNegInt | None = None  # meshserve's: 0 most urgent
+    priority: Annotated[StrictInt, Field(gt=-INT64, lt=INT64)] | None = None  # meshserve's: 0 most urgent,
+    # negative sheddable
     deadline_ms: NonNegInt | None = None  # meshserve's: end-to-end budget (0 = none)
+    criticality: Literal["critical", "standard", "sheddable"] | None = None  # meshserve's (services.policy.bands)
+    slo_ttft_ms: NonNegInt | None = None  # meshserve's, as llm-d's x-slo-ttft-ms header: time to first token target
+    slo_tpot_ms: NonNegInt | None = None  # ... and time per output token
     user: StrictStr | None = None
     n: Any = None
     best_of: Any = None

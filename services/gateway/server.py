@@ -37,11 +37,13 @@ from services.common.errors import (
 )
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
-from services.common.request import ClientRequest, RequestSpec
+from services.common.request import ClientRequest, RequestSpec, with_headers
 from services.common.telemetry import WAITING_FOR_WORKER
 from services.common.tokenizer import Tokenizer, cut_at_stop
 from services.gateway.adapters import AdapterCatalog
 from services.gateway.admission import Admission
+from services.policy.admission_core import Slo
+from services.policy.bands import band_of
 from services.policy.tenants import Authenticator, wire_salt
 
 log = logging.getLogger("meshserve.gateway")
@@ -52,6 +54,8 @@ MAX_STOP_STRINGS, MAX_STOP_BYTES = 16, 256  # stop strings per request, and byte
 MAX_ATTEMPTS, RESUME_BACKOFF_S, MAX_BACKOFF_S = 9, 0.1, 2.0  # a request failed by a dead service is resumed 8
 # times at most, after 0.1, 0.2, 0.4 ... 2 s (9.1 s in all, bounded by its deadline): under `meshserve up` a killed
 # service is back within ~5 s
+NO_WORKER_RETRY_MS = 5000  # the Retry-After of a request no worker took within the grace: a killed worker is back
+# within ~5 s under `meshserve up`, and a pool scaled from zero serves 4-6 s after its first request (SmolLM2)
 
 
 @dataclass(frozen=True)
@@ -187,10 +191,11 @@ class GatewayServicer(pb_grpc.GenerationServicer):
         for stop in req.sampling.stop:
             bounded(stop, "stop", MAX_STOP_BYTES)
         self.model.check(req.model)
-        if req.priority < 0:
-            raise InvalidRequest(f"priority must be >= 0, got {req.priority}")
-        if req.deadline_ms < 0:
-            raise InvalidRequest(f"deadline_ms must be >= 0, got {req.deadline_ms}")
+        band_of(req.criticality, req.priority)  # a known criticality, and one that a negative priority allows
+        for field, value in (("deadline_ms", req.deadline_ms), ("slo_ttft_ms", req.slo_ttft_ms),
+                             ("slo_tpot_ms", req.slo_tpot_ms)):
+            if value < 0:
+                raise InvalidRequest(f"{field} must be >= 0, got {value}")
         req.sampling.validate()
         ids = self._prompt_ids(req)
         total = len(ids) + req.sampling.max_tokens
@@ -235,8 +240,8 @@ class GatewayServicer(pb_grpc.GenerationServicer):
             raise InvalidRequest(request.error)
         # aclosing: a cancelled call closes generate() at once (its finally returns the admission slot), not
         # whenever the garbage collector gets to a suspended generator.
-        async with contextlib.aclosing(self.generate(client_request_from_pb(request), key,
-                                                     context.time_remaining())) as responses:
+        req = with_headers(client_request_from_pb(request), dict(context.invocation_metadata() or ()))
+        async with contextlib.aclosing(self.generate(req, key, context.time_remaining())) as responses:
             async for response in responses:
                 yield response
 
@@ -270,17 +275,20 @@ class GatewayServicer(pb_grpc.GenerationServicer):
         req = await self._select_adapter(req)
         ids = answered["ids"] = self._validate(req)
         params = req.sampling
-        tenant.check_request(len(ids), params.max_tokens, req.priority, req.adapter)
+        band = band_of(req.criticality, req.priority)
+        tenant.check_request(len(ids), params.max_tokens, req.priority, req.adapter, band)
         if req.adapter:
             await self.adapters.check(req.adapter)
         timeout = self._timeout(req, time_remaining)
         client_id = req.client_id or uuid.uuid4().hex
         req_id = f"{client_id}.{uuid.uuid4().hex[:12]}"
         deadline_s = answered["deadline_s"] = time.monotonic() + timeout if timeout is not None else None
-        ticket = await self.admission.admit(tenant, req_id, len(ids), params.max_tokens, req.priority, deadline_s)
+        slo = Slo.of_ms(req.slo_ttft_ms, req.slo_tpot_ms)
+        ticket = await self.admission.admit(tenant, req_id, len(ids), params.max_tokens, req.priority, deadline_s,
+                                            band, slo)
         if params.seed is None and not params.greedy:
             params = replace(params, seed=secrets.randbits(63))  # drawn here, so that a resume draws the same
-        spec = RequestSpec(req_id, tuple(ids), params, priority=req.priority, tenant=tenant.name,
+        spec = RequestSpec(req_id, tuple(ids), params, priority=req.priority, band=band, tenant=tenant.name,
                            weight=tenant.weight, deadline_s=deadline_s, predicted_s=ticket.predicted_s,
                            adapter=req.adapter, cache_salt=wire_salt(self.cache_secret, tenant.cache_salt))
         streamed: list = []  # output tokens the client has
@@ -544,7 +552,8 @@ class _Held:
             log.info("request %s: %s; holding it until one is live (at most %g s)", request_id, e, self.grace_s)
         if now - self.since >= self.grace_s:
             err = NoWorker(f"{e} for {now - self.since:.0f} s (the gateway holds a request at most "
-                           f"admission.no_worker_grace_s = {self.grace_s:g} s for a worker)")
+                           f"admission.no_worker_grace_s = {self.grace_s:g} s for a worker)",
+                           retry_after_ms=NO_WORKER_RETRY_MS)
             err.peer = e.peer
             raise err
         if deadline_s is not None and now + self.delay >= deadline_s:

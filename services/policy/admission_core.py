@@ -5,9 +5,17 @@ A request is offered (offer(): the tenant's rate limits, then the admission queu
 out another), waits in the queue (services.policy.admission_queue.AdmissionQueue with its arbitration policy), and
 leaves it when sweep() finds room for it: the tenant's `max_concurrent` not reached, and either room on the mesh
 (has_room(): an unused credit of the workers' not yet routed against, or before the credit streams are known a
-free batch slot in the view; and KV room for its prompt and output) or, under the fair policies, its tenant
-below its weighted share of the slots (under_share). done() frees its share and teaches the cost model;
-withdraw() takes back a request whose caller left.
+free batch slot in the view; and KV room for its prompt and output), or a request of a less urgent band running
+that no other request already dispatched past capacity is taking the slot of (outranks(): the engine preempts it,
+services.policy.bands), or, under the fair policies, its tenant below its weighted share of the slots
+(under_share). done() frees its share and teaches the cost model; withdraw() takes back a request whose caller
+left.
+
+SLOs on the request (slo_ttft_s, slo_tpot_s; offer()): once the cost model is trusted (it has measured enough
+completed requests), a request whose time to first token (its predicted wait in the queue, ahead of it only what
+its band and the policy put ahead, plus its prompt's predicted time) or whose time per output token (the decode
+step as measured now) is predicted past its target is rejected at once, with RESOURCE_EXHAUSTED naming both and a
+retry-after; slo_outcome() says of a finished request which targets it met.
 
 The wrappers own what is not decided here: the gateway settles futures, counts metrics and builds the gRPC
 errors; the simulator schedules events. Capacity comes in as a MeshView (update_view() from the router's
@@ -16,13 +24,31 @@ ListWorkers, or the simulator's own) and, at the gateway, the workers' credit st
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
-from services.common.errors import MeshError
+from services.common.errors import CapacityExhausted, MeshError
 from services.policy.admission_queue import AdmissionQueue, Pending, ServiceTimeModel, under_share
-from services.policy.arbitration import make_policy
+from services.policy.arbitration import FairPolicy, make_policy
+from services.policy.bands import STANDARD, band_name
 from services.policy.tenants import Tenant, TenantState
+
+
+@dataclass(frozen=True)
+class Slo:
+    """A request's latency targets, seconds (None = none)."""
+
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+
+    @staticmethod
+    def of_ms(ttft_ms: int, tpot_ms: int) -> Slo:
+        """From milliseconds, 0 meaning none (as the request fields carry them)."""
+        return Slo(ttft_ms / 1000 if ttft_ms else None, tpot_ms / 1000 if tpot_ms else None)
+
+
+NO_SLO = Slo()
 
 
 @dataclass
@@ -45,6 +71,7 @@ class AdmissionCore:
         self.running_requests = 0
         self.running_tokens = 0
         self.unrouted = 0  # dispatched, not yet routed against a credit
+        self.over_capacity = 0  # running requests dispatched past a full mesh for their band (outranks())
         self.credits = None  # CreditPool, once the gateway follows the workers' credit streams
 
     def state(self, tenant: Tenant, now: float) -> TenantState:
@@ -88,18 +115,20 @@ class AdmissionCore:
     # ---- a request's life -------------------------------------------------------------------------------------
 
     def offer(self, tenant: Tenant, req_id: str, prompt_tokens: int, max_tokens: int, priority: int,
-              deadline_s: float | None) -> tuple[Pending, list[Pending]]:
+              deadline_s: float | None, band: int = STANDARD, slo: Slo = NO_SLO) -> tuple[Pending, list[Pending]]:
         """Queue a request: (its Pending, the requests it pushed out of the queue). Raises the tenant's and the
         queue's rejections (MeshError)."""
         now = self.clock()
         st = self.state(tenant, now)
-        st.admit_rates(prompt_tokens, max_tokens, now)
         prioritized = deadline_s is not None and self.queue.policy.uses_deadlines  # deadline-aware batching's
         predicted = (self.cost.predict_prioritized(prompt_tokens, max_tokens) if prioritized
                      else self.cost.predict(prompt_tokens, max_tokens))
         p = Pending(req_id, tenant.name, tenant.weight, now, 0, prompt_tokens, max_tokens, priority=priority,
-                    deadline_s=deadline_s, predicted_s=predicted, max_queued=tenant.limits.max_queued,
-                    predicted_first_s=min(self.cost.predict_first(prompt_tokens), predicted))
+                    band=band, deadline_s=deadline_s, predicted_s=predicted, max_queued=tenant.limits.max_queued,
+                    predicted_first_s=min(self.cost.predict_first(prompt_tokens), predicted),
+                    slo_ttft_s=slo.ttft_s, slo_tpot_s=slo.tpot_s)
+        self._check_slo(p, now)
+        st.admit_rates(prompt_tokens, max_tokens, now)
         try:
             pushed = self.queue.offer(p, now)
         except MeshError:
@@ -124,6 +153,9 @@ class AdmissionCore:
             p = self.queue.next(now, can_run=self._can_run)
             if p is None:
                 break
+            if p.band < self._worst_running_band() and not self.has_room(p):
+                p.over_capacity = True
+                self.over_capacity += 1
             self.running_requests += 1
             self.running_tokens += p.input_tokens + p.max_tokens
             self.unrouted += 1
@@ -176,6 +208,8 @@ class AdmissionCore:
             return  # never dispatched, or released already
         self.running_requests -= 1
         self.running_tokens -= p.input_tokens + p.max_tokens
+        if p.over_capacity:
+            self.over_capacity -= 1
         if not p.routed:
             self.unrouted -= 1
         self.states[p.tenant].running -= 1
@@ -183,11 +217,12 @@ class AdmissionCore:
         self.queue.finished(p, output_tokens, self.clock(), first_token_s)
 
     def waiting(self) -> dict:
-        """{(tenant, priority): (requests in the queue, seconds the oldest of them has waited)}, now."""
+        """{(tenant, band name, priority): (requests in the queue, seconds the oldest of them has waited)}, now."""
         now, out = self.clock(), {}
         for p in self.queue.queue:
-            n, oldest = out.get((p.tenant, p.priority), (0, 0.0))
-            out[(p.tenant, p.priority)] = (n + 1, max(oldest, now - p.arrival_s))
+            key = (p.tenant, band_name(p.band), p.priority)
+            n, oldest = out.get(key, (0, 0.0))
+            out[key] = (n + 1, max(oldest, now - p.arrival_s))
         return out
 
     # ---- the rules ----------------------------------------------------------------------------------------------
@@ -197,7 +232,73 @@ class AdmissionCore:
         limit = st.tenant.limits.max_concurrent
         if limit is not None and st.running >= limit:
             return False
-        return self.has_room(p) or self._under_share(st)
+        return self.has_room(p) or self.outranks(p) or self._under_share(st)
+
+    def _worst_running_band(self) -> int:
+        return max((q.band for q in self.queue.running.values()), default=-1)
+
+    def outranks(self, p: Pending) -> bool:
+        """May p go past a full mesh for its band? Yes while more requests of less urgent bands run than requests
+        already dispatched past capacity (each of those takes one of their slots, by the engines' band preemption)."""
+        if p.band >= self._worst_running_band():
+            return False
+        lower = sum(1 for q in self.queue.running.values() if q.band > p.band)
+        return lower > self.over_capacity
+
+    def _check_slo(self, p: Pending, now: float) -> None:
+        """Reject p at once when a target of its cannot be met (module docstring); no-op until the cost model is
+        trusted."""
+        if (p.slo_ttft_s is None and p.slo_tpot_s is None) or not self.cost.trusted:
+            return
+        wait = self.predicted_queue_wait(p, now)
+        ttft = wait + self.cost.predict_first(p.input_tokens) + self.decode_step_s()
+        tpot = self.decode_step_s()
+        missed = []
+        if p.slo_ttft_s is not None and ttft > p.slo_ttft_s:
+            missed.append(f"time to first token {ttft * 1e3:.0f} ms (queue {wait * 1e3:.0f} ms) over the "
+                          f"{p.slo_ttft_s * 1e3:.0f} ms target")
+        if p.slo_tpot_s is not None and tpot > p.slo_tpot_s:
+            missed.append(f"time per output token {tpot * 1e3:.1f} ms over the {p.slo_tpot_s * 1e3:.1f} ms target")
+        if missed:
+            # Try again once the queue has drained by the excess (a time-per-token miss: once today's queue has)
+            late = p.slo_ttft_s is not None and ttft > p.slo_ttft_s
+            retry = max(ttft - p.slo_ttft_s if late else wait, 0.1)
+            raise CapacityExhausted(f"the {band_name(p.band)} request's SLO cannot be met now: predicted "
+                                    + "; ".join(missed), retry_after_ms=math.ceil(retry * 1000))
+
+    def decode_step_s(self) -> float:
+        """A decode step as measured now (this gateway's fit when trusted, else the workers' reports)."""
+        return self.cost.measured_decode_s_per_step or self.cost.decode_s_per_step
+
+    def predicted_queue_wait(self, p: Pending, now: float) -> float:
+        """How long p would wait in the queue: 0 when the mesh has room and nobody of its band or a more urgent one
+        waits; else until a slot frees, plus the work the policy serves before it (under the fair policies, its own
+        tenant's queued work at its share; otherwise every queued request of its band or a more urgent one)."""
+        ahead = [q for q in self.queue.queue if q.band <= p.band]
+        if not ahead and (self.has_room(p) or self.outranks(p)):
+            return 0.0
+        if isinstance(self.queue.policy, FairPolicy):
+            own = [q for q in ahead if q.tenant == p.tenant]
+            return (self.queue.predicted_wait(now, [])
+                    + (self.queue.tenant_wait(p.tenant, own, p.weight) if own else 0.0))
+        return self.queue.predicted_wait(now, ahead)
+
+    @staticmethod
+    def slo_outcome(p: Pending, output_tokens: int, first_token_s: float | None,
+                    last_token_s: float | None) -> dict:
+        """{"ttft"|"tpot": met} for the targets p carried (first and last token times on the core's clock; a
+        request that produced no token met neither)."""
+        out = {}
+        if p.slo_ttft_s is not None:
+            out["ttft"] = first_token_s is not None and first_token_s - p.arrival_s <= p.slo_ttft_s
+        if p.slo_tpot_s is not None:
+            if first_token_s is None or last_token_s is None:
+                out["tpot"] = False
+            elif output_tokens > 1:
+                out["tpot"] = (last_token_s - first_token_s) / (output_tokens - 1) <= p.slo_tpot_s
+            else:
+                out["tpot"] = True
+        return out
 
     def _under_share(self, st: TenantState) -> bool:
         """The fair policies' bypass of a full mesh (services.policy.admission_queue.under_share)."""

@@ -51,6 +51,7 @@ import numpy as np
 
 from services.common.errors import CapacityExhausted, DeadlineExceeded
 from services.policy.arbitration import ArbitrationPolicy, FairPolicy, slack, weighted_shares
+from services.policy.bands import SHEDDABLE
 
 
 @dataclass(eq=False)
@@ -65,12 +66,16 @@ class Pending:
     input_tokens: int
     max_tokens: int
     priority: int = 0
+    band: int = 1  # services.policy.bands: 0 critical, 1 standard, 2 sheddable
     deadline_s: float | None = None
     predicted_s: float = 0.0
     max_queued: int | None = None  # the tenant's queue limit
     dispatched_s: float | None = None
     routed: bool = False  # sent to a worker (the gateway uses a credit of its then)
     predicted_first_s: float = 0.0  # of predicted_s, the part until the first token (the prompt)
+    slo_ttft_s: float | None = None  # the client's targets (None = none): time to first token ...
+    slo_tpot_s: float | None = None  # ... and time per output token after it
+    over_capacity: bool = False  # dispatched past a full mesh for its band (a less urgent band's slot is preempted)
 
 
 TENANT_HEADROOM = 0.5  # a tenant's queue holds at most this fraction of the starvation bound at its share: its
@@ -307,7 +312,7 @@ class AdmissionQueue:
                     retry_after_ms=math.ceil((wait - limit) * 1000))
         self._enter(p)
         pushed = []
-        while (wait := self.predicted_wait(now, self.queue)) > self.starvation_s:
+        while (wait := self.last_wait(now, p)) > self.starvation_s:
             victim = self._push_out_victim(p, now)
             if victim is p:
                 for q in pushed:  # nothing gained: put them back
@@ -322,9 +327,10 @@ class AdmissionQueue:
         return pushed
 
     def _burst(self, p: Pending) -> bool:
-        """queue_bursts: p has no deadline and its tenant is alone on the mesh (nobody else queued or running), so
-        turning it away buys nobody anything: it waits its turn, as `vllm serve` queues a burst (issue 36)."""
-        return (self.queue_bursts and p.deadline_s is None
+        """queue_bursts: p has no deadline, is not sheddable, and its tenant is alone on the mesh (nobody else queued
+        or running), so turning it away buys nobody anything: it waits its turn, as `vllm serve` queues a burst
+        (issue 36)."""
+        return (self.queue_bursts and p.deadline_s is None and p.band < SHEDDABLE
                 and all(q.tenant == p.tenant for q in (*self.queue, *self.running.values())))
 
     def _enter(self, p: Pending) -> None:
@@ -370,14 +376,27 @@ class AdmissionQueue:
         return now + (self.predicted_wait(now, ahead) if ahead else 0.0) + service
 
     def _push_out_victim(self, p: Pending, now: float) -> Pending:
+        """Who goes when the queue (p included) holds more work than the bound: the newest request of the least
+        urgent band when that band is less urgent than p's (sheddable first, then standard for a critical p);
+        within p's own band, p under the unfair orders, the fair policies' victim under the fair ones."""
+        worst = max((q.band for q in self.queue), default=p.band)
+        if worst > p.band:
+            return max((q for q in self.queue if q.band == worst), key=lambda q: (q.arrival_s, q.seq_no))
         if not isinstance(self.policy, FairPolicy):
             return p
-        candidates = [q for q in self.queue if now - q.arrival_s < self.starvation_s] + [p]
+        candidates = [q for q in self.queue if now - q.arrival_s < self.starvation_s and q.band == p.band] + [p]
         work: dict[str, float] = {}
         for q in candidates:
             work[q.tenant] = work.get(q.tenant, 0.0) + q.predicted_s / q.weight
         longest = max(work, key=lambda t: (work[t], t == p.tenant))
         return max((q for q in candidates if q.tenant == longest), key=lambda q: (q.arrival_s, q.seq_no))
+
+    def last_wait(self, now: float, p: Pending) -> float:
+        """The predicted wait of the request served last of the queue and p (the newest of the least urgent band;
+        p itself when no queued request is of a less urgent band than p's)."""
+        everyone = [*self.queue, p]
+        last = max(everyone, key=lambda q: (q.band, q.seq_no))
+        return self.predicted_wait(now, [q for q in everyone if q is not last])
 
     def predicted_wait(self, now: float, ahead: list) -> float:
         """Latest start, from now, of a request dispatched after `ahead` (list-scheduling bound), with
@@ -393,8 +412,8 @@ class AdmissionQueue:
         runnable = [p for p in self.queue if can_run(p)]
         if not runnable:
             return None
-        choice = self.policy.pick(runnable, now)
-        oldest = sorted(runnable, key=lambda p: (p.arrival_s, p.seq_no))
+        choice = self.policy.pick(runnable, now)  # of the most urgent band that can run (bands are strict)
+        oldest = sorted((p for p in runnable if p.band == choice.band), key=lambda p: (p.arrival_s, p.seq_no))
         if choice is not oldest[0] and self._would_starve(oldest, choice, now):
             choice = oldest[0]
         self.queue.remove(choice)

@@ -3,8 +3,13 @@
 One set of pure policy objects (no I/O, no torch; the clock is passed in) used in two places:
 the gateway's admission queue (who is dispatched into the mesh next) and every engine's
 scheduler (who gets the next batch slot; the last in serving order is the preemption victim).
-A claim carries its tenant, the tenant's weight, its deadline and its predicted service time
+A claim carries its band, its tenant, the tenant's weight, its deadline and its predicted service time
 from the gateway through prefill and decode.
+
+Bands (services.policy.bands: critical, standard, sheddable) come before every policy's order: a
+claim of a more urgent band is served first, preempted last, and takes a running claim's slot
+from a less urgent band whenever every slot is taken (slot_preemption, under every policy). Each
+policy below orders the claims inside a band.
 
 - fcfs: arrival order (ties by sequence number).
 - priority: the claim's priority class first (0 is most urgent), then arrival.
@@ -45,6 +50,7 @@ class SlotClaim(Protocol):
     """What a policy may read of a request."""
 
     arrival_s: float  # when the request arrived (the caller's clock)
+    band: int  # services.policy.bands: 0 critical, 1 standard, 2 sheddable; strict before everything else
     priority: int  # 0 is most urgent; larger numbers wait
     seq_no: int  # admission order, unique per queue: the final tie-break
     tenant: str  # who asked
@@ -79,7 +85,22 @@ def cost(input_tokens: int, output_tokens: int, weight: float) -> float:
     return (INPUT_WEIGHT * input_tokens + OUTPUT_WEIGHT * output_tokens) / weight
 
 
-_ARRIVAL = attrgetter("arrival_s", "seq_no")
+_ARRIVAL = attrgetter("band", "arrival_s", "seq_no")
+
+
+def band_preemption(waiting: list, running: list, victim, in_order: bool = False):
+    """Every slot is taken: (the most urgent waiting claim, the running claim to preempt for it) when a claim of a
+    more urgent band waits than some running claim's band, else None. victim(claims): the policy's victim among
+    the running claims of the least urgent band. in_order: `waiting` is sorted by band and arrival already."""
+    if not waiting or not running:
+        return None
+    worst = max(c.band for c in running)
+    if worst == 0:
+        return None  # nothing runs that a band could preempt (the common case: no look through the queue)
+    best = waiting[0] if in_order else min(waiting, key=_ARRIVAL)
+    if best.band >= worst:
+        return None
+    return best, victim([c for c in running if c.band == worst])
 
 
 class ArbitrationPolicy:
@@ -93,19 +114,20 @@ class ArbitrationPolicy:
     sort_key = None
 
     def rank(self, claim: SlotClaim, now: float) -> tuple:
+        """The order inside a band (the callers put the band first)."""
         raise TypeError(f"{type(self).__name__} must define rank()")
 
     def order(self, claims: Iterable[SlotClaim], now: float = 0.0) -> list:
         """Claims in serving order: first is served first."""
-        return sorted(claims, key=lambda c: self.rank(c, now))
+        return sorted(claims, key=lambda c: (c.band, self.rank(c, now)))
 
     def pick(self, claims: Iterable[SlotClaim], now: float = 0.0):
         """The claim to serve next (None when empty)."""
-        return min(claims, key=lambda c: self.rank(c, now), default=None)
+        return min(claims, key=lambda c: (c.band, self.rank(c, now)), default=None)
 
     def victim(self, claims: Iterable[SlotClaim], now: float = 0.0):
         """The claim to preempt first: the last one in serving order (None when empty)."""
-        return max(claims, key=lambda c: self.rank(c, now), default=None)
+        return max(claims, key=lambda c: (c.band, self.rank(c, now)), default=None)
 
     def should_preempt(self, waiting: SlotClaim, running: SlotClaim, now: float) -> bool:
         """Every slot is taken: should `running` yield its slot to `waiting`? By default never (FCFS and deadline
@@ -117,10 +139,14 @@ class ArbitrationPolicy:
         return self.order(waiting, now)
 
     def slot_preemption(self, waiting: list, running: list, slots: int, now: float):
-        """Every slot is taken: (the waiting claim to admit, the running claim to preempt for it), or None. By
-        default the policy's best waiting claim takes its victim's slot when should_preempt() says so."""
+        """Every slot is taken: (the waiting claim to admit, the running claim to preempt for it), or None. A more
+        urgent band's claim first (band_preemption); else by default the policy's best waiting claim takes its
+        victim's slot when should_preempt() says so."""
         if not waiting or not running:
             return None
+        by_band = band_preemption(waiting, running, lambda cs: self.victim(cs, now))
+        if by_band is not None:
+            return by_band
         best, victim = self.pick(waiting, now), self.victim(running, now)
         return (best, victim) if self.should_preempt(best, victim, now) else None
 
@@ -142,7 +168,9 @@ class FcfsPolicy(ArbitrationPolicy):
         return sorted(claims, key=_ARRIVAL)  # rank's order, without a Python call per claim (long queues)
 
     def slot_preemption(self, waiting: list, running: list, slots: int, now: float):
-        return None  # never preempts for a slot (without looking through a long queue for its best claim)
+        """Only across bands: inside one, FCFS never preempts for a slot. The engine keeps `waiting` in sort_key
+        order, so its first claim is the most urgent (no look through a long queue)."""
+        return band_preemption(waiting, running, lambda cs: self.victim(cs, now), in_order=True)
 
 
 class PriorityPolicy(ArbitrationPolicy):
@@ -183,13 +211,16 @@ class FairPolicy(ArbitrationPolicy):
         """Claims of tenants under their weighted share of the slots first (so a freed slot goes where a
         preemption would otherwise send it), each part in serving order."""
         share, have = weighted_shares(slots, {c.tenant: c.weight for c in (*running, *waiting)}), held(running)
-        return sorted(self.order(waiting, now), key=lambda c: have.get(c.tenant, 0) >= share[c.tenant])
+        return sorted(self.order(waiting, now), key=lambda c: (c.band, have.get(c.tenant, 0) >= share[c.tenant]))
 
     def slot_preemption(self, waiting: list, running: list, slots: int, now: float):
         """Slots by weighted share (module docstring): the best waiting claim of an under-share tenant, and the
         policy's victim among the claims of the tenant furthest over its share (one that keeps its share)."""
         if not waiting or not running:
             return None
+        by_band = band_preemption(waiting, running, lambda cs: self.victim(cs, now))
+        if by_band is not None:
+            return by_band
         weights = {c.tenant: c.weight for c in (*running, *waiting)}
         share, have = weighted_shares(slots, weights), held(running)
         under = [c for c in waiting if have.get(c.tenant, 0) < share[c.tenant]]

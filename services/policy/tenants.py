@@ -9,7 +9,8 @@ the tenant and key):
         weight: 2                    # share of the mesh under contention (default 1)
         limits: {requests_per_s: 10, tokens_per_min: 200000, max_concurrent: 16,
                  max_prompt_tokens: 4096, max_output_tokens: 1024, max_queued: 64}
-        priorities: [0, 1]           # allowed priority classes (default: any)
+        priorities: [0, 1]           # allowed priority classes (default: any; a negative one, sheddable, always)
+        criticalities: [standard, sheddable]   # allowed bands (default: any; sheddable always)
         adapters: [sql-lora]         # allowed LoRA adapters (default: any)
         cache_domain: shared-docs    # prefix-cache isolation domain (default: the tenant's own)
         admin: true                  # may load and unload LoRA adapters (default: false)
@@ -29,6 +30,7 @@ import secrets
 from dataclasses import dataclass, field
 
 from services.common.errors import CapacityExhausted, PermissionDenied, Unauthenticated
+from services.policy.bands import SHEDDABLE, STANDARD, band_name
 
 DEFAULT_TENANT = "default"
 
@@ -67,16 +69,22 @@ class Tenant:
     adapters: frozenset | None = None  # None = any
     cache_salt: str = ""  # the prefix-cache isolation salt: "tenant:<name>" (its own) or "domain:<shared name>"
     admin: bool = False  # may load and unload LoRA adapters
+    criticalities: frozenset | None = None  # band numbers (services.policy.bands); None = any
 
     def check_admin(self) -> None:
         if not self.admin:
             raise PermissionDenied(f"tenant {self.name!r} may not load or unload adapters (needs admin: true)")
 
-    def check_request(self, prompt_tokens: int, max_tokens: int, priority: int, adapter: str) -> None:
-        """Permission and size limits of one request (rates are TenantState's)."""
-        if self.priorities is not None and priority not in self.priorities:
+    def check_request(self, prompt_tokens: int, max_tokens: int, priority: int, adapter: str,
+                      band: int = STANDARD) -> None:
+        """Permission and size limits of one request (rates are TenantState's). Asking for less (a sheddable
+        request, a negative priority) is always allowed."""
+        if self.priorities is not None and priority >= 0 and priority not in self.priorities:
             raise PermissionDenied(f"tenant {self.name!r} may not use priority {priority} "
                                    f"(allowed: {sorted(self.priorities)})")
+        if self.criticalities is not None and band != SHEDDABLE and band not in self.criticalities:
+            raise PermissionDenied(f"tenant {self.name!r} may not send {band_name(band)} requests (allowed: "
+                                   f"{', '.join(band_name(b) for b in sorted(self.criticalities | {SHEDDABLE}))})")
         if adapter and self.adapters is not None and adapter not in self.adapters:
             raise PermissionDenied(f"tenant {self.name!r} may not use adapter {adapter!r}")
         lim = self.limits

@@ -50,6 +50,8 @@ def generate_requests(draw):
         "adapter": lambda: setattr(req, "adapter", draw(st.sampled_from(["", "sql"]))),
         "priority": lambda: setattr(req, "priority", draw(SMALL)),
         "deadline_ms": lambda: setattr(req, "deadline_ms", draw(SMALL)),
+        "criticality": lambda: setattr(req, "criticality", draw(st.sampled_from(["", "critical", "sheddable", "x"]))),
+        "slo": lambda: (setattr(req, "slo_ttft_ms", draw(SMALL)), setattr(req, "slo_tpot_ms", draw(SMALL))),
         "text": lambda: setattr(req, "text", draw(TEXT)),
         "token_ids": lambda: req.token_ids.ids.extend(draw(st.lists(SMALL, max_size=50))),
         "no_prompt": lambda: req.ClearField("prompt"),
@@ -101,7 +103,9 @@ FIELDS = {"model": NAME, "prompt": st.one_of(st.text(max_size=100), st.lists(SMA
           "top_p": JSON_VALUE, "top_k": JSON_VALUE, "seed": st.one_of(st.integers(-1, 2**70), JSON_VALUE),
           "stop": st.one_of(st.text(max_size=20), st.lists(st.text(max_size=10), max_size=20), JSON_VALUE),
           "stream": st.one_of(st.booleans(), JSON_VALUE), "n": JSON_VALUE, "logprobs": JSON_VALUE,
-          "priority": JSON_VALUE, "deadline_ms": JSON_VALUE, "messages": st.one_of(
+          "priority": JSON_VALUE, "deadline_ms": JSON_VALUE, "slo_ttft_ms": JSON_VALUE,
+          "criticality": st.one_of(st.sampled_from(["critical", "standard", "sheddable", "x"]), JSON_VALUE),
+          "messages": st.one_of(
               st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "x"]),
                                               "content": st.one_of(st.text(max_size=60), JSON_VALUE)}), max_size=3),
               JSON_VALUE)}

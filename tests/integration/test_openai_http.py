@@ -29,7 +29,7 @@ PROMPT = "The quick brown fox jumps over the lazy dog"
 @pytest.fixture(scope="module")
 def mesh(tiny_model, tmp_path_factory):
     cfg = {"tenants": [
-        {"name": "main", "api_key_hashes": [hash_key(KEY)], "priorities": [0]},
+        {"name": "main", "api_key_hashes": [hash_key(KEY)], "priorities": [0], "criticalities": ["standard"]},
         {"name": "limited", "api_key_hashes": [hash_key(LIMITED)], "limits": {"requests_per_s": 0.05}},
     ]}
     path = tmp_path_factory.mktemp("openai") / "mesh.yaml"
@@ -139,6 +139,28 @@ def test_error_statuses(mesh, client):
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(req, timeout=10)
     assert e.value.code == 400 and b"invalid_request_error" in e.value.read()
+
+
+def test_criticality_and_slo_headers_reach_admission(mesh, client):
+    """x-criticality and x-slo-* over HTTP (headers), gRPC (metadata) and as fields: checked at the gateway (an
+    unknown band 400, a band the tenant may not use 403, sheddable always allowed), served otherwise."""
+    with pytest.raises(openai.BadRequestError, match="criticality must be one of"):
+        client.completions.create(model="tiny", prompt="x", max_tokens=1, extra_headers={"x-criticality": "urgent"})
+    with pytest.raises(openai.PermissionDeniedError, match="may not send critical requests"):
+        client.completions.create(model="tiny", prompt="x", max_tokens=1, extra_headers={"x-criticality": "critical"})
+    with pytest.raises(openai.BadRequestError, match="x-slo-ttft-ms must be an integer"):
+        client.completions.create(model="tiny", prompt="x", max_tokens=1, extra_headers={"x-slo-ttft-ms": "soon"})
+    out = client.completions.create(model="tiny", prompt="x", max_tokens=2, extra_headers={
+        "x-criticality": "sheddable", "x-slo-ttft-ms": "60000", "x-slo-tpot-ms": "10000"})
+    assert out.usage.completion_tokens >= 1
+    out = client.completions.create(model="tiny", prompt="x", max_tokens=2, extra_body={"priority": -1})
+    assert out.usage.completion_tokens >= 1  # a negative priority is sheddable: allowed although priorities: [0]
+    req = pb.GenerateRequest(text=b"x", sampling=pb.Sampling(max_tokens=1))
+    with grpc.insecure_channel(mesh.gateway) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            list(pb_grpc.GenerationStub(ch).Generate(req, metadata=(("x-api-key", KEY), ("x-criticality", "critical")),
+                                                     timeout=60))
+    assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
 
 
 def post(mesh, body: bytes, path: str = "/v1/completions") -> tuple[int, dict]:

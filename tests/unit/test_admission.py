@@ -31,6 +31,7 @@ class Claim:
     weight: float = 1.0
     deadline_s: float | None = None
     predicted_s: float = 0.0
+    band: int = 1
 
 
 CLAIMS = [Claim("late-urgent", 3.0, 0, 2, deadline_s=10.0, predicted_s=1.0),

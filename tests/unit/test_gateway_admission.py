@@ -150,9 +150,9 @@ def test_the_queue_is_exported_by_tenant_and_priority_and_empties_to_zero():
         clock.now += 0.5
         p = metric_points(reader)
         depth = {(d.attributes["tenant"], d.attributes["priority"]): d.value
-                 for d in p["meshserve.gateway.queue_depth"]}
+                 for d in p["meshserve.gateway.queue_depth"] if d.attributes["band"] == "standard"}
         oldest = {(d.attributes["tenant"], d.attributes["priority"]): d.value
-                  for d in p["meshserve.gateway.queue_oldest_wait"]}
+                  for d in p["meshserve.gateway.queue_oldest_wait"] if d.attributes["band"] == "standard"}
         assert depth == {("A", "0"): 1, ("A", "1"): 1, ("B", "0"): 1}
         assert oldest == pytest.approx({("A", "0"): 2.5, ("A", "1"): 2.5, ("B", "0"): 0.5})
         for _ in waiting:  # one at a time through the single slot

@@ -85,7 +85,7 @@ class Sampling(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[bytes]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., min_p: _Optional[float] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "sampling", "model", "adapter", "priority", "deadline_ms")
+    __slots__ = ("request_id", "text", "token_ids", "sampling", "model", "adapter", "priority", "deadline_ms", "criticality", "slo_ttft_ms", "slo_tpot_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +94,9 @@ class GenerateRequest(_message.Message):
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
+    CRITICALITY_FIELD_NUMBER: _ClassVar[int]
+    SLO_TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    SLO_TPOT_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: bytes
     token_ids: TokenIds
@@ -102,7 +105,10 @@ class GenerateRequest(_message.Message):
     adapter: str
     priority: int
     deadline_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[bytes] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., model: _Optional[str] = ..., adapter: _Optional[str] = ..., priority: _Optional[int] = ..., deadline_ms: _Optional[int] = ...) -> None: ...
+    criticality: str
+    slo_ttft_ms: int
+    slo_tpot_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[bytes] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., model: _Optional[str] = ..., adapter: _Optional[str] = ..., priority: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., criticality: _Optional[str] = ..., slo_ttft_ms: _Optional[int] = ..., slo_tpot_ms: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "logprobs", "finish_reason", "prompt_tokens", "cached_prompt_tokens", "queue_wait_ms")
@@ -191,7 +197,7 @@ class CreditGrant(_message.Message):
     def __init__(self, granted: _Optional[int] = ..., slots: _Optional[int] = ..., live: _Optional[int] = ...) -> None: ...
 
 class WorkRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "adapter", "cache_salt", "transfer_id", "kvstore", "tenant", "weight", "deadline_unix_ms", "predicted_s", "resumed_outputs", "credit_from")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "adapter", "cache_salt", "transfer_id", "kvstore", "tenant", "weight", "deadline_unix_ms", "predicted_s", "resumed_outputs", "credit_from", "band")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -206,6 +212,7 @@ class WorkRequest(_message.Message):
     PREDICTED_S_FIELD_NUMBER: _ClassVar[int]
     RESUMED_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     CREDIT_FROM_FIELD_NUMBER: _ClassVar[int]
+    BAND_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: Sampling
@@ -220,7 +227,8 @@ class WorkRequest(_message.Message):
     predicted_s: float
     resumed_outputs: int
     credit_from: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., priority: _Optional[int] = ..., adapter: _Optional[str] = ..., cache_salt: _Optional[str] = ..., transfer_id: _Optional[str] = ..., kvstore: _Optional[str] = ..., tenant: _Optional[str] = ..., weight: _Optional[float] = ..., deadline_unix_ms: _Optional[int] = ..., predicted_s: _Optional[float] = ..., resumed_outputs: _Optional[int] = ..., credit_from: _Optional[str] = ...) -> None: ...
+    band: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., priority: _Optional[int] = ..., adapter: _Optional[str] = ..., cache_salt: _Optional[str] = ..., transfer_id: _Optional[str] = ..., kvstore: _Optional[str] = ..., tenant: _Optional[str] = ..., weight: _Optional[float] = ..., deadline_unix_ms: _Optional[int] = ..., predicted_s: _Optional[float] = ..., resumed_outputs: _Optional[int] = ..., credit_from: _Optional[str] = ..., band: _Optional[int] = ...) -> None: ...
 
 class TokenEvent(_message.Message):
     __slots__ = ("token_ids", "logprobs", "finish_reason", "prompt_tokens", "cached_prompt_tokens")
