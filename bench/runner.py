@@ -12,6 +12,7 @@ from bench import (
     lora_zipf,
     mesh_mixed,
     prefix_shared,
+    priority_overload,
     router_latency,
     sampler,
     scale_from_zero,
@@ -25,7 +26,8 @@ from bench import (
 WORKLOADS = {"engine-mixed": engine_mixed, "mesh-mixed": mesh_mixed, "prefix-shared": prefix_shared,
              "skewed-costs": skewed_costs, "router-latency": router_latency, "tenants-overload": tenants_overload,
              "sampler": sampler, "soak": soak, "lora-zipf": lora_zipf,
-             "burst-autoscale": burst_autoscale, "sim-validate": sim_validate, "scale-from-zero": scale_from_zero}
+             "burst-autoscale": burst_autoscale, "sim-validate": sim_validate, "scale-from-zero": scale_from_zero,
+             "priority-overload": priority_overload}
 
 
 def add_bench_parser(sub, func) -> None:

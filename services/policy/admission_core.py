@@ -71,7 +71,8 @@ class AdmissionCore:
         self.running_requests = 0
         self.running_tokens = 0
         self.unrouted = 0  # dispatched, not yet routed against a credit
-        self.over_capacity = 0  # running requests dispatched past a full mesh for their band (outranks())
+        self.over_capacity = 0  # how many requests the mesh runs past its capacity, dispatched so for their band
+        # (outranks()): each release brings it one closer to capacity
         self.credits = None  # CreditPool, once the gateway follows the workers' credit streams
 
     def state(self, tenant: Tenant, now: float) -> TenantState:
@@ -154,7 +155,6 @@ class AdmissionCore:
             if p is None:
                 break
             if p.band < self._worst_running_band() and not self.has_room(p):
-                p.over_capacity = True
                 self.over_capacity += 1
             self.running_requests += 1
             self.running_tokens += p.input_tokens + p.max_tokens
@@ -208,7 +208,7 @@ class AdmissionCore:
             return  # never dispatched, or released already
         self.running_requests -= 1
         self.running_tokens -= p.input_tokens + p.max_tokens
-        if p.over_capacity:
+        if self.over_capacity:  # whichever request ends, the mesh runs one fewer past its capacity
             self.over_capacity -= 1
         if not p.routed:
             self.unrouted -= 1
@@ -238,8 +238,8 @@ class AdmissionCore:
         return max((q.band for q in self.queue.running.values()), default=-1)
 
     def outranks(self, p: Pending) -> bool:
-        """May p go past a full mesh for its band? Yes while more requests of less urgent bands run than requests
-        already dispatched past capacity (each of those takes one of their slots, by the engines' band preemption)."""
+        """May p go past a full mesh for its band? Yes while more requests of less urgent bands run than the mesh runs
+        past its capacity already (each of those holds one of their slots, by the engines' band preemption)."""
         if p.band >= self._worst_running_band():
             return False
         lower = sum(1 for q in self.queue.running.values() if q.band > p.band)

@@ -25,7 +25,8 @@ capacity frees. The queue adds what only it can know:
   order, the policy's victim is rejected: the newcomer itself under FCFS, the newest request of
   the most over-served tenant under the fair policies (push-out); so is a request that would
   overflow its tenant's queue. With `queue_bursts` (the gateway's default) a request without a
-  deadline whose tenant is alone on the mesh is never turned away by the bound: shedding it would
+  deadline whose tenant is alone on the mesh (no other tenant has sent a request within the bound)
+  is never turned away by the bound: shedding it would
   serve nobody else, and a burst is queued and served in order as `vllm serve` queues it (issue
   36); its tenant's queue limit still applies, and the bound (and push-out) applies again as soon
   as another tenant has work.
@@ -75,7 +76,6 @@ class Pending:
     predicted_first_s: float = 0.0  # of predicted_s, the part until the first token (the prompt)
     slo_ttft_s: float | None = None  # the client's targets (None = none): time to first token ...
     slo_tpot_s: float | None = None  # ... and time per output token after it
-    over_capacity: bool = False  # dispatched past a full mesh for its band (a less urgent band's slot is preempted)
 
 
 TENANT_HEADROOM = 0.5  # a tenant's queue holds at most this fraction of the starvation bound at its share: its
@@ -267,6 +267,7 @@ class AdmissionQueue:
     trust_predictions: bool = True  # may a predicted service time alone reject a request with a deadline?
     queue_bursts: bool = False  # a lone tenant's request without a deadline is queued past the bound (module doc)
     _seq: int = 0
+    _seen: dict = field(default_factory=dict, repr=False)  # tenant -> when it last offered a request
     _dispatched: _Dispatched = field(default_factory=_Dispatched, repr=False, compare=False)
     drain: DrainRate = field(default_factory=DrainRate, repr=False, compare=False)
 
@@ -298,7 +299,9 @@ class AdmissionQueue:
         if p.max_queued is not None and self.queued(p.tenant) >= p.max_queued:
             raise CapacityExhausted(f"tenant {p.tenant!r} already has {p.max_queued} requests queued (its limit)",
                                     retry_after_ms=math.ceil(self.predicted_wait(now, self.queue) * 1000) or 100)
-        if self._burst(p):
+        burst = self._burst(p, now)
+        self._seen[p.tenant] = now
+        if burst:
             self._enter(p)
             self.queue.append(p)
             return []
@@ -326,11 +329,13 @@ class AdmissionQueue:
         self.queue.append(p)
         return pushed
 
-    def _burst(self, p: Pending) -> bool:
-        """queue_bursts: p has no deadline, is not sheddable, and its tenant is alone on the mesh (nobody else queued
-        or running), so turning it away buys nobody anything: it waits its turn, as `vllm serve` queues a burst
-        (issue 36)."""
+    def _burst(self, p: Pending, now: float) -> bool:
+        """queue_bursts: p has no deadline, is not sheddable, and its tenant is alone on the mesh (nobody else has
+        sent a request within the starvation bound, so nobody else is queued or running either), so turning it away
+        buys nobody anything: it waits its turn, as `vllm serve` queues a burst (issue 36). A tenant that is only
+        between two requests of a steady stream is not gone: the burst would queue ahead of its next one."""
         return (self.queue_bursts and p.deadline_s is None and p.band < SHEDDABLE
+                and all(now - seen >= self.starvation_s for t, seen in self._seen.items() if t != p.tenant)
                 and all(q.tenant == p.tenant for q in (*self.queue, *self.running.values())))
 
     def _enter(self, p: Pending) -> None:

@@ -71,7 +71,7 @@ def test_a_critical_request_goes_past_a_full_mesh_once_per_lower_band_request_ru
     assert dispatch(c) == ["c0", "c1"]  # two standard requests to preempt, two critical ones past capacity
     assert c.over_capacity == 2 and [p.req_id for p in c.queue.queue] == ["c2"]
     running = {p.req_id: p for p in c.queue.running.values()}
-    c.done(running["c0"], 10)  # the engine gives its slot back to a preempted standard request, or to c2
+    c.done(running["c0"], 10)  # one request fewer past capacity: c2 may take a standard request's slot
     assert c.over_capacity == 1 and dispatch(c) == ["c2"]
     c.offer(A, "s3", 10, 10, 0, None)
     running = {p.req_id: p for p in c.queue.running.values()}
