@@ -1,7 +1,8 @@
 """Workload tenants-overload: FCFS vs fair vs fair-deadline admission under 2x overload.
 
-2 unified workers, bench preset, one torch thread each, 16 sequences per batch. Capacity C is
-the saturation throughput (requests/s) measured first in the same run (a burst at once). Three
+2 unified workers, the model given (`--model`; default the bench preset), one torch thread each, 16 sequences per
+batch. Capacity C is the sustainable rate measured first in the same run by a ramp on a mesh of its own
+(bench/sweep.py, issue 22's method; `--capacity` gives it instead); every mesh is warmed before its clock starts. Three
 tenants with weights 1 : 1 : 2 send Poisson streams for 3 minutes: A at 1.25 C (5x its share),
 B at 0.25 C, C at 0.5 C, so the offered load is 2 C. Prompts are uniform 64-512 tokens, outputs
 uniform 32-256 (greedy, EOS ignored); 30% of requests carry an end-to-end deadline of k x their
@@ -24,11 +25,15 @@ of requests that finished within the 3-minute window):
 - throughput_tokens_per_s: service (prompt + output tokens) of requests finished in the window,
   per second of the window.
 - max_queue_wait_ms: the longest admitted request's wait in the admission queue.
+- rejection_server_ms_max / _p99: of the requests refused before their first token, the time the gateway took to
+  answer (its own measure, trailing metadata meshserve-server-ms), beside rejection_ms_max as the client saw it.
+The raw outcome of every request goes beside the result (OUT.requests.json).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import tempfile
 import time
@@ -38,10 +43,12 @@ import grpc
 import numpy as np
 import yaml
 
+from bench import sweep
 from bench.common import default_model, log, machine, print_table, write_result
 from bench.latency import percentile, poisson_arrivals
 from services.common.convert import request_from_line
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
+from services.common.rpc import SERVER_MS_KEY
 from services.mesh.launcher import Mesh, MeshSpec
 from services.policy.tenants import hash_key
 
@@ -53,6 +60,8 @@ ENGINE = ["--max-num-batched-tokens", "512", "--max-num-seqs", "16", "--kv-cache
 def add_flags(p) -> None:
     g = p.add_argument_group("tenants-overload")
     g.add_argument("--duration-s", type=float, default=180.0, help="how long the tenants send")
+    g.add_argument("--capacity", type=float, default=0.0,
+                   help="tenants-overload: the sustainable rate C, req/s (default: a ramp finds it)")
     g.add_argument("--systems", default=",".join(SYSTEMS),
                    help="the admission policies to run, comma-separated (default: all; ratios need fcfs)")
 
@@ -78,15 +87,17 @@ def run(args) -> int:
         return Mesh(MeshSpec(str(model_dir), mode="unified", unified=2, engine_args=ENGINE + ["--slot-policy", policy],
                              config_file=str(workdir / "mesh.yaml"), gateway_args=["--admission-policy", policy]))
 
-    # Capacity and the solo-latency model, on one mesh.
+    # Capacity: the sustainable rate, by a ramp on a mesh of its own (no tenants; issue 22's method: a burst's
+    # throughput overstates what a Poisson stream sustains). Then the solo-latency model.
+    ramp: dict = {}
+    cap = args.capacity
+    if not cap:
+        with Mesh(MeshSpec(str(model_dir), mode="unified", unified=2, engine_args=ENGINE + ["--slot-policy", "fcfs"],
+                           gateway_args=["--admission-policy", "fcfs"])) as m:
+            pool = [{k: v for k, v in _request(rng, i, "C").items() if k != "tenant"} for i in range(600)]
+            cap, ramp = sweep.find_sustainable(m, pool, args.seed, args.quick)
     with mesh("fcfs") as m:
-        n_sat = 24 if args.quick else 64
-        burst = [_request(rng, i, "C") for i in range(n_sat)]
-        log(f"saturation: {n_sat} requests at once")
-        _drive(m.gateway, keys, [(0.0, r) for r in burst[:4]])  # warm-up
-        t0 = time.perf_counter()
-        _drive(m.gateway, keys, [(0.0, r) for r in burst])
-        cap = n_sat / (time.perf_counter() - t0)
+        warm(m.gateway, keys)
         solo = [_request(rng, i, "C") for i in range(24)]
         log("24 solo latencies for the deadline model")
         lat = [_drive(m.gateway, keys, [(0.0, r)])[0] for r in solo]
@@ -115,19 +126,22 @@ def run(args) -> int:
     alone = {}
     for t in ("B", "C"):
         with mesh("fair-deadline") as m:
+            warm(m.gateway, keys)
             log(f"{t} alone for {solo_s:.0f} s")
             outs = _drive(m.gateway, keys, [(at, r) for at, r in schedule if r["tenant"] == t and at < solo_s])
         alone[t] = percentile([o["ttft_ms"] for o in outs if "ttft_ms" in o], 0.99)
 
-    systems = {}
+    systems, raw = {}, {}
     for policy in [x for x in SYSTEMS if x in args.systems.split(",")]:
         with mesh(policy) as m:
+            warm(m.gateway, keys)
             log(f"{policy}: {len(schedule)} requests")
             outs = _drive(m.gateway, keys, schedule)
         systems[policy] = _metrics(outs, schedule, demand, duration, alone)
+        raw[policy] = [{k: (round(v, 2) if isinstance(v, float) else v) for k, v in o.items()} for o in outs]
         log(f"{policy}: {systems[policy]}")
     result = {"workload": "tenants-overload", "command": args.command_line, "machine": machine(),
-              "config": {"duration_s": duration, "capacity_req_per_s": round(cap, 3),
+              "config": {"duration_s": duration, "capacity_req_per_s": round(cap, 3), **ramp,
                          "tenants": {t: {"weight": w, "rate_req_per_s": round(m_ * cap, 3)}
                                      for t, (w, m_) in TENANTS.items()},
                          "requests": len(schedule), "engine_args": ENGINE, "workers": 2, "threads_per_worker": 1,
@@ -138,8 +152,19 @@ def run(args) -> int:
                          for s in systems if s != "fcfs" and "fcfs" in systems
                          for k in ("deadline_goodput_req_per_s", "throughput_tokens_per_s")}}
     write_result(result, args.out)
+    if args.out:  # every request's outcome, beside the result
+        Path(args.out).with_suffix(".requests.json").write_text(json.dumps(raw))
     print_table(result)
     return 0
+
+
+def warm(gateway: str, keys: dict) -> None:
+    """Every worker runs prompts and decodes of the workload's sizes before the clock starts (a fresh engine's first
+    steps are slow), and the gateway's cost model sees a few completions."""
+    rng = random.Random(1)
+    reqs = [{**_request(rng, i, "C"), "id": f"warm-{i}", "max_tokens": 16} for i in range(8)]
+    for _ in range(2):
+        _drive(gateway, keys, [(0.0, r) for r in reqs])
 
 
 def _fit(lengths: list, e2e_ms: list) -> list:
@@ -187,6 +212,9 @@ async def _drive_async(gateway: str, keys: dict, schedule: list) -> list[dict]:
             except grpc.aio.AioRpcError as e:
                 out["error"] = e.code().name
                 out["error_ms"] = (time.perf_counter() - start) * 1e3
+                server_ms = dict(e.trailing_metadata() or ()).get(SERVER_MS_KEY)
+                if server_ms is not None:
+                    out["server_ms"] = float(server_ms)
                 out["at_arrival"] = out["output"] == 0 and "predicted to finish" in (e.details() or "")
             return out
 
@@ -231,12 +259,15 @@ def _metrics(outs: list, schedule: list, demand: dict, duration: float, alone: d
     admitted = len(with_deadline) - len(rejected)
     met = sum(1 for o in with_deadline if "error" not in o and o["e2e_ms"] <= o["deadline_ms"])
     waits = [o["queue_wait_ms"] for o in outs if "queue_wait_ms" in o]
+    server = [o["server_ms"] for o in outs if "server_ms" in o and not o["output"]]  # refused before any token
     r = lambda v: None if v is None else round(v, 3)  # noqa: E731
     return {"jain_index": r(jain), "victim_ttft_p99_ratio": r(victim),
             "deadline_attainment": r(met / admitted) if admitted else None,
             "deadline_attainment_all": r(met / len(with_deadline)) if with_deadline else None,
             "deadline_requests": len(with_deadline), "rejected_at_arrival": len(rejected),
             "rejection_ms_max": r(max(o["error_ms"] for o in rejected)) if rejected else None,
+            "rejection_server_ms_max": r(max(server)) if server else None,
+            "rejection_server_ms_p99": r(percentile(server, 0.99)) if server else None,
             "deadline_goodput_req_per_s": r(met / duration),
             "throughput_tokens_per_s": r(sum(o["prompt"] + o["output"] for o in outs
                                              if "error" not in o and o["end_s"] <= duration) / duration),

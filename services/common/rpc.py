@@ -18,6 +18,7 @@ import logging
 import os
 import signal
 import socket
+import time
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -77,8 +78,15 @@ def status_of(err: MeshError) -> grpc.StatusCode:
     return getattr(grpc.StatusCode, err.code, grpc.StatusCode.INTERNAL)
 
 
-async def abort(context: grpc.aio.ServicerContext, err: MeshError) -> None:
+SERVER_MS_KEY = "meshserve-server-ms"  # an error's trailing metadata: milliseconds the server took to decide it
+
+
+async def abort(context: grpc.aio.ServicerContext, err: MeshError, started_s: float | None = None) -> None:
+    """Fail the call with err's status; with started_s (time.perf_counter() when the handler began), the time to
+    the answer travels as SERVER_MS_KEY (a rejection at arrival answers within milliseconds: clients can tell)."""
     metadata = (("retry-after-ms", str(err.retry_after_ms)),) if err.retry_after_ms is not None else ()
+    if started_s is not None:
+        metadata += ((SERVER_MS_KEY, f"{(time.perf_counter() - started_s) * 1e3:.3f}"),)
     if isinstance(err, NoWorker):
         metadata += ((NoWorker.REASON_KEY, NoWorker.NO_WORKER),) + (((NoWorker.ROLE_KEY, err.empty_role),)
                                                                      if err.empty_role else ())
@@ -87,14 +95,14 @@ async def abort(context: grpc.aio.ServicerContext, err: MeshError) -> None:
     await context.abort(status_of(err), str(err))
 
 
-async def _fail(method, request, context, error: Exception) -> None:
+async def _fail(method, request, context, error: Exception, started_s: float) -> None:
     """Turn an exception escaping a servicer into its status (an abort already under way passes through)."""
     if isinstance(error, grpc.aio.AbortError):
         raise error
     if isinstance(error, grpc.aio.AioRpcError):
         error = forward_rpc_error(error)
     if isinstance(error, MeshError):
-        await abort(context, error)
+        await abort(context, error, started_s)
     log.error("bug in %s (request %s)", method.__name__, getattr(request, "request_id", "?"), exc_info=error)
     await context.abort(grpc.StatusCode.INTERNAL, "internal error")
 
@@ -104,19 +112,21 @@ def mapped(method):
     if asyncio.iscoroutinefunction(method):
         @functools.wraps(method)
         async def unary(self, request, context):
+            started = time.perf_counter()
             try:
                 return await method(self, request, context)
             except Exception as e:  # CancelledError is a BaseException: it passes through
-                await _fail(method, request, context, e)
+                await _fail(method, request, context, e, started)
         return unary
 
     @functools.wraps(method)
     async def streaming(self, request, context):
+        started = time.perf_counter()
         try:
             async for item in method(self, request, context):
                 yield item
         except Exception as e:  # CancelledError is a BaseException: it passes through
-            await _fail(method, request, context, e)
+            await _fail(method, request, context, e, started)
     return streaming
 
 
