@@ -23,17 +23,13 @@ from __future__ import annotations
 
 import json
 import random
-import tempfile
 from pathlib import Path
-
-import yaml
 
 from bench import sweep
 from bench.common import default_model, log, machine, print_table, write_result
 from bench.latency import percentile, poisson_arrivals
-from bench.tenants_overload import ENGINE, _drive
+from bench.tenants_overload import ENGINE, _drive, tenant_config, warm
 from services.mesh.launcher import Mesh, MeshSpec
-from services.policy.tenants import hash_key
 
 CLASSES = {"K-critical": ("K", "critical", 0.3), "S-standard": ("S", "standard", 1.0),
            "S-sheddable": ("S", "sheddable", 0.7)}  # class: (tenant, criticality, rate as a multiple of R)
@@ -60,15 +56,12 @@ def run(args) -> int:
     duration = 40.0 if args.quick else args.duration_s
     solo_s = min(duration, 60.0)
     rng = random.Random(args.seed)
-    workdir = Path(tempfile.mkdtemp(prefix="meshserve-priority-"))
-    keys = {"K": "bench-key-K", "S": "bench-key-S"}
-    cfg = {"tenants": [{"name": t, "api_key_hashes": [hash_key(k)]} for t, k in keys.items()]}
-    (workdir / "mesh.yaml").write_text(yaml.safe_dump(cfg))
+    keys, config = tenant_config("priority", {"K": 1.0, "S": 1.0})
 
     def mesh(tenants: bool = True):
         return Mesh(MeshSpec(str(model_dir), mode="unified", unified=2,
                              engine_args=ENGINE + ["--slot-policy", args.policy],
-                             config_file=str(workdir / "mesh.yaml") if tenants else None,
+                             config_file=config if tenants else None,
                              gateway_args=["--admission-policy", args.policy]))
 
     ramp: dict = {}
@@ -89,7 +82,7 @@ def run(args) -> int:
         f"{c} {sum(r['class'] == c for _, r in schedule)}" for c in CLASSES))
 
     with mesh() as m:
-        _warm(m, keys)
+        warm(m.gateway, keys, lambda rng, i: _request(rng, i, "S-standard"))
         log(f"K alone for {solo_s:.0f} s")
         solo = _drive(m.gateway, keys, [(at, r) for at, r in schedule if r["class"] == "K-critical" and at < solo_s])
     alone = percentile([o["ttft_ms"] for o in solo if "ttft_ms" in o], 0.99)
@@ -99,7 +92,7 @@ def run(args) -> int:
     for name in SYSTEMS:
         sent = schedule if name == "bands" else [(at, {**r, "criticality": ""}) for at, r in schedule]
         with mesh() as m:
-            _warm(m, keys)
+            warm(m.gateway, keys, lambda rng, i: _request(rng, i, "S-standard"))
             log(f"{name}: {len(sent)} requests")
             outs = _drive(m.gateway, keys, sent)
         for o, (_, r) in zip(outs, schedule):
@@ -123,15 +116,6 @@ def run(args) -> int:
         Path(args.out).with_suffix(".requests.json").write_text(json.dumps(raw))
     print_table(result)
     return 0
-
-
-def _warm(m, keys: dict) -> None:
-    """Every worker runs prompts and decodes of the workload's sizes before the clock starts (the first steps of a
-    fresh engine are slow), and the gateway's cost model sees a few completions."""
-    rng = random.Random(1)
-    reqs = [{**_request(rng, i, "S-standard"), "id": f"warm-{i}", "max_tokens": 16} for i in range(8)]
-    for _ in range(2):
-        _drive(m.gateway, keys, [(0.0, r) for r in reqs])
 
 
 def _metrics(outs: list, duration: float, alone: float) -> dict:

@@ -77,15 +77,11 @@ def run(args) -> int:
     duration = 40.0 if args.quick else args.duration_s
     solo_s = min(duration, 60.0)
     rng = random.Random(args.seed)
-    workdir = Path(tempfile.mkdtemp(prefix="meshserve-tenants-"))
-    keys = {t: f"bench-key-{t}" for t in TENANTS}
-    cfg = {"tenants": [{"name": t, "api_key_hashes": [hash_key(keys[t])], "weight": w}
-                       for t, (w, _) in TENANTS.items()]}
-    (workdir / "mesh.yaml").write_text(yaml.safe_dump(cfg))
+    keys, config = tenant_config("tenants", {t: w for t, (w, _) in TENANTS.items()})
 
     def mesh(policy):
         return Mesh(MeshSpec(str(model_dir), mode="unified", unified=2, engine_args=ENGINE + ["--slot-policy", policy],
-                             config_file=str(workdir / "mesh.yaml"), gateway_args=["--admission-policy", policy]))
+                             config_file=config, gateway_args=["--admission-policy", policy]))
 
     # Capacity: the sustainable rate, by a ramp on a mesh of its own (no tenants; issue 22's method: a burst's
     # throughput overstates what a Poisson stream sustains). Then the solo-latency model.
@@ -158,11 +154,21 @@ def run(args) -> int:
     return 0
 
 
-def warm(gateway: str, keys: dict) -> None:
+def tenant_config(name: str, weights: dict) -> tuple[dict, str]:
+    """A mesh config file in a fresh folder with one tenant per name (its weight) and a key each: (keys, path)."""
+    workdir = Path(tempfile.mkdtemp(prefix=f"meshserve-{name}-"))
+    keys = {t: f"bench-key-{t}" for t in weights}
+    cfg = {"tenants": [{"name": t, "api_key_hashes": [hash_key(keys[t])], "weight": w} for t, w in weights.items()]}
+    (workdir / "mesh.yaml").write_text(yaml.safe_dump(cfg))
+    return keys, str(workdir / "mesh.yaml")
+
+
+def warm(gateway: str, keys: dict, make=None) -> None:
     """Every worker runs prompts and decodes of the workload's sizes before the clock starts (a fresh engine's first
-    steps are slow), and the gateway's cost model sees a few completions."""
-    rng = random.Random(1)
-    reqs = [{**_request(rng, i, "C"), "id": f"warm-{i}", "max_tokens": 16} for i in range(8)]
+    steps are slow), and the gateway's cost model sees a few completions. make(rng, i): one of the workload's
+    requests (default: tenant C's)."""
+    rng, make = random.Random(1), make or (lambda rng, i: _request(rng, i, "C"))
+    reqs = [{**make(rng, i), "id": f"warm-{i}", "max_tokens": 16} for i in range(8)]
     for _ in range(2):
         _drive(gateway, keys, [(0.0, r) for r in reqs])
 

@@ -15,7 +15,11 @@ into rates and interval percentiles:
   worker uses, averaged over workers (the HPA baseline's signal);
 - requests waiting for a worker: the gateways' `meshserve.gateway.waiting_for_worker` gauge (per pool, the
   requests a gateway holds because that pool has no worker at all), summed over gateways: what scales a pool
-  from zero, where no worker exports anything.
+  from zero, where no worker exports anything;
+- the gateways' admission queues: `meshserve.gateway.queue_depth` summed and `meshserve.gateway.queue_oldest_wait`
+  (the oldest request's wait) at its maximum, over gateways, tenants, bands and priorities, for the pool whose
+  capacity the queue waits for (the gauges' `pool`): requests wait there, not in the engines, when the pool is
+  saturated (late binding), so the engines' own queues say nothing of it.
 
 A worker silent for `stale_s` no longer counts. Pure apart from the parsing: the clock is passed in.
 """
@@ -24,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.common.telemetry import POOL_ATTRIBUTE, WAITING_FOR_WORKER
+from services.common.telemetry import POOL_ATTRIBUTE, QUEUE_DEPTH, QUEUE_OLDEST_WAIT, WAITING_FOR_WORKER
 from services.policy.scaling import PoolSample
 
 COUNTERS = {"vllm.prompt_tokens": "prompt", "vllm.generation_tokens": "output", "meshserve.worker.cpu_seconds": "cpu"}
@@ -61,6 +65,7 @@ class PoolSignals:
         self.workers: dict[str, WorkerSeries] = {}
         self.last_sample_s: dict[str, float] = {}
         self.waiting: dict[tuple, tuple] = {}  # (gateway instance, pool) -> (requests waiting for a worker, seen)
+        self.queues: dict[tuple, tuple] = {}  # (gateway instance, metric, pool, series) -> (value, seen)
 
     def ingest(self, request, now: float) -> int:
         """Record an ExportMetricsServiceRequest; returns how many data points were used."""
@@ -74,6 +79,13 @@ class PoolSignals:
                         source = _attr(rm.resource.attributes, "service.instance.id") or pool
                         for p in getattr(m, kind).data_points:
                             self.waiting[(source, _attr(p.attributes, "pool"))] = (_number(p), now)
+                            used += 1
+                        continue
+                    if m.name in (QUEUE_DEPTH, QUEUE_OLDEST_WAIT):
+                        source = _attr(rm.resource.attributes, "service.instance.id") or pool
+                        for p in getattr(m, kind).data_points:
+                            series = tuple(sorted((a.key, a.value.string_value) for a in p.attributes))
+                            self.queues[(source, m.name, _attr(p.attributes, "pool"), series)] = (_number(p), now)
                             used += 1
                         continue
                     if m.name not in COUNTERS and m.name not in GAUGES and m.name not in HISTOGRAMS:
@@ -119,6 +131,10 @@ class PoolSignals:
             kv = max(kv, w.values.get("vllm.kv_cache_usage_perc", 0.0))
             w.previous, w.sampled = dict(w.values), True
         waiting = sum(n for (_, p), (n, seen) in self.waiting.items() if p == pool and now - seen <= self.stale_s)
+        queue = {QUEUE_DEPTH: [], QUEUE_OLDEST_WAIT: []}
+        for (_, name, p, _), (value, seen) in self.queues.items():
+            if p == pool and now - seen <= self.stale_s:
+                queue[name].append(value)
         starts = sum(sum(d[1]) for d in hist["ttft"])
         finishes = sum(sum(d[1]) for d in hist["e2e"])
         return PoolSample(now, len(live) if ready is None else ready, starting,
@@ -126,7 +142,8 @@ class PoolSignals:
                           requests_per_s=max(starts, finishes) / dt if dt > 0 else 0.0,
                           queued_prefill_tokens=queued, kv_usage=kv, ttft_p90_s=_p90(hist["ttft"]),
                           itl_p90_s=_p90(hist["itl"]), cpu_util=cpu_util / len(live) if live else 0.0,
-                          waiting_for_worker=waiting)
+                          waiting_for_worker=waiting, gateway_queued=sum(queue[QUEUE_DEPTH]),
+                          gateway_queue_wait_s=max(queue[QUEUE_OLDEST_WAIT], default=0.0))
 
 
 def _delta(before, after) -> tuple:

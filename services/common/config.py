@@ -188,6 +188,8 @@ class PoolSection(Section):
     target_util: PositiveFloat = Field(0.7, description="capacity is planned at this fraction of a worker's rate")
     ttft_slo_ms: PositiveFloat = Field(1000.0, description="TTFT p90 SLO")
     itl_slo_ms: PositiveFloat = Field(200.0, description="inter-token latency p90 SLO")
+    queue_wait_ms: PositiveFloat = Field(1000.0, description="a request waiting longer in a gateway's admission "
+                                                             "queue for the pool's capacity adds a worker")
     max_step: PositiveInt = Field(2, description="workers added or drained per decision, at most")
     cooldown_s: NonNegativeFloat = Field(60.0, description="no change within this long of the previous one")
     down_window_s: NonNegativeFloat = Field(120.0, description="scale down only if every target of this window was "
@@ -200,7 +202,8 @@ class PoolSection(Section):
         return PoolConfig(role, self.min_replicas, self.max_replicas, startup_s or self.startup_s,
                           self.prefill_tokens_per_s, self.decode_tokens_per_s, self.target_util,
                           self.ttft_slo_ms / 1000, self.itl_slo_ms / 1000, max_step=self.max_step,
-                          cooldown_s=self.cooldown_s, down_window_s=self.down_window_s, window_s=self.window_s)
+                          cooldown_s=self.cooldown_s, down_window_s=self.down_window_s, window_s=self.window_s,
+                          queue_wait_s=self.queue_wait_ms / 1000)
 
 
 class AutoscalerSection(Section):

@@ -36,6 +36,8 @@ METRICS_ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"  # the SDK's variab
 POOL_ATTRIBUTE = "meshserve.pool"  # a worker's resource attribute: the pool the autoscaler counts it in
 WAITING_FOR_WORKER = "meshserve.gateway.waiting_for_worker"  # a gateway's gauge, per pool: requests it holds because
 # that pool has no worker at all (the autoscaler's signal to scale a pool from zero)
+QUEUE_DEPTH = "meshserve.gateway.queue_depth"  # a gateway's gauges of its admission queue, per pool (the role whose
+QUEUE_OLDEST_WAIT = "meshserve.gateway.queue_oldest_wait"  # credits it waits for), tenant, band and priority
 
 
 def _resource(service_name: str, attributes: dict | None):

@@ -24,6 +24,7 @@ import time
 from opentelemetry import metrics
 
 from services.common.errors import CapacityExhausted, DeadlineExceeded, MeshError
+from services.common.telemetry import QUEUE_DEPTH, QUEUE_OLDEST_WAIT
 from services.policy.admission_core import NO_SLO, AdmissionCore, Slo
 from services.policy.admission_queue import Pending
 from services.policy.bands import STANDARD
@@ -63,10 +64,10 @@ class Admission(AdmissionCore):
         self.metrics = GatewayMetrics(meter)
         self._reported: set = set()  # (tenant, band, priority) reported once: they report 0 when their queue empties
         meter = meter or metrics.get_meter("meshserve.gateway")
-        meter.create_observable_gauge("meshserve.gateway.queue_depth", [self._observe_depth], unit="{request}",
+        meter.create_observable_gauge(QUEUE_DEPTH, [self._observe_depth], unit="{request}",
                                       description="requests waiting in the admission queue, by tenant, band and "
                                                   "priority")
-        meter.create_observable_gauge("meshserve.gateway.queue_oldest_wait", [self._observe_oldest], unit="s",
+        meter.create_observable_gauge(QUEUE_OLDEST_WAIT, [self._observe_oldest], unit="s",
                                       description="how long the oldest waiting request has waited, by tenant, band "
                                                   "and priority")
 
@@ -75,7 +76,8 @@ class Admission(AdmissionCore):
         self._reported |= set(now)
         for tenant, band, priority in sorted(self._reported):
             value = now.get((tenant, band, priority), (0, 0.0))[index]
-            yield metrics.Observation(value, {"tenant": tenant, "band": band, "priority": str(priority)})
+            yield metrics.Observation(value, {"tenant": tenant, "band": band, "priority": str(priority),
+                                              "pool": self.pool})
 
     def _observe_depth(self, options):
         return self._observe(0)

@@ -67,6 +67,7 @@ class AdmissionCore:
         self.queue = AdmissionQueue(make_policy(policy_name, starvation_s), starvation_s=starvation_s,
                                     trust_predictions=self.cost.trusted, queue_bursts=queue_bursts)
         self.view = MeshView()
+        self.pool = ""  # the role of the serving workers whose capacity the queue waits for (update_view())
         self.states: dict[str, TenantState] = {}
         self.running_requests = 0
         self.running_tokens = 0
@@ -89,6 +90,7 @@ class AdmissionCore:
 
     def update_view(self, workers: list, role: str) -> None:
         """From the router's ListWorkers: capacity and step costs of the workers of `role`."""
+        self.pool = role
         serving = [w for w in workers if w.role == role]
         sizes = {w.block_size for w in workers if w.role in ("prefill", "unified")}
         self.set_view(MeshView(sum(w.max_num_seqs for w in serving), sum(w.kv_capacity_tokens for w in serving),

@@ -12,8 +12,10 @@ TokenPolicy sizes by work in tokens, looking ahead by the pool's measured start-
   the queued prefill tokens, to be cleared within the same horizon;
 - capacity: per ready replica, measured (tokens per second of busy time, from the workers' own step-cost
   fits) at a target utilisation (`target_util`, headroom for the tail);
-- SLO guards: TTFT p90 over its SLO (prefill, unified) or inter-token p90 over its SLO (decode, unified), or
-  KV occupancy above `kv_high`, ask for at least one replica more than the ready ones, whatever the demand;
+- SLO guards: TTFT p90 over its SLO (prefill, unified) or inter-token p90 over its SLO (decode, unified), KV
+  occupancy above `kv_high`, or a request waiting longer than `queue_wait_s` in the gateways' admission queues
+  for the pool (late binding keeps the backlog there, not in the engines), ask for at least one replica more than
+  the ready ones, whatever the demand;
 - replicas still starting count as capacity: while the ready + starting ones cover the target, nothing is
   added (no cascade 2 -> 4 -> 8 while pods are pending);
 - up: at once, by at most `max_step`, not within `cooldown_s` of the previous scale-up (a drain does not hold
@@ -53,6 +55,8 @@ class PoolSample:
     itl_p90_s: float | None = None  # inter-token latency p90
     cpu_util: float = 0.0  # mean CPU utilisation of the ready replicas, 0..1
     waiting_for_worker: float = 0.0  # requests the gateways hold because the pool has no worker at all
+    gateway_queued: float = 0.0  # requests in the gateways' admission queues, waiting for this pool's capacity
+    gateway_queue_wait_s: float = 0.0  # how long the oldest of them has waited
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,7 @@ class PoolConfig:
     ttft_slo_s: float = 1.0
     itl_slo_s: float = 0.2
     kv_high: float = 0.85
+    queue_wait_s: float = 1.0  # a request waiting longer in a gateway's admission queue for this pool's capacity
     max_step: int = 2  # replicas added or drained per decision, at most
     cooldown_s: float = 60.0  # no change within this long of the previous one (SLO breaches may still add)
     down_window_s: float = 120.0  # scale down only if every target over this window was lower
@@ -209,6 +214,9 @@ class TokenPolicy(_Hysteresis):
             return f"inter-token p90 {s.itl_p90_s * 1e3:.0f} ms over the {c.itl_slo_s * 1e3:.0f} ms SLO"
         if c.role in ("decode", "unified") and s.kv_usage > c.kv_high:
             return f"KV occupancy {s.kv_usage:.2f} over {c.kv_high:.2f}"
+        if s.gateway_queued > 0 and s.gateway_queue_wait_s > c.queue_wait_s:
+            return (f"{s.gateway_queued:.0f} request(s) in the gateways' admission queues, the oldest for "
+                    f"{s.gateway_queue_wait_s:.1f} s (over {c.queue_wait_s:g} s)")
         return ""
 
     def urgent(self, latest: PoolSample) -> bool:

@@ -121,6 +121,19 @@ def test_an_slo_breach_adds_a_replica_even_in_the_cooldown_unless_one_is_startin
     assert policy.decide(starting, state, 30).kind == "hold"
 
 
+def test_a_backlog_in_the_gateways_admission_queue_adds_a_replica():
+    """Late binding keeps a saturated pool's backlog at the gateway: the engines' rates and queues look sized (two
+    replicas for 600 tok/s), the gateway's queue says otherwise."""
+    policy = TokenPolicy(DECODE)
+    sized = [PoolSample(t, 2, 0, output_tokens_per_s=600) for t in (10, 15, 20)]
+    assert policy.decide(sized, PolicyState(), 20).kind == "hold"
+    backlog = sized[:-1] + [PoolSample(20, 2, 0, output_tokens_per_s=600, gateway_queued=12, gateway_queue_wait_s=4.0)]
+    d = policy.decide(backlog, PolicyState(), 20)
+    assert (d.kind, d.target) == ("up", 3) and "admission queues, the oldest for 4.0 s" in d.reason
+    brief = sized[:-1] + [PoolSample(20, 2, 0, output_tokens_per_s=600, gateway_queued=3, gateway_queue_wait_s=0.3)]
+    assert policy.decide(brief, PolicyState(), 20).kind == "hold"  # a queue that drains within the bound is fine
+
+
 def test_a_drain_does_not_hold_back_the_next_scale_up_but_a_scale_up_does():
     busy = [PoolSample(t, 1, 0, output_tokens_per_s=1000) for t in (10, 15, 20)]
     after_drain = PolicyState(last_change_t=15.0, last_kind="drain")

@@ -116,3 +116,27 @@ def test_requests_a_gateway_holds_for_an_empty_pool_reach_that_pools_sample():
     assert signals.sample("prefill", 101.0).waiting_for_worker == 0
     export(signals, readers[0], 110.0)  # gw-b stops reporting: after stale_s it no longer counts
     assert signals.sample("unified", 120.0).waiting_for_worker == 2
+
+
+def test_the_gateways_admission_queues_reach_the_pool_they_wait_for():
+    """Depth summed and the oldest wait at its maximum, over gateways, tenants and bands, for the pool the queue
+    waits on (late binding keeps the backlog at the gateway, where the engines' metrics cannot see it)."""
+    from opentelemetry.metrics import Observation
+
+    from services.common.telemetry import QUEUE_DEPTH, QUEUE_OLDEST_WAIT
+
+    signals, readers = PoolSignals(stale_s=15.0), []
+    queues = {"gw-a": [("A", "standard", 4, 2.5), ("B", "critical", 1, 0.2)], "gw-b": [("A", "standard", 3, 6.0)]}
+    for instance, rows in queues.items():
+        reader = InMemoryMetricReader()
+        meter = MeterProvider(metric_readers=[reader], resource=Resource.create(
+            {"service.name": "gateway", "service.instance.id": instance})).get_meter("t")
+        for name, index in ((QUEUE_DEPTH, 2), (QUEUE_OLDEST_WAIT, 3)):
+            meter.create_observable_gauge(name, [lambda o, rows=rows, i=index: [
+                Observation(r[i], {"tenant": r[0], "band": r[1], "priority": "0", "pool": "decode"}) for r in rows]])
+        readers.append(reader)
+    for reader in readers:
+        export(signals, reader, 100.0)
+    sample = signals.sample("decode", 101.0)
+    assert (sample.gateway_queued, sample.gateway_queue_wait_s) == (8, 6.0)
+    assert signals.sample("prefill", 101.0).gateway_queued == 0
