@@ -25,7 +25,8 @@ of requests that finished within the 3-minute window):
 - throughput_tokens_per_s: service (prompt + output tokens) of requests finished in the window,
   per second of the window.
 - max_queue_wait_ms: the longest admitted request's wait in the admission queue.
-- rejection_server_ms_max / _p99: of the requests refused before their first token, the time the gateway took to
+- rejection_server_ms_max / _p99: of the requests refused at arrival (a limit, the queue's bound, an SLO, a deadline
+  predicted to be missed; not those pushed out of the queue or expired in it later), the time the gateway took to
   answer (its own measure, trailing metadata meshserve-server-ms), beside rejection_ms_max as the client saw it.
 The raw outcome of every request goes beside the result (OUT.requests.json).
 """
@@ -221,7 +222,11 @@ async def _drive_async(gateway: str, keys: dict, schedule: list) -> list[dict]:
                 server_ms = dict(e.trailing_metadata() or ()).get(SERVER_MS_KEY)
                 if server_ms is not None:
                     out["server_ms"] = float(server_ms)
-                out["at_arrival"] = out["output"] == 0 and "predicted to finish" in (e.details() or "")
+                details = e.details() or ""
+                out["at_arrival"] = out["output"] == 0 and "predicted to finish" in details
+                out["refused"] = out["output"] == 0 and (out["at_arrival"] or (
+                    e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "pushed out" not in details))
+                out["detail"] = details[:100]
             return out
 
         return list(await asyncio.gather(*(one(at, r) for at, r in schedule)))
@@ -265,7 +270,7 @@ def _metrics(outs: list, schedule: list, demand: dict, duration: float, alone: d
     admitted = len(with_deadline) - len(rejected)
     met = sum(1 for o in with_deadline if "error" not in o and o["e2e_ms"] <= o["deadline_ms"])
     waits = [o["queue_wait_ms"] for o in outs if "queue_wait_ms" in o]
-    server = [o["server_ms"] for o in outs if "server_ms" in o and not o["output"]]  # refused before any token
+    server = [o["server_ms"] for o in outs if "server_ms" in o and o.get("refused")]  # refused at arrival
     r = lambda v: None if v is None else round(v, 3)  # noqa: E731
     return {"jain_index": r(jain), "victim_ttft_p99_ratio": r(victim),
             "deadline_attainment": r(met / admitted) if admitted else None,

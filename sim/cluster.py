@@ -79,6 +79,7 @@ class ClusterSpec:
     routing_config: dict = field(default_factory=dict)
     admission: str = "fcfs"  # the gateway's queue policy; "none": no queue, straight to routing (workers queue)
     queue_bursts: bool = True  # the gateway's admission.queue_bursts (services.policy.admission_queue)
+    share_preemption: bool = False  # the gateway's admission.share_preemption (services.policy.admission_core)
     starvation_s: float = 30.0
     tenant_weights: dict = field(default_factory=dict)  # tenant -> weight (default 1)
     heartbeat_s: float = 1.0
@@ -511,7 +512,8 @@ class Gateway:
         spec = cluster.spec
         self.c = cluster
         self.core = AdmissionCore("fcfs" if spec.admission == "none" else spec.admission, spec.starvation_s,
-                                  clock=lambda: cluster.now, queue_bursts=spec.queue_bursts)
+                                  clock=lambda: cluster.now, queue_bursts=spec.queue_bursts,
+                                  share_preemption=spec.share_preemption)
         self.tenants: dict[str, Tenant] = {}
         self.in_flight = 0
         self.sims: dict[int, SimRequest] = {}  # id(Pending) -> its request
@@ -573,12 +575,12 @@ class Gateway:
         core.set_view(MeshView(max(self.slots(), 1), *self.kv))
         expired, dispatched = core.sweep()
         for p in expired:
-            c._end(self.sims.pop(id(p)), "DEADLINE_EXCEEDED")
+            c._end(self.sims.pop(id(p)), "RESOURCE_EXHAUSTED" if p.dropped == "bound" else "DEADLINE_EXCEEDED")
         for p in dispatched:
             self._dispatch(self.sims.pop(id(p)))
         queue = core.queue.queue
-        if queue and not self.tick_armed and any(q.deadline_s is not None for q in queue):
-            self.tick_armed = True  # deadlines pass without any event: the gateway's 50 ms tick
+        if queue and not self.tick_armed and any(q.deadline_s is not None or q.bounded for q in queue):
+            self.tick_armed = True  # deadlines and the bound pass without any event: the gateway's 50 ms tick
             c.at(c.now + 0.05, self._tick)
 
     def _tick(self) -> None:

@@ -151,6 +151,10 @@ class AdmissionSection(Section):
     queue_bursts: bool = Field(True, description="a tenant alone on the mesh, whose request has no deadline, is "
                                "queued however long the wait (served in order, as vllm serve queues a burst) instead "
                                "of turned away at the starvation bound; false: the bound sheds it too")
+    share_preemption: bool = Field(False, description="under the fair policies, a tenant below its weighted share of "
+                                   "the slots is dispatched past a full mesh and the engine preempts (recomputes) a "
+                                   "request of the tenant furthest over its share; false (late binding): it waits in "
+                                   "the queue for the next free slot, which the fair order gives it")
     no_worker_grace_s: PositiveFloat = Field(30.0, description="how long the gateway holds a request while the router "
                                              "has no live worker for it (restarting, loading, none registered) "
                                              "before failing it with UNAVAILABLE")

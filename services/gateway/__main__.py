@@ -49,7 +49,8 @@ async def watch_mesh(server: rpc.Server, routers: list, mode: str, admission: Ad
 
 async def serve(args, config: MeshConfig) -> None:
     tenants, adm = config.tenant_objects(), config.admission
-    admission = Admission(adm.policy, adm.starvation_s, queue_bursts=adm.queue_bursts)
+    admission = Admission(adm.policy, adm.starvation_s, queue_bursts=adm.queue_bursts,
+                          share_preemption=adm.share_preemption)
     model = ModelInfo.from_dir(args.model, args.served_model_name or ())
     secret, given = cache_secret(os.environ)
     if tenants and not given:

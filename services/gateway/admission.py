@@ -58,8 +58,8 @@ class Admission(AdmissionCore):
     sweep()'s dispatch, push-out or expiry settles; metrics per tenant."""
 
     def __init__(self, policy_name: str = "fair-deadline", starvation_s: float = 30.0, clock=time.monotonic,
-                 meter=None, queue_bursts: bool = True):
-        super().__init__(policy_name, starvation_s, clock, queue_bursts)
+                 meter=None, queue_bursts: bool = True, share_preemption: bool = False):
+        super().__init__(policy_name, starvation_s, clock, queue_bursts, share_preemption)
         self.waiters: dict[int, asyncio.Future] = {}
         self.metrics = GatewayMetrics(meter)
         self._reported: set = set()  # (tenant, band, priority) reported once: they report 0 when their queue empties
@@ -139,6 +139,13 @@ class Admission(AdmissionCore):
         expired, dispatched = self.sweep()
         now = self.clock()
         for p in expired:
+            if p.dropped == "bound":
+                self.metrics.outcome(p.tenant, "rejected", "bound")
+                _settle(self.waiters.get(id(p)), CapacityExhausted(
+                    f"no slot within the {self.queue.starvation_s:g} s starvation bound: the mesh is overloaded "
+                    f"(waited {now - p.arrival_s:.1f} s in the admission queue)",
+                    retry_after_ms=math.ceil(self.queue.predicted_wait(now, self.queue.queue) * 1000) or 1000))
+                continue
             self.metrics.outcome(p.tenant, "rejected", "deadline")
             _settle(self.waiters.get(id(p)), DeadlineExceeded(
                 f"the deadline cannot be met: it passed or too little time is left after "

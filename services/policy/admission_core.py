@@ -7,9 +7,12 @@ leaves it when sweep() finds room for it: the tenant's `max_concurrent` not reac
 (has_room(): an unused credit of the workers' not yet routed against, or before the credit streams are known a
 free batch slot in the view; and KV room for its prompt and output), or a request of a less urgent band running
 that no other request already dispatched past capacity is taking the slot of (outranks(): the engine preempts it,
-services.policy.bands), or, under the fair policies, its tenant below its weighted share of the slots
-(under_share). done() frees its share and teaches the cost model; withdraw() takes back a request whose caller
-left.
+services.policy.bands), or, with `share_preemption` under the fair policies, its tenant below its weighted share of
+the slots (under_share). Without it (the default: late binding) requests wait here, not in the engines, and the
+fair order gives the next free slot; preempting for a share recomputes the victim's prompt, which on the real model
+cost the fair policy 11% of throughput (issue 39). done() frees its share and teaches the cost model; withdraw()
+takes back a request whose caller left. Requests that wait the starvation bound without a slot are dropped by
+sweep() (the bound is a promise: services.policy.admission_queue timed_out()).
 
 SLOs on the request (slo_ttft_s, slo_tpot_s; offer()): once the cost model is trusted (it has measured enough
 completed requests), a request whose time to first token (its predicted wait in the queue, ahead of it only what
@@ -61,8 +64,9 @@ class MeshView:
 
 class AdmissionCore:
     def __init__(self, policy_name: str = "fair-deadline", starvation_s: float = 30.0, clock=time.monotonic,
-                 queue_bursts: bool = True):
+                 queue_bursts: bool = True, share_preemption: bool = False):
         self.clock = clock
+        self.share_preemption = share_preemption  # the fair policies' bypass of a full mesh (_under_share)
         self.cost = ServiceTimeModel()
         self.queue = AdmissionQueue(make_policy(policy_name, starvation_s), starvation_s=starvation_s,
                                     trust_predictions=self.cost.trusted, queue_bursts=queue_bursts)
@@ -144,13 +148,12 @@ class AdmissionCore:
         return p, pushed
 
     def sweep(self) -> tuple[list[Pending], list[Pending]]:
-        """Drop what can no longer meet its deadline, then dispatch while there is room: (expired, dispatched),
-        each in order."""
+        """Drop what can no longer meet its deadline, dispatch while there is room, then drop what has waited the
+        starvation bound: (dropped, dispatched), each in order; a dropped request's `dropped` says why ("deadline"
+        or "bound")."""
         now = self.clock()
         expired = self.queue.expired(now)
-        for p in expired:
-            self.states[p.tenant].queued -= 1
-            self.states[p.tenant].settle(p.input_tokens, p.max_tokens, None)
+        self._drop(expired)
         dispatched = []
         while self.queue.queue:
             p = self.queue.next(now, can_run=self._can_run)
@@ -165,7 +168,14 @@ class AdmissionCore:
             st.queued -= 1
             st.running += 1
             dispatched.append(p)
-        return expired, dispatched
+        timed_out = self.queue.timed_out(now)
+        self._drop(timed_out)
+        return expired + timed_out, dispatched
+
+    def _drop(self, dropped: list[Pending]) -> None:
+        for p in dropped:
+            self.states[p.tenant].queued -= 1
+            self.states[p.tenant].settle(p.input_tokens, p.max_tokens, None)
 
     def routed(self, p: Pending, worker: str) -> str:
         """A dispatched request was routed to `worker` (again, for a resume): use a credit of that worker's; returns
@@ -304,7 +314,7 @@ class AdmissionCore:
 
     def _under_share(self, st: TenantState) -> bool:
         """The fair policies' bypass of a full mesh (services.policy.admission_queue.under_share)."""
-        if not self.queue.policy.name.startswith("fair"):
+        if not self.share_preemption or not self.queue.policy.name.startswith("fair"):
             return False
         active = {x.tenant.name: x for x in self.states.values() if x.running or x.queued}
         active[st.tenant.name] = st

@@ -30,6 +30,9 @@ capacity frees. The queue adds what only it can know:
   serve nobody else, and a burst is queued and served in order as `vllm serve` queues it (issue
   36); its tenant's queue limit still applies, and the bound (and push-out) applies again as soon
   as another tenant has work.
+- the bound kept: a request held to the bound that has still not been dispatched when it has waited
+  `starvation_s` (the predictions let it in, and were wrong) leaves the queue then (timed_out()),
+  refused with RESOURCE_EXHAUSTED and a retry-after, rather than served later than promised.
 - deadlines: with a deadline-aware policy, a request is rejected at arrival with
   DEADLINE_EXCEEDED and its predicted finish in the message, rather than served late, when it
   cannot finish in time even served as soon as its place in the policy's order allows: its
@@ -74,6 +77,8 @@ class Pending:
     dispatched_s: float | None = None
     routed: bool = False  # sent to a worker (the gateway uses a credit of its then)
     predicted_first_s: float = 0.0  # of predicted_s, the part until the first token (the prompt)
+    bounded: bool = True  # held to the starvation bound (False: queued as a lone tenant's burst, which waits its turn)
+    dropped: str = ""  # why the queue let it go undispatched: "deadline" or "bound" (timed_out())
     slo_ttft_s: float | None = None  # the client's targets (None = none): time to first token ...
     slo_tpot_s: float | None = None  # ... and time per output token after it
 
@@ -302,6 +307,7 @@ class AdmissionQueue:
         burst = self._burst(p, now)
         self._seen[p.tenant] = now
         if burst:
+            p.bounded = False
             self._enter(p)
             self.queue.append(p)
             return []
@@ -448,6 +454,17 @@ class AdmissionQueue:
         out = [p for p in self.queue if p.deadline_s is not None and (p.deadline_s <= now or self._late(p, now))]
         for p in out:
             self.queue.remove(p)
+            p.dropped = "deadline"
+        return out
+
+    def timed_out(self, now: float) -> list[Pending]:
+        """Remove and return the requests that have waited the starvation bound without a slot (those held to it):
+        the bound is a promise, so a request the predictions let in that would wait longer is answered now, with
+        a retry-after, rather than served later than promised (the gateway's tick calls this every 50 ms)."""
+        out = [p for p in self.queue if p.bounded and now - p.arrival_s >= self.starvation_s]
+        for p in out:
+            self.queue.remove(p)
+            p.dropped = "bound"
         return out
 
     def _late(self, p: Pending, now: float) -> bool:

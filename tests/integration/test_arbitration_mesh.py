@@ -25,7 +25,7 @@ SLOTS = 4
 @pytest.fixture(scope="module")
 def mesh(tiny_model, tmp_path_factory):
     cfg = {"tenants": [{"name": t, "api_key_hashes": [hash_key(k)]} for t, k in KEYS.items()],
-           "admission": {"policy": "fair-deadline", "starvation_s": 300}}
+           "admission": {"policy": "fair-deadline", "starvation_s": 300, "share_preemption": True}}
     path = tmp_path_factory.mktemp("arbitration") / "mesh.yaml"
     path.write_text(yaml.safe_dump(cfg))
     m = start_mesh(tiny_model, tmp_path_factory, "unified", config_file=str(path),

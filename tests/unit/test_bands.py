@@ -209,3 +209,29 @@ def test_429_and_503_carry_retry_after_over_http():
     gone = OpenAIError.of(NoWorker("no decode worker for 30 s", retry_after_ms=5000)).response()
     assert gone.status_code == 503 and gone.headers["retry-after"] == "5"
     assert "retry-after" not in OpenAIError.of(InvalidRequest("bad")).response().headers
+
+
+def test_a_request_that_waits_the_starvation_bound_is_answered_then_with_a_retry_after():
+    """The bound is a promise: predictions that let a request in wrongly cost it a refusal at the bound, not a longer
+    wait. A lone tenant's burst (queued past the bound on purpose) is not held to it."""
+    async def go():
+        clock = Clock(100.0)
+        adm = Admission("fcfs", 30.0, clock=clock)
+        adm.update_view([pb.WorkerLoad(role="unified", max_num_seqs=1, kv_capacity_tokens=10_000)], "unified")
+        first = await adm.admit(A, "a1", 10, 5, 0, None)
+        burst = asyncio.ensure_future(adm.admit(A, "a2", 10, 5, 0, None))  # A alone: a burst, not held to the bound
+        await asyncio.sleep(0)
+        clock.now += 1.0
+        late = asyncio.ensure_future(adm.admit(B, "b1", 10, 5, 0, None))
+        await asyncio.sleep(0)
+        clock.now += 29.5
+        adm.pump()
+        assert not late.done()  # 29.5 s: still within the bound
+        clock.now += 0.5
+        adm.pump()
+        with pytest.raises(CapacityExhausted, match="no slot within the 30 s starvation bound") as e:
+            await late
+        assert e.value.retry_after_ms > 0 and not burst.done()
+        adm.done(first, 5)
+        await asyncio.wait_for(burst, 1)  # the burst is served in its turn, past the bound
+    asyncio.run(go())

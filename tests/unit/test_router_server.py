@@ -89,6 +89,11 @@ def test_prefix_aware_routes_to_the_worker_holding_the_prompt(server):
 class AbortingContext:
     """Stands in for a servicer context: abort() records the status and raises, as grpc.aio's does."""
 
+    trailing = ()
+
+    def set_trailing_metadata(self, metadata):
+        self.trailing = tuple(metadata)
+
     async def abort(self, code, details):
         self.code, self.details = code, details
         raise RuntimeError(details)
