@@ -148,9 +148,10 @@ class AdmissionSection(Section):
     policy: ArbitrationPolicyName = Field("fair-deadline", description="fcfs | priority | deadline | fair | "
                                                                        "fair-deadline")
     starvation_s: PositiveFloat = Field(30.0, description="the longest a request may wait to start")
-    queue_bursts: bool = Field(True, description="a tenant alone on the mesh, whose request has no deadline, is "
-                               "queued however long the wait (served in order, as vllm serve queues a burst) instead "
-                               "of turned away at the starvation bound; false: the bound sheds it too")
+    queue_bursts: bool = Field(True, description="a tenant alone on the mesh has its requests "
+                               "queued however long the wait (served in order, as vllm serve queues a burst; a "
+                               "deadline still ends it) instead of turned away at the starvation bound; false: the "
+                               "bound sheds them too")
     share_preemption: bool = Field(False, description="under the fair policies, a tenant below its weighted share of "
                                    "the slots is dispatched past a full mesh and the engine preempts (recomputes) a "
                                    "request of the tenant furthest over its share; false (late binding): it waits in "

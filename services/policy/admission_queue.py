@@ -24,9 +24,9 @@ capacity frees. The queue adds what only it can know:
   backlog. When the work queued would still make a newcomer wait past the bound in arrival
   order, the policy's victim is rejected: the newcomer itself under FCFS, the newest request of
   the most over-served tenant under the fair policies (push-out); so is a request that would
-  overflow its tenant's queue. With `queue_bursts` (the gateway's default) a request without a
-  deadline whose tenant is alone on the mesh (no other tenant has sent a request within the bound)
-  is never turned away by the bound: shedding it would
+  overflow its tenant's queue. With `queue_bursts` (the gateway's default) a request whose tenant
+  is alone on the mesh (no other tenant has sent a request within the bound) is never turned away
+  by the bound (a deadline, if it has one, still ends its wait): shedding it would
   serve nobody else, and a burst is queued and served in order as `vllm serve` queues it (issue
   36); its tenant's queue limit still applies, and the bound (and push-out) applies again as soon
   as another tenant has work.
@@ -336,11 +336,13 @@ class AdmissionQueue:
         return pushed
 
     def _burst(self, p: Pending, now: float) -> bool:
-        """queue_bursts: p has no deadline, is not sheddable, and its tenant is alone on the mesh (nobody else has
+        """queue_bursts: p is not sheddable and its tenant is alone on the mesh (nobody else has
         sent a request within the starvation bound, so nobody else is queued or running either), so turning it away
         buys nobody anything: it waits its turn, as `vllm serve` queues a burst (issue 36). A tenant that is only
-        between two requests of a steady stream is not gone: the burst would queue ahead of its next one."""
-        return (self.queue_bursts and p.deadline_s is None and p.band < SHEDDABLE
+        between two requests of a steady stream is not gone: the burst would queue ahead of its next one. A deadline
+        (a gRPC client's timeout is one) does not make it a shorter wait: the deadline was predicted to be met
+        above, and if it passes first it ends the wait itself."""
+        return (self.queue_bursts and p.band < SHEDDABLE
                 and all(now - seen >= self.starvation_s for t, seen in self._seen.items() if t != p.tenant)
                 and all(q.tenant == p.tenant for q in (*self.queue, *self.running.values())))
 

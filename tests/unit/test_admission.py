@@ -202,6 +202,17 @@ def test_a_lone_tenants_burst_without_deadlines_is_queued_in_order_past_the_boun
             strict.offer(pending(f"a{i}", 0.0, predicted_s=1.0), 0.0)
 
 
+
+def test_a_lone_tenants_burst_with_far_deadlines_is_queued_past_the_bound_until_its_deadlines():
+    """A gRPC client's timeout is a deadline: a lone tenant's burst sent with one (600 s) is still a burst, queued in
+    order past the 30 s bound and not refused at it; the deadline, not the bound, ends a request's wait."""
+    q = AdmissionQueue(FairDeadlinePolicy(30.0), starvation_s=30.0, slots=1, queue_bursts=True)
+    for i in range(40):  # 40 s of work on one slot
+        assert q.offer(pending(f"a{i}", 0.0, predicted_s=1.0, deadline_s=600.0 if i else 45.0), 0.0) == []
+    assert q.timed_out(31.0) == [] and len(q.queue) == 40
+    assert [p.req_id for p in q.expired(46.0)] == ["a0"]  # its own deadline passed while it waited
+    assert q.next(46.0).req_id == "a1"
+
 def test_cost_model():
     m = ServiceTimeModel(prefill_s_per_token=0.001, decode_s_per_step=0.01)
     assert m.predict(100, 10) == pytest.approx(0.2)
