@@ -28,7 +28,7 @@ from pathlib import Path
 from bench import sweep
 from bench.common import default_model, log, machine, print_table, write_result
 from bench.latency import percentile, poisson_arrivals
-from bench.tenants_overload import ENGINE, _drive, tenant_config, warm
+from bench.tenants_overload import ENGINE, _drive, engine_figures, tenant_config, warm
 from services.mesh.launcher import Mesh, MeshSpec
 
 CLASSES = {"K-critical": ("K", "critical", 0.3), "S-standard": ("S", "standard", 1.0),
@@ -94,10 +94,12 @@ def run(args) -> int:
         with mesh() as m:
             warm(m.gateway, keys, lambda rng, i: _request(rng, i, "S-standard"))
             log(f"{name}: {len(sent)} requests")
+            before = sweep.worker_stats([w.address for w in m.workers("unified")])
             outs = _drive(m.gateway, keys, sent)
+            engines = engine_figures(before, sweep.worker_stats([w.address for w in m.workers("unified")]))
         for o, (_, r) in zip(outs, schedule):
             o["class"] = r["class"]
-        systems[name] = _metrics(outs, duration, alone)
+        systems[name] = {**_metrics(outs, duration, alone), "engines": engines}
         raw[name] = [{k: (round(v, 2) if isinstance(v, float) else v) for k, v in o.items()
                       if k in ("class", "arrival_s", "ttft_ms", "queue_wait_ms", "e2e_ms", "output", "error")}
                      for o in outs]

@@ -19,9 +19,10 @@ of requests that finished within the 3-minute window):
   (each alone on a fresh mesh at its own rate, for 1 minute). Rejected requests are counted
   in `rejected_by_tenant`, not in TTFT.
 - deadline_attainment: deadline-carrying requests finished within their deadline / those admitted
-  (not rejected at arrival); rejected_at_arrival counts those (DEADLINE_EXCEEDED naming the
-  predicted finish), with the slowest rejection's answer time; deadline_attainment_all counts
-  every deadline request. deadline_goodput_req_per_s: deadline requests met per second.
+  (dispatched into the mesh: not refused at arrival, pushed out or dropped from the queue; admitted_to_mesh());
+  rejected_at_arrival counts the DEADLINE_EXCEEDED answers naming the predicted finish, with the slowest
+  rejection's answer time; deadline_attainment_all counts every deadline request.
+  deadline_goodput_req_per_s: deadline requests met per second.
 - throughput_tokens_per_s: service (prompt + output tokens) of requests finished in the window,
   per second of the window.
 - max_queue_wait_ms: the longest admitted request's wait in the admission queue.
@@ -133,8 +134,10 @@ def run(args) -> int:
         with mesh(policy) as m:
             warm(m.gateway, keys)
             log(f"{policy}: {len(schedule)} requests")
+            before = sweep.worker_stats([w.address for w in m.workers("unified")])
             outs = _drive(m.gateway, keys, schedule)
-        systems[policy] = _metrics(outs, schedule, demand, duration, alone)
+            engines = engine_figures(before, sweep.worker_stats([w.address for w in m.workers("unified")]))
+        systems[policy] = {**_metrics(outs, schedule, demand, duration, alone), "engines": engines}
         raw[policy] = [{k: (round(v, 2) if isinstance(v, float) else v) for k, v in o.items()} for o in outs]
         log(f"{policy}: {systems[policy]}")
     result = {"workload": "tenants-overload", "command": args.command_line, "machine": machine(),
@@ -256,6 +259,28 @@ def _max_min_shares(total: float, demand: dict, weights: dict) -> dict:
     return share
 
 
+def engine_figures(before: list, after: list) -> dict:
+    """Where requests waited, from the workers' Stats before and after a run: the engines' own queueing delay (arrival
+    at the engine to first scheduled, mean over the requests they started; late binding keeps it near zero), slot
+    preemptions, requests that came past the credits, and the most served at once by one worker."""
+    started = sum(a.started - b.started for b, a in zip(before, after))
+    wait = sum(a.queue_wait_s - b.queue_wait_s for b, a in zip(before, after))
+    return {"engine_queue_wait_ms_mean": round(wait * 1e3 / started, 2) if started else None,
+            "slot_preemptions": sum(a.slot_preemptions - b.slot_preemptions for b, a in zip(before, after)),
+            "uncredited": sum(a.uncredited - b.uncredited for b, a in zip(before, after)),
+            "max_live_per_worker": max((a.max_live for a in after), default=0)}
+
+
+def admitted_to_mesh(o: dict) -> bool:
+    """Was the request dispatched from the admission queue into the mesh? Not if it was refused at arrival (a limit,
+    the bound, its tenant's share, a deadline predicted to be missed), pushed out of the queue, or dropped from it
+    (its deadline or the bound passed while it waited): each of those is answered before any work."""
+    if "error" not in o or o["output"]:
+        return True
+    return not (o.get("refused") or o.get("at_arrival") or any(
+        s in o.get("detail", "") for s in ("pushed out", "admission queue", "starvation bound")))
+
+
 def _metrics(outs: list, schedule: list, demand: dict, duration: float, alone: dict) -> dict:
     weights = {t: w for t, (w, _) in TENANTS.items()}
     served = {t: sum(_service(o["prompt"], o["output"]) for o in outs
@@ -267,7 +292,7 @@ def _metrics(outs: list, schedule: list, demand: dict, duration: float, alone: d
     victim = max(ttft[t] / alone[t] for t in ("B", "C") if ttft[t] is not None and alone[t])
     with_deadline = [o for o in outs if o["deadline_ms"]]
     rejected = [o for o in with_deadline if o.get("at_arrival")]
-    admitted = len(with_deadline) - len(rejected)
+    admitted = sum(1 for o in with_deadline if admitted_to_mesh(o))
     met = sum(1 for o in with_deadline if "error" not in o and o["e2e_ms"] <= o["deadline_ms"])
     waits = [o["queue_wait_ms"] for o in outs if "queue_wait_ms" in o]
     server = [o["server_ms"] for o in outs if "server_ms" in o and o.get("refused")]  # refused at arrival
@@ -275,7 +300,8 @@ def _metrics(outs: list, schedule: list, demand: dict, duration: float, alone: d
     return {"jain_index": r(jain), "victim_ttft_p99_ratio": r(victim),
             "deadline_attainment": r(met / admitted) if admitted else None,
             "deadline_attainment_all": r(met / len(with_deadline)) if with_deadline else None,
-            "deadline_requests": len(with_deadline), "rejected_at_arrival": len(rejected),
+            "deadline_requests": len(with_deadline), "deadline_admitted": admitted,
+            "rejected_at_arrival": len(rejected),
             "rejection_ms_max": r(max(o["error_ms"] for o in rejected)) if rejected else None,
             "rejection_server_ms_max": r(max(server)) if server else None,
             "rejection_server_ms_p99": r(percentile(server, 0.99)) if server else None,

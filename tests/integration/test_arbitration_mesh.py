@@ -1,5 +1,6 @@
 """Slot arbitration on real processes (issue 18): the gateway dispatches against the credits a worker grants,
-an under-share tenant's request takes a slot by preemption (once, never swapped back), and a deadline that
+an under-share tenant's request takes a slot by preemption (once, never swapped back; with
+admission.share_preemption), so does a critical request, and a deadline that
 cannot be met is turned away at arrival while a feasible one is served in time.
 
 One mesh for the module: one unified worker with 4 slots, the fair-deadline policy in the gateway and the
@@ -109,6 +110,37 @@ def test_an_under_share_tenant_takes_a_slot_by_preemption_once(mesh):
     assert finished.index("light") < finished.index("heavy")
     assert after.slot_preemptions - before.slot_preemptions == 1
     assert after.uncredited - before.uncredited == 1  # light's, sent past the credits to be preempted for
+
+
+def test_a_critical_request_takes_a_standard_requests_slot_at_once(mesh):
+    """Bands on the real path: the tenant's own standard requests hold every slot (and two more queue at the
+    gateway); its critical one (x-criticality metadata) goes past the full mesh and the engine preempts a standard
+    request for it, once; every request still finishes whole."""
+    before = stats(mesh)
+    started = threading.Semaphore(0)
+    standard = [generate_request(list(range(300 + i, 340 + i)), max_tokens=400) for i in range(SLOTS + 2)]
+    critical = generate_request(list(range(500, 530)), max_tokens=8)
+    critical.criticality = "critical"
+    finished: list = []
+
+    def run_standard(req):
+        out = generate(mesh, "heavy", req, on_first=started.release)
+        finished.append("standard")
+        return out
+
+    def run_critical():
+        for _ in range(SLOTS):
+            assert started.acquire(timeout=60)
+        out = generate(mesh, "heavy", critical)
+        finished.append("critical")
+        return out
+
+    outs = in_threads([(run_standard, (r,)) for r in standard] + [(run_critical, ())])
+    assert all(len(o) == 400 for o in outs[:-1]) and len(outs[-1]) == 8, outs
+    after = stats(mesh)
+    assert finished.index("critical") < finished.index("standard")
+    assert after.slot_preemptions - before.slot_preemptions == 1
+    assert after.uncredited - before.uncredited == 1
 
 
 def test_an_infeasible_deadline_is_rejected_at_arrival_and_a_feasible_one_served_in_time(mesh):
