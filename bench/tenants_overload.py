@@ -228,7 +228,8 @@ async def _drive_async(gateway: str, keys: dict, schedule: list) -> list[dict]:
                 details = e.details() or ""
                 out["at_arrival"] = out["output"] == 0 and "predicted to finish" in details
                 out["refused"] = out["output"] == 0 and (out["at_arrival"] or (
-                    e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "pushed out" not in details))
+                    e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "pushed out" not in details
+                    and "no slot within" not in details))  # not pushed out or timed out in the queue later
                 out["detail"] = details[:100]
             return out
 

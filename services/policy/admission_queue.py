@@ -13,9 +13,13 @@ capacity frees. The queue adds what only it can know:
   than `slots` says, and a 30 s promise measured 65-108 s waits (issue 36's soak). So the queue
   also measures how fast it actually drains while backlogged (DrainRate: predicted work
   dispatched per second of backlog, decayed over half a minute) and predicts no shorter a wait
-  than the work ahead divided by that rate. Whenever
+  than the work ahead divided by that rate. Under the non-fair policies, whenever
   dispatching the policy's choice out of arrival order would push some request past its
-  start-by time (arrival + bound), the oldest goes next instead. Under the fair policies a
+  start-by time (arrival + bound), the oldest goes next instead. The fair policies keep the
+  bound by refusal only (below): under sustained overload the over-share tenant's backlog
+  always holds a request near its start-by time, so the oldest-first rule fired on nearly every
+  dispatch and the fair order became FCFS (issue 39: the light tenant's TTFT p99 28.8 s on
+  tenants-overload, as long as the heavy one's). Under the fair policies a
   tenant's queue is bounded first, by its own share: a newcomer whose tenant's queued work would
   take longer than half the bound at the tenant's weighted share of the slots (among the tenants
   with work; the other half is headroom, so the oldest-first rule seldom overrides the fair
@@ -427,7 +431,8 @@ class AdmissionQueue:
             return None
         choice = self.policy.pick(runnable, now)  # of the most urgent band that can run (bands are strict)
         oldest = sorted((p for p in runnable if p.band == choice.band), key=lambda p: (p.arrival_s, p.seq_no))
-        if choice is not oldest[0] and self._would_starve(oldest, choice, now):
+        if not isinstance(self.policy, FairPolicy) and choice is not oldest[0] and self._would_starve(oldest, choice,
+                                                                                                      now):
             choice = oldest[0]
         self.queue.remove(choice)
         if now > choice.arrival_s:

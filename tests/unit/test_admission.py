@@ -213,6 +213,26 @@ def test_a_lone_tenants_burst_with_far_deadlines_is_queued_past_the_bound_until_
     assert [p.req_id for p in q.expired(46.0)] == ["a0"]  # its own deadline passed while it waited
     assert q.next(46.0).req_id == "a1"
 
+
+def test_under_the_fair_policy_a_light_tenant_is_not_queued_behind_a_heavy_backlog_near_the_bound():
+    """Issue 39: the heavy tenant's backlog, held up by a request that ran ten times its prediction, is near its
+    start-by time; the light tenant's request still goes next in the fair order (once the heavy one has had its
+    turn), and the bound is kept by refusing the heavy request that cannot start within it, not by serving the
+    backlog oldest-first (which made the fair order FCFS: the light tenant waited as long as the heavy one)."""
+    q = AdmissionQueue(FairPolicy(), starvation_s=30.0, slots=1)
+    for i in range(7):
+        q.offer(pending(f"a{i}", 0.0, predicted_s=2.0), 0.0)
+    assert q.next(0.0).req_id == "a0"
+    q.finished(q.running[next(iter(q.running))], 0, 20.0)  # predicted 2 s, took 20
+    q.offer(pending("b0", 20.0, tenant="B", predicted_s=2.0), 20.0)
+    order = []
+    for now in (20.0, 22.0, 24.0, 26.0, 28.0):
+        p = q.next(now)
+        order.append(p.req_id)
+        q.finished(p, 0, now + 2.0)
+    assert order == ["a1", "b0", "a2", "a3", "a4"]  # oldest-first by the bound would have sent b0 after all of A
+    assert [p.req_id for p in q.timed_out(30.0)] == ["a5", "a6"]  # waited the bound without a slot: refused
+
 def test_cost_model():
     m = ServiceTimeModel(prefill_s_per_token=0.001, decode_s_per_step=0.01)
     assert m.predict(100, 10) == pytest.approx(0.2)
@@ -243,6 +263,7 @@ def simulate(policy, specs, slots, starvation_s=math.inf, speed=40):
     busy, served, trace, waits, rejected = [], {f"t{i}": 0.0 for i in range(len(specs))}, [], [], 0
     tick = 0
     while arrivals or q.queue or busy:
+        rejected += len(q.timed_out(float(tick)))  # the bound kept by refusal (the gateway's tick)
         while arrivals and arrivals[0][0] <= tick:
             _, tenant, w, p, o, j = arrivals.pop(0)
             try:
