@@ -38,6 +38,11 @@ WAITING_FOR_WORKER = "meshserve.gateway.waiting_for_worker"  # a gateway's gauge
 # that pool has no worker at all (the autoscaler's signal to scale a pool from zero)
 QUEUE_DEPTH = "meshserve.gateway.queue_depth"  # a gateway's gauges of its admission queue, per pool (the role whose
 QUEUE_OLDEST_WAIT = "meshserve.gateway.queue_oldest_wait"  # credits it waits for), tenant, band and priority
+# the Gateway API Inference Extension's flow-control names for the same queue (Prometheus: inference_extension_...)
+FLOW_QUEUE_SIZE = "inference_extension.flow_control.queue_size"
+FLOW_SATURATION = "inference_extension.flow_control.pool_saturation"
+FLOW_QUEUE_DURATION = "inference_extension.flow_control.request_queue_duration"
+QUEUE_WAIT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 15, 20, 30, 60, 120)
 
 
 def _resource(service_name: str, attributes: dict | None):

@@ -24,7 +24,14 @@ import time
 from opentelemetry import metrics
 
 from services.common.errors import CapacityExhausted, DeadlineExceeded, MeshError
-from services.common.telemetry import QUEUE_DEPTH, QUEUE_OLDEST_WAIT
+from services.common.telemetry import (
+    FLOW_QUEUE_DURATION,
+    FLOW_QUEUE_SIZE,
+    FLOW_SATURATION,
+    QUEUE_DEPTH,
+    QUEUE_OLDEST_WAIT,
+    QUEUE_WAIT_BUCKETS_S,
+)
 from services.policy.admission_core import NO_SLO, AdmissionCore, Slo
 from services.policy.admission_queue import Pending
 from services.policy.bands import STANDARD
@@ -45,6 +52,10 @@ class GatewayMetrics:
         self.queue_wait = meter.create_histogram("meshserve.gateway.queue_wait", unit="ms",
                                                  description="time in the admission queue, by tenant")
         self.ttft = meter.create_histogram("meshserve.gateway.ttft", unit="ms", description="time to first token")
+        self.flow_queue_duration = meter.create_histogram(
+            FLOW_QUEUE_DURATION, unit="s", explicit_bucket_boundaries_advisory=QUEUE_WAIT_BUCKETS_S,
+            description="time in the admission queue, by fairness_id (tenant), priority and outcome (the Gateway API "
+                        "Inference Extension's name)")
         self.slo = meter.create_counter("meshserve.gateway.slo", description=(
             "requests carrying a latency target, by tenant, objective (ttft, tpot) and outcome (met, missed, "
             "rejected: refused at arrival as predicted to miss)"))
@@ -70,14 +81,33 @@ class Admission(AdmissionCore):
         meter.create_observable_gauge(QUEUE_OLDEST_WAIT, [self._observe_oldest], unit="s",
                                       description="how long the oldest waiting request has waited, by tenant, band "
                                                   "and priority")
+        # the same queue under the Gateway API Inference Extension's flow-control names (llm-d's EPP exports them):
+        # dashboards and KEDA triggers written for those read the gateway unchanged
+        meter.create_observable_gauge(FLOW_QUEUE_SIZE, [self._observe_flow_queue], unit="{request}",
+                                      description="requests waiting in the admission queue, by fairness_id (tenant) "
+                                                  "and priority")
+        meter.create_observable_gauge(FLOW_SATURATION, [self._observe_saturation],
+                                      description="how full the pool is (slots or KV tokens in use over capacity, the "
+                                                  "larger): at 1 or more requests wait in the queue")
 
-    def _observe(self, index: int):
+    def _queue_levels(self):
+        """((tenant, band, priority), (depth, oldest wait)) of every key seen so far (0 once its queue empties)."""
         now = self.waiting()
         self._reported |= set(now)
-        for tenant, band, priority in sorted(self._reported):
-            value = now.get((tenant, band, priority), (0, 0.0))[index]
-            yield metrics.Observation(value, {"tenant": tenant, "band": band, "priority": str(priority),
-                                              "pool": self.pool})
+        return [(key, now.get(key, (0, 0.0))) for key in sorted(self._reported)]
+
+    def _observe(self, index: int):
+        for (tenant, band, priority), values in self._queue_levels():
+            yield metrics.Observation(values[index], {"tenant": tenant, "band": band, "priority": str(priority),
+                                                      "pool": self.pool})
+
+    def _observe_flow_queue(self, options):
+        for (tenant, band, priority), (depth, _) in self._queue_levels():
+            yield metrics.Observation(depth, {"fairness_id": tenant, "priority": str(priority), "band": band,
+                                              "inference_pool": self.pool})
+
+    def _observe_saturation(self, options):
+        yield metrics.Observation(self.saturation(), {"inference_pool": self.pool})
 
     def _observe_depth(self, options):
         return self._observe(0)
@@ -121,6 +151,9 @@ class Admission(AdmissionCore):
             self.waiters.pop(id(p), None)
         self.metrics.outcome(tenant.name, "admitted")
         self.metrics.queue_wait.record((p.dispatched_s - p.arrival_s) * 1e3, {"tenant": tenant.name})
+        self.metrics.flow_queue_duration.record(p.dispatched_s - p.arrival_s, {
+            "fairness_id": tenant.name, "priority": str(p.priority), "outcome": "Dispatched",
+            "inference_pool": self.pool})
         return p
 
     def done(self, p: Pending, output_tokens: int, first_token_s: float | None = None,

@@ -119,6 +119,14 @@ class AdmissionCore:
         load = max(self.running_tokens, v.outstanding_tokens)
         return not v.kv_tokens or load + p.input_tokens + p.max_tokens <= v.kv_tokens
 
+    def saturation(self) -> float:
+        """How full the pool is by the measures has_room() gates on: the larger of slots in use over slots and
+        tokens held over KV tokens (0 with no view; 1 or more: a request waits in the queue for a release)."""
+        v = self.view
+        slots = self.running_requests / v.slots if v.slots else 0.0
+        kv = max(self.running_tokens, v.outstanding_tokens) / v.kv_tokens if v.kv_tokens else 0.0
+        return max(slots, kv)
+
     # ---- a request's life -------------------------------------------------------------------------------------
 
     def offer(self, tenant: Tenant, req_id: str, prompt_tokens: int, max_tokens: int, priority: int,

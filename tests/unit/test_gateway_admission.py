@@ -8,6 +8,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from services.common.errors import CapacityExhausted, DeadlineExceeded
 from services.common.pb import meshserve_pb2 as pb
+from services.common.telemetry import prometheus_name
 from services.gateway.admission import Admission
 from services.policy.tenants import Limits, Tenant
 from tests.support.fakes import Clock
@@ -155,6 +156,14 @@ def test_the_queue_is_exported_by_tenant_and_priority_and_empties_to_zero():
                   for d in p["meshserve.gateway.queue_oldest_wait"] if d.attributes["band"] == "standard"}
         assert depth == {("A", "0"): 1, ("A", "1"): 1, ("B", "0"): 1}
         assert oldest == pytest.approx({("A", "0"): 2.5, ("A", "1"): 2.5, ("B", "0"): 0.5})
+        # the same under the Gateway API Inference Extension's names, and the pool's saturation (its one slot held)
+        flow = {(d.attributes["fairness_id"], d.attributes["priority"]): d.value
+                for d in p["inference_extension.flow_control.queue_size"]}
+        assert flow == depth
+        assert [(d.value, d.attributes["inference_pool"]) for d in p["inference_extension.flow_control.pool_saturation"]
+                ] == [(1.0, "unified")]
+        assert prometheus_name("inference_extension.flow_control.request_queue_duration", "s") == \
+            "inference_extension_flow_control_request_queue_duration_seconds"
         for _ in waiting:  # one at a time through the single slot
             adm.done(running, output_tokens=5)
             running = await next(asyncio.as_completed(waiting))
@@ -163,4 +172,7 @@ def test_the_queue_is_exported_by_tenant_and_priority_and_empties_to_zero():
         p = metric_points(reader)
         assert {d.value for d in p["meshserve.gateway.queue_depth"]} == {0}
         assert {d.value for d in p["meshserve.gateway.queue_oldest_wait"]} == {0}
+        waits = {(d.attributes["fairness_id"], d.attributes["priority"]): d.count
+                 for d in p["inference_extension.flow_control.request_queue_duration"]}
+        assert waits == {("A", "0"): 2, ("A", "1"): 1, ("B", "0"): 1}  # every dispatch, a1's at once included
     asyncio.run(go())
