@@ -6,9 +6,15 @@ a Poisson stream can sustain, by a machine-dependent amount). The ramp streams P
 rate grows by RAMP_FACTOR every step (no pause between steps, so a backlog carries over), from about
 half a request in flight; a step is sustained while its requests' median TTFT stays within KNEE x the
 light-load median (the first step's, or the unloaded one measured a request at a time first, whichever
-is higher). Then the backlog is cancelled and the last sustained rate is held three steps long; a hold
-past the knee steps down by RAMP_FACTOR and holds again. The sustainable rate is the held one. Past it, requests queue
-faster than they are served and TTFT grows without bound; below it, the mesh keeps up.
+is higher). Then the backlog is cancelled and the last sustained rate is held (six steps long; three
+with --quick); a hold past the knee steps down by RAMP_FACTOR (or to the rate its tokens showed, if
+lower) and holds again. A hold must also keep up in tokens (not with --quick): over its second half
+the mesh generates at least KEEP_UP x the output tokens per second its arrivals ask for (rate x their
+mean max_tokens). TTFT alone overstated what a mesh with many slots sustains by about 2x (issue 39:
+tenants-overload's ramp held 1.74 req/s on the smollm2 shape, where the same mesh then delivered 0.9
+req/s): every new request got a slot and its first token at once while all decoded slower, and the
+backlog showed in TTFT only once the slots filled, after the hold. The sustainable rate is the held
+one. Past it, requests queue faster than they are served and TTFT grows without bound; below it, the mesh keeps up.
 
 Balance, per worker, from each worker's Stats before and after the run: its share of the engines'
 busy time (seconds in steps) and its mean queueing delay (arrival at the engine to first scheduled).
@@ -46,7 +52,8 @@ RAMP_STEP_S = 8.0  # arrivals per ramp step, seconds
 KNEE = 3.0  # a ramp step is sustained while its median TTFT stays within KNEE x the unloaded median
 UNLOADED_REQUESTS = 6  # sent one at a time before the ramp: the unloaded TTFT and e2e
 MAX_RAMP_STEPS = 30
-HOLD_STEPS = 3  # a confirmation holds the rate this many steps long
+HOLD_STEPS = 6  # a confirmation holds the rate this many steps long (3 with --quick)
+KEEP_UP = 0.85  # a hold keeps up while it generates this fraction of the output tokens per second it asks for
 MAX_HOLDS = 4
 
 
@@ -81,6 +88,16 @@ class RampStep:
     ttft_ms_p50: float | None  # None: not one first token came in time
     sustained: bool
     hold: bool = False  # a confirmation: held HOLD_STEPS steps long, after the backlog was cancelled
+    tokens_per_s: float | None = None  # a hold's: output tokens generated per second over its second half
+    asked_tokens_per_s: float | None = None  # and what its arrivals asked for (rate x mean max_tokens)
+
+
+def keeps_up(events: list, start_s: float, end_s: float, asked_per_s: float,
+             keep_up: float = KEEP_UP) -> tuple[bool, float]:
+    """(whether the mesh generated at least keep_up x `asked_per_s` output tokens per second between start_s and
+    end_s, the rate it generated); events: (time, tokens) of every response received."""
+    rate = sum(n for t, n in events if start_s <= t < end_s) / max(end_s - start_s, 1e-9)
+    return rate >= keep_up * asked_per_s, rate
 
 
 def sustained(ttfts_ms: list, unloaded_ms: float, knee: float = KNEE) -> tuple[bool, float | None]:
@@ -114,7 +131,8 @@ def find_sustainable(mesh, reqs: list, seed: int, quick: bool) -> tuple[float, d
     factor, step_s = (1.3, 4.0) if quick else (RAMP_FACTOR, RAMP_STEP_S)
     log(f"ramp: unloaded TTFT p50 {ttft:.0f} ms, e2e p50 {e2e * 1e3:.0f} ms; from {start:.2f} req/s, x{factor} "
         f"every {step_s:.0f} s, until the median TTFT passes {KNEE:g}x the light-load one")
-    steps, reference = asyncio.run(_ramp(mesh.gateway, reqs[UNLOADED_REQUESTS:], start, factor, step_s, ttft, seed))
+    steps, reference = asyncio.run(_ramp(mesh.gateway, reqs[UNLOADED_REQUESTS:], start, factor, step_s, ttft, seed,
+                                             quick))
     rate = sustainable_rate(steps)
     if rate is None:
         raise RuntimeError(f"the ramp's first step ({start:.2f} req/s) was already past the knee: {steps}")
@@ -125,13 +143,14 @@ def find_sustainable(mesh, reqs: list, seed: int, quick: bool) -> tuple[float, d
 
 
 async def _ramp(gateway: str, reqs: list, rate: float, factor: float, step_s: float, unloaded_ms: float,
-                seed: int) -> tuple[list[RampStep], float]:
+                seed: int, quick: bool = False) -> tuple[list[RampStep], float]:
     """The ramp's steps, and the light-load median TTFT they were judged against. After the first step past the
     knee, the backlog is cancelled and the last sustained rate is held for HOLD_STEPS steps at once; a hold that
     is past the knee steps the rate down by `factor` and holds again (a short step above capacity can pass before
     its backlog shows, the more so with heavy-tailed outputs)."""
-    rng, pool, steps, tasks = random.Random(seed), itertools.cycle(enumerate(reqs)), [], []
+    rng, pool, steps, tasks, events = random.Random(seed), itertools.cycle(enumerate(reqs)), [], [], []
     reference = unloaded_ms
+    mean_tokens = sum(r.get("max_tokens", 0) for r in reqs) / max(len(reqs), 1)
     async with grpc.aio.insecure_channel(gateway) as ch:
         stub = pb_grpc.GenerationStub(ch)
 
@@ -139,7 +158,9 @@ async def _ramp(gateway: str, reqs: list, rate: float, factor: float, step_s: fl
             await asyncio.sleep(max(0.0, at - time.perf_counter()))
             timing.arrival_s = time.perf_counter()
             async for resp in stub.Generate(request_from_line(r), timeout=900):
-                timing.on_tokens(time.perf_counter(), list(resp.token_ids))
+                now = time.perf_counter()
+                timing.on_tokens(now, list(resp.token_ids))
+                events.append((now, len(resp.token_ids)))
 
         async def step(k: int, rate: float, seconds: float, hold: bool) -> RampStep:
             t = time.perf_counter()
@@ -156,9 +177,17 @@ async def _ramp(gateway: str, reqs: list, rate: float, factor: float, step_s: fl
                 await asyncio.sleep(0.02)
             ttfts = [None if x.first_s is None else (x.first_s - x.arrival_s) * 1e3 for x in timings]
             ok, p50 = sustained(ttfts, reference)
+            made = asked = None
+            if hold and not quick and mean_tokens:
+                asked = rate * mean_tokens
+                kept, made = keeps_up(events, end - seconds / 2, end, asked)
+                ok = ok and kept
             log(f"ramp {'hold' if hold else 'step'} {k}: {rate:.2f} req/s, {len(timings)} requests, TTFT p50 "
-                f"{'-' if p50 is None else f'{p50:.0f} ms'}: {'sustained' if ok else 'past the knee'}")
-            return RampStep(round(rate, 3), len(timings), None if p50 is None else round(p50, 1), ok, hold)
+                f"{'-' if p50 is None else f'{p50:.0f} ms'}"
+                + ("" if made is None else f", {made:.0f} of {asked:.0f} output tokens/s asked")
+                + f": {'sustained' if ok else 'past the knee'}")
+            return RampStep(round(rate, 3), len(timings), None if p50 is None else round(p50, 1), ok, hold,
+                            None if made is None else round(made, 1), None if asked is None else round(asked, 1))
 
         async def cancel_all() -> None:
             for task in tasks:
@@ -179,11 +208,13 @@ async def _ramp(gateway: str, reqs: list, rate: float, factor: float, step_s: fl
             rate = sustainable_rate(steps) or rate
             for k in range(MAX_HOLDS):
                 await cancel_all()
-                s = await step(k, rate, step_s * HOLD_STEPS, True)
+                s = await step(k, rate, step_s * (3 if quick else HOLD_STEPS), True)
                 steps.append(s)
                 if s.sustained:
                     break
-                rate /= factor
+                # down by the factor, or to what the mesh generated when that was less (a rate it has shown)
+                rate = min(rate / factor, rate * s.tokens_per_s / s.asked_tokens_per_s) if s.asked_tokens_per_s \
+                    else rate / factor
         finally:
             await cancel_all()
     return steps, reference

@@ -4,7 +4,7 @@ keeping up, the balance figures from workers' Stats, per-load ratios, and the pl
 from types import SimpleNamespace
 
 from bench.plot import plot_sweep
-from bench.sweep import RampStep, balance, ratios_by_load, sustainable_rate, sustained, system_of
+from bench.sweep import RampStep, balance, keeps_up, ratios_by_load, sustainable_rate, sustained, system_of
 
 
 def test_a_ramp_step_is_sustained_while_its_median_ttft_stays_within_the_knee():
@@ -23,6 +23,16 @@ def test_the_sustainable_rate_is_the_held_one_and_a_failed_hold_steps_down():
     held = steps + [RampStep(1.15, 27, 400, False, hold=True), RampStep(1.0, 24, 70, True, hold=True)]
     assert sustainable_rate(held) == 1.0  # 1.15 passed a short step but not a long hold
     assert sustainable_rate(held[:-1]) == 1.15  # no hold sustained yet: the lowest held, unconfirmed
+
+
+def test_a_hold_keeps_up_only_while_the_mesh_generates_the_tokens_its_arrivals_ask_for():
+    """TTFT alone passed a hold at twice what a many-slot mesh sustains (every request got a slot at once and all
+    decoded slower): the tokens generated over the hold's second half must reach KEEP_UP of those asked for."""
+    events = [(t / 10, 4) for t in range(200)]  # 40 tokens/s over 20 s
+    assert keeps_up(events, 10.0, 20.0, asked_per_s=40.0) == (True, 40.0)
+    assert keeps_up(events, 10.0, 20.0, asked_per_s=80.0) == (False, 40.0)  # asked twice what it made
+    assert keeps_up(events, 10.0, 20.0, asked_per_s=46.0)[0]  # within the 0.85 margin
+    assert keeps_up([], 10.0, 20.0, asked_per_s=1.0) == (False, 0.0)
 
 
 def stats(busy_s, started, queue_wait_s):
