@@ -83,64 +83,55 @@ def test_a_burst_never_puts_more_work_on_a_worker_than_its_credits(mesh):
     assert after.running == after.waiting == 0
 
 
-def test_an_under_share_tenant_takes_a_slot_by_preemption_once(mesh):
+def _one_past_a_full_mesh(mesh, holders: list, holder_tenant: str, newcomer, newcomer_tenant: str):
+    """The holders (400 tokens each, two more than the slots) hold every slot; once they all have, the newcomer (8
+    tokens) is sent. Returns (every output, newcomer's last; the order they finished in; the newcomer's slot
+    preemptions and uncredited dispatches, from the worker's Stats)."""
     before = stats(mesh)
     started = threading.Semaphore(0)
-    heavy = [generate_request(list(range(50 + i, 90 + i)), max_tokens=400) for i in range(SLOTS + 2)]
-    light = generate_request(list(range(200, 230)), max_tokens=8)
     finished: list = []
 
-    def run_heavy(req):
-        out = generate(mesh, "heavy", req, on_first=started.release)
-        finished.append("heavy")
+    def run_holder(req):
+        out = generate(mesh, holder_tenant, req, on_first=started.release)
+        finished.append("holder")
         return out
 
-    def run_light():
-        for _ in range(SLOTS):  # heavy holds every slot (two more of its requests queue at the gateway)
+    def run_newcomer():
+        for _ in range(SLOTS):
             assert started.acquire(timeout=60)
-        out = generate(mesh, "light", light)
-        finished.append("light")
+        out = generate(mesh, newcomer_tenant, newcomer)
+        finished.append("newcomer")
         return out
 
-    outs = in_threads([(run_heavy, (r,)) for r in heavy] + [(run_light, ())])
-    assert all(len(o) == 400 for o in outs[:-1]) and len(outs[-1]) == 8, outs
+    outs = in_threads([(run_holder, (r,)) for r in holders] + [(run_newcomer, ())])
     after = stats(mesh)
+    return outs, finished, after.slot_preemptions - before.slot_preemptions, after.uncredited - before.uncredited
+
+
+def test_an_under_share_tenant_takes_a_slot_by_preemption_once(mesh):
+    heavy = [generate_request(list(range(50 + i, 90 + i)), max_tokens=400) for i in range(SLOTS + 2)]
+    light = generate_request(list(range(200, 230)), max_tokens=8)
+    outs, finished, preempted, uncredited = _one_past_a_full_mesh(mesh, heavy, "heavy", light, "light")
+    assert all(len(o) == 400 for o in outs[:-1]) and len(outs[-1]) == 8, outs
     # light did not wait for a heavy request to finish: it went past the full mesh and the engine preempted one
     # heavy request for it, exactly once; the preempted one was resumed and finished in full (outputs above)
-    assert finished.index("light") < finished.index("heavy")
-    assert after.slot_preemptions - before.slot_preemptions == 1
-    assert after.uncredited - before.uncredited == 1  # light's, sent past the credits to be preempted for
+    assert finished.index("newcomer") < finished.index("holder")
+    assert preempted == 1
+    assert uncredited == 1  # light's, sent past the credits to be preempted for
 
 
 def test_a_critical_request_takes_a_standard_requests_slot_at_once(mesh):
     """Bands on the real path: the tenant's own standard requests hold every slot (and two more queue at the
     gateway); its critical one (x-criticality metadata) goes past the full mesh and the engine preempts a standard
     request for it, once; every request still finishes whole."""
-    before = stats(mesh)
-    started = threading.Semaphore(0)
     standard = [generate_request(list(range(300 + i, 340 + i)), max_tokens=400) for i in range(SLOTS + 2)]
     critical = generate_request(list(range(500, 530)), max_tokens=8)
     critical.criticality = "critical"
-    finished: list = []
-
-    def run_standard(req):
-        out = generate(mesh, "heavy", req, on_first=started.release)
-        finished.append("standard")
-        return out
-
-    def run_critical():
-        for _ in range(SLOTS):
-            assert started.acquire(timeout=60)
-        out = generate(mesh, "heavy", critical)
-        finished.append("critical")
-        return out
-
-    outs = in_threads([(run_standard, (r,)) for r in standard] + [(run_critical, ())])
+    outs, finished, preempted, uncredited = _one_past_a_full_mesh(mesh, standard, "heavy", critical, "heavy")
     assert all(len(o) == 400 for o in outs[:-1]) and len(outs[-1]) == 8, outs
-    after = stats(mesh)
-    assert finished.index("critical") < finished.index("standard")
-    assert after.slot_preemptions - before.slot_preemptions == 1
-    assert after.uncredited - before.uncredited == 1
+    assert finished.index("newcomer") < finished.index("holder")
+    assert preempted == 1
+    assert uncredited == 1
 
 
 def test_an_infeasible_deadline_is_rejected_at_arrival_and_a_feasible_one_served_in_time(mesh):
