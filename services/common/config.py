@@ -145,7 +145,7 @@ class RoutingSection(Section):
 class AdmissionSection(Section):
     """The gateway's admission queue (services/policy/admission_queue.py)."""
 
-    policy: ArbitrationPolicyName = Field("fair-deadline", description="fcfs | priority | deadline | fair | "
+    policy: ArbitrationPolicyName = Field("fair-deadline", description="fcfs | priority | deadline | fair | vtc | "
                                                                        "fair-deadline")
     starvation_s: PositiveFloat = Field(30.0, description="the longest a request may wait to start")
     queue_bursts: bool = Field(True, description="a tenant alone on the mesh has its requests "

@@ -106,7 +106,7 @@ class EngineSection(BaseModel):
     max_num_batched_tokens: PositiveInt = Field(2048, description="token budget per iteration, also the prefill chunk")
     prefix_caching: bool = Field(True, description="reuse cached full blocks across requests")
     slot_policy: ArbitrationPolicyName = Field("fair-deadline", description="slot arbitration: fcfs | priority | "
-                                                                            "deadline | fair | fair-deadline")
+                                                                            "deadline | fair | vtc | fair-deadline")
     deadline_min_batch: PositiveInt = Field(
         4, description="deadline-aware batching (deadline-aware slot policies): the fewest sequences a step carries "
                        "when it caps the batch for requests with deadlines; the throughput floor of the others")

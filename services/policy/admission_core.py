@@ -322,7 +322,7 @@ class AdmissionCore:
 
     def _under_share(self, st: TenantState) -> bool:
         """The fair policies' bypass of a full mesh (services.policy.admission_queue.under_share)."""
-        if not self.share_preemption or not self.queue.policy.name.startswith("fair"):
+        if not self.share_preemption or not isinstance(self.queue.policy, FairPolicy):
             return False
         active = {x.tenant.name: x for x in self.states.values() if x.running or x.queued}
         active[st.tenant.name] = st

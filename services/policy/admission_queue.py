@@ -41,8 +41,9 @@ capacity frees. The queue adds what only it can know:
   DEADLINE_EXCEEDED and its predicted finish in the message, rather than served late, when it
   cannot finish in time even served as soon as its place in the policy's order allows: its
   predicted finish (predicted_finish(): the wait for its tenant's queued requests with less
-  slack, at the tenant's share, then its service time scaled by what deadline requests have
-  actually taken) is past its deadline. One whose slack runs out while queued is dropped the
+  slack, at the tenant's share, or for a heavy tenant served after the light ones (the fair
+  policies by demand) its work and p's own at the rate it has been served, when that is longer;
+  then its service time scaled by what deadline requests have actually taken) is past its deadline. One whose slack runs out while queued is dropped the
   same way (expired()). Predictions reject only once they are trusted (`trust_predictions`:
   the cost model has measured enough completed requests itself). Under any policy a request
   whose own deadline has passed is dropped.
@@ -58,7 +59,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from services.common.errors import CapacityExhausted, DeadlineExceeded
-from services.policy.arbitration import ArbitrationPolicy, FairPolicy, slack, weighted_shares
+from services.policy.arbitration import ArbitrationPolicy, FairPolicy, cost, slack, weighted_shares
 from services.policy.bands import SHEDDABLE
 
 
@@ -295,6 +296,7 @@ class AdmissionQueue:
         queue, as fair queueing manages its buffer), which is the newcomer only if its own tenant
         is that one. Returns the requests pushed out, for the caller to reject."""
         self.drain.advance(now, bool(self.queue))
+        self.policy.arrived(p.tenant, p.weight, p.input_tokens, p.max_tokens, now)
         if p.deadline_s is not None:
             if p.deadline_s <= now:
                 raise DeadlineExceeded("the deadline has already passed")
@@ -388,7 +390,11 @@ class AdmissionQueue:
         service = self.deadline_service_s(p)
         if isinstance(self.policy, FairPolicy):
             ahead = [q for q in self.queue if q.tenant == p.tenant and slack(q, now) <= slack(p, now)]
-            return now + (self.tenant_wait(p.tenant, ahead, p.weight) if ahead else 0.0) + service
+            wait = self.tenant_wait(p.tenant, ahead, p.weight) if ahead else 0.0
+            rate = self.policy.heavy_rate(p.tenant, now)
+            if rate is not None:  # served after the light tenants: its work (p's too) drains at the rate it gets
+                wait = max(wait, sum(cost(q.input_tokens, q.max_tokens, 1.0) for q in (*ahead, p)) / rate)
+            return now + wait + service
         ahead = [q for q in self.queue if self.policy.rank(q, now) < self.policy.rank(p, now)]
         return now + (self.predicted_wait(now, ahead) if ahead else 0.0) + service
 
@@ -440,7 +446,7 @@ class AdmissionQueue:
         choice.dispatched_s = now
         self.running[id(choice)] = choice
         self._dispatched.add(id(choice), choice.predicted_s, now)
-        self.policy.charge(choice.tenant, choice.weight, choice.input_tokens, choice.max_tokens)
+        self.policy.charge(choice.tenant, choice.weight, choice.input_tokens, choice.max_tokens, now=now)
         return choice
 
     def _would_starve(self, oldest: list, choice: Pending, now: float) -> bool:
@@ -503,4 +509,4 @@ class AdmissionQueue:
                 self.deadline_calibration = 0.8 * self.deadline_calibration + 0.2 * min(max(ratio, 0.25), 4.0)
         unused = p.max_tokens - output_tokens
         if unused > 0:
-            self.policy.charge(p.tenant, p.weight, 0, -unused)
+            self.policy.charge(p.tenant, p.weight, 0, -unused, now=now)

@@ -12,12 +12,14 @@ from services.common.errors import CapacityExhausted, DeadlineExceeded
 from services.policy.admission_queue import AdmissionQueue, Pending, ServiceTimeModel
 from services.policy.arbitration import (
     DeadlinePolicy,
+    DecayedRate,
     FairDeadlinePolicy,
     FairPolicy,
     FcfsPolicy,
     PriorityPolicy,
     cost,
     make_policy,
+    max_min_shares,
 )
 
 
@@ -66,6 +68,70 @@ def test_fair_policy_serves_the_lowest_counter_and_lifts_newcomers():
     fair.charge("A", 1.0, output_tokens=40)
     assert fair.pick([a, b], 6.0).name == "b"
     assert cost(10, 10, 2.0) == 15.0
+
+
+def test_a_decayed_rate_measures_a_steady_rate_and_a_late_tenant_as_idle_before():
+    r, late = DecayedRate(tau_s=60.0), DecayedRate(tau_s=60.0)
+    for i in range(600):  # 3 units every 0.5 s for 300 s: 6 per second
+        r.add(3.0, i * 0.5)
+    assert r.rate(300.0, since=0.0) == pytest.approx(6.0, rel=0.02)
+    for i in range(20):  # the same stream, but only over the last 10 s of a 300 s measure
+        late.add(3.0, 290.0 + i * 0.5)
+    assert late.rate(300.0, since=0.0) == pytest.approx(6.0 * (1 - math.exp(-10 / 60)) / (1 - math.exp(-5)), rel=0.05)
+    assert late.rate(300.0, since=0.0) < 1.0 < late.rate(300.0, since=290.0)
+
+
+def test_max_min_shares_give_light_tenants_their_demand_and_split_the_rest_by_weight():
+    assert max_min_shares(10.0, {"A": 20.0, "B": 1.0, "C": 20.0}, {"A": 1.0, "B": 1.0, "C": 3.0}) == \
+        pytest.approx({"A": 2.25, "B": 1.0, "C": 6.75})
+    assert max_min_shares(10.0, {"A": 2.0, "B": 3.0}, {"A": 1.0, "B": 1.0}) == {"A": 2.0, "B": 3.0}
+
+
+def _stream(policy, tenant, weight, per_s, served_per_s, until_s=60.0):
+    """Report a tenant's arrivals (per_s service units a second) and the service charged it (served_per_s)."""
+    for i in range(int(until_s)):
+        policy.arrived(tenant, weight, int(per_s), 0, float(i))
+        if served_per_s:
+            policy.charge(tenant, weight, int(served_per_s), 0, now=float(i))
+
+
+@pytest.mark.parametrize("policy", [FairPolicy(), FairDeadlinePolicy(30.0)], ids=["fair", "fair-deadline"])
+def test_a_tenant_within_its_share_goes_ahead_of_a_heavy_tenants_backlog(policy):
+    """Issue 39: VTC alone serves a tenant offering its share like a queue at load 1 (it waits behind the heavy
+    tenant's next dispatch, and its queue builds whenever it is a little over). By demand: B offers 20 units/s
+    where the mesh serves 60 (its max-min share is its whole demand), A offers 200 and gets 40: B is light, A heavy,
+    and B's request goes first even though B's counter is the higher."""
+    _stream(policy, "A", 1.0, 200, 40)
+    _stream(policy, "B", 1.0, 20, 20)
+    policy.counters["B"] = policy.counter("A") + 5000  # B's counter far above A's (its earlier service)
+    assert policy.counter("B") > policy.counter("A")
+    a, b = Claim("a", 50.0, 0, 0, tenant="A"), Claim("b", 59.0, 0, 1, tenant="B")
+    assert policy.classify(61.0) == {"B"}
+    assert [c.name for c in policy.order([a, b], 61.0)] == ["b", "a"]
+
+
+def test_a_heavy_tenants_deadline_is_predicted_at_the_rate_it_is_served_and_refused_at_arrival():
+    """A heavy tenant waits behind the light ones, so its share of the slots overstates what it gets: a deadline
+    request of its that would fit at its share but not at the 40 units a second it has been served is refused at
+    arrival (in microseconds), not accepted and dropped from the queue later; the light tenant's is accepted."""
+    q = AdmissionQueue(FairDeadlinePolicy(30.0), starvation_s=30.0, slots=4)
+    _stream(q.policy, "A", 1.0, 200, 40)
+    _stream(q.policy, "B", 1.0, 20, 20)
+    with pytest.raises(DeadlineExceeded, match=r"predicted to finish in 6\d\d\d ms"):  # (100 + 2 x 50) / ~40 + 1 s
+        q.offer(pending("a", 61.0, prompt=100, out=50, deadline_s=64.0, predicted_s=1.0), 61.0)
+    assert q.offer(pending("b", 61.0, tenant="B", prompt=100, out=50, deadline_s=64.0, predicted_s=1.0), 61.0) == []
+
+
+def test_light_tenants_go_first_only_while_every_heavy_tenant_gets_half_its_share():
+    """The guard: B and C each offer under twice their max-min share, but together take nearly everything; A, offering
+    far more, gets less than half its share, so nobody is served ahead and VTC's counters decide (A's, the lowest)."""
+    fair = FairPolicy()
+    _stream(fair, "A", 1.0, 400, 5)
+    _stream(fair, "B", 1.0, 90, 90)
+    _stream(fair, "C", 1.0, 90, 90)
+    assert fair.classify(61.0) == frozenset()
+    a, b = Claim("a", 50.0, 0, 0, tenant="A"), Claim("b", 59.0, 0, 1, tenant="B")
+    assert fair.pick([a, b], 61.0).name == "a"
 
 
 def test_fair_deadline_precedence():
@@ -291,7 +357,7 @@ def simulate(policy, specs, slots, starvation_s=math.inf, speed=40):
 @given(tenant_specs, st.integers(1, 4))
 def test_fair_policy_keeps_backlogged_tenants_within_2U(specs, slots):
     u = (MAX_PROMPT * 1 + MAX_OUTPUT * 2) / min(w for w, _ in specs)  # the largest weighted cost of one admission
-    trace, _, _ = simulate(FairPolicy(), specs, slots)
+    trace, _, _ = simulate(FairPolicy(by_demand=False), specs, slots)  # VTC's own bound (light-first departs)
     tenants = [f"t{i}" for i in range(len(specs))]
     for a in tenants:
         for b in tenants:
