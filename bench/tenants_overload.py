@@ -1,4 +1,4 @@
-"""Workload tenants-overload: FCFS vs fair vs fair-deadline admission under 2x overload.
+"""Workload tenants-overload: FCFS vs VTC vs fair (light tenants first) vs fair-deadline admission under 2x overload.
 
 2 unified workers, the model given (`--model`; default the bench preset), one torch thread each, 16 sequences per
 batch. Capacity C is the sustainable rate measured first in the same run by a ramp on a mesh of its own
@@ -21,7 +21,9 @@ of requests that finished within the 3-minute window):
 - deadline_attainment: deadline-carrying requests finished within their deadline / those admitted
   (dispatched into the mesh: not refused at arrival, pushed out or dropped from the queue; admitted_to_mesh());
   rejected_at_arrival counts the DEADLINE_EXCEEDED answers naming the predicted finish, with the slowest
-  rejection's answer time; deadline_attainment_all counts every deadline request.
+  rejection's answer time; deadline_attainment_all counts every deadline request, deadline_attainment_accepted
+  those not refused at arrival (a request the queue accepted and later let go for its deadline is a prediction
+  that failed: it counts there, not in deadline_attainment).
   deadline_goodput_req_per_s: deadline requests met per second.
 - throughput_tokens_per_s: service (prompt + output tokens) of requests finished in the window,
   per second of the window.
@@ -52,10 +54,13 @@ from services.common.convert import request_from_line
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.common.rpc import SERVER_MS_KEY
 from services.mesh.launcher import Mesh, MeshSpec
+from services.policy.arbitration import max_min_shares
 from services.policy.tenants import hash_key
 
-SYSTEMS = ("fcfs", "fair", "fair-deadline")
+SYSTEMS = ("fcfs", "vtc", "fair", "fair-deadline")  # vtc: fair without light tenants first
 TENANTS = {"A": (1.0, 1.25), "B": (1.0, 0.25), "C": (2.0, 0.5)}  # name: (weight, rate as a multiple of C)
+QUEUE_DROPS = ("pushed out", "in the admission qu", "starvation bound")  # the gateway's words for a request it let go
+# from its queue undispatched (services/gateway/admission.py)
 ENGINE = ["--max-num-batched-tokens", "512", "--max-num-seqs", "16", "--kv-cache-gb", "0.25"]
 
 
@@ -230,7 +235,8 @@ async def _drive_async(gateway: str, keys: dict, schedule: list) -> list[dict]:
                 out["refused"] = out["output"] == 0 and (out["at_arrival"] or (
                     e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "pushed out" not in details
                     and "no slot within" not in details))  # not pushed out or timed out in the queue later
-                out["detail"] = details[:100]
+                out["in_queue"] = out["output"] == 0 and any(s in details for s in QUEUE_DROPS)  # before dispatch
+                out["detail"] = details[:160]
             return out
 
         return list(await asyncio.gather(*(one(at, r) for at, r in schedule)))
@@ -241,23 +247,6 @@ def _count(items) -> dict:
     for x in items:
         out[x] = out.get(x, 0) + 1
     return out
-
-
-def _max_min_shares(total: float, demand: dict, weights: dict) -> dict:
-    """Weighted max-min fair split of `total` given demands (water-filling)."""
-    share, left, active = {t: 0.0 for t in demand}, total, set(demand)
-    while active and left > 1e-9:
-        per_weight = left / sum(weights[t] for t in active)
-        capped = {t for t in active if demand[t] - share[t] <= per_weight * weights[t]}
-        if not capped:
-            for t in active:
-                share[t] += per_weight * weights[t]
-            break
-        for t in capped:
-            left -= demand[t] - share[t]
-            share[t] = demand[t]
-        active -= capped
-    return share
 
 
 def engine_figures(before: list, after: list) -> dict:
@@ -278,15 +267,16 @@ def admitted_to_mesh(o: dict) -> bool:
     (its deadline or the bound passed while it waited): each of those is answered before any work."""
     if "error" not in o or o["output"]:
         return True
-    return not (o.get("refused") or o.get("at_arrival") or any(
-        s in o.get("detail", "") for s in ("pushed out", "admission queue", "starvation bound")))
+    detail = o.get("detail", "")
+    in_queue = o.get("in_queue", any(s in detail for s in QUEUE_DROPS))  # results before in_queue: a cut detail
+    return not (o.get("refused") or o.get("at_arrival") or in_queue)
 
 
 def _metrics(outs: list, schedule: list, demand: dict, duration: float, alone: dict) -> dict:
     weights = {t: w for t, (w, _) in TENANTS.items()}
     served = {t: sum(_service(o["prompt"], o["output"]) for o in outs
                      if o["tenant"] == t and "error" not in o and o["end_s"] <= duration) for t in TENANTS}
-    shares = _max_min_shares(sum(served.values()), demand, weights)
+    shares = max_min_shares(sum(served.values()), demand, weights)
     xs = [served[t] / shares[t] for t in TENANTS if shares[t] > 0]
     jain = sum(xs) ** 2 / (len(xs) * sum(x * x for x in xs))
     ttft = {t: percentile([o["ttft_ms"] for o in outs if o["tenant"] == t and "ttft_ms" in o], 0.99) for t in TENANTS}
@@ -294,6 +284,7 @@ def _metrics(outs: list, schedule: list, demand: dict, duration: float, alone: d
     with_deadline = [o for o in outs if o["deadline_ms"]]
     rejected = [o for o in with_deadline if o.get("at_arrival")]
     admitted = sum(1 for o in with_deadline if admitted_to_mesh(o))
+    accepted = sum(1 for o in with_deadline if not (o.get("refused") or o.get("at_arrival")))
     met = sum(1 for o in with_deadline if "error" not in o and o["e2e_ms"] <= o["deadline_ms"])
     waits = [o["queue_wait_ms"] for o in outs if "queue_wait_ms" in o]
     server = [o["server_ms"] for o in outs if "server_ms" in o and o.get("refused")]  # refused at arrival
@@ -301,6 +292,8 @@ def _metrics(outs: list, schedule: list, demand: dict, duration: float, alone: d
     return {"jain_index": r(jain), "victim_ttft_p99_ratio": r(victim),
             "deadline_attainment": r(met / admitted) if admitted else None,
             "deadline_attainment_all": r(met / len(with_deadline)) if with_deadline else None,
+            "deadline_attainment_accepted": r(met / accepted) if accepted else None,
+            "deadline_accepted": accepted,
             "deadline_requests": len(with_deadline), "deadline_admitted": admitted,
             "rejected_at_arrival": len(rejected),
             "rejection_ms_max": r(max(o["error_ms"] for o in rejected)) if rejected else None,
