@@ -43,9 +43,10 @@ capacity frees. The queue adds what only it can know:
   predicted finish (predicted_finish(): the wait for its tenant's queued requests with less
   slack, at the tenant's share, or for a heavy tenant served after the light ones (the fair
   policies by demand) its work and p's own at the rate it has been served, when that is longer;
-  then its service time scaled by what deadline requests have actually taken) is past its deadline. One whose slack runs out while queued is dropped the
-  same way (expired()). Predictions reject only once they are trusted (`trust_predictions`:
-  the cost model has measured enough completed requests itself). Under any policy a request
+  then its service time scaled by what deadline requests have actually taken) is past its
+  deadline. One whose slack runs out while queued is dropped the same way (expired()).
+  Predictions reject only once they are trusted (`trust_predictions`: the cost model has
+  measured enough completed requests itself). Under any policy a request
   whose own deadline has passed is dropped.
 - service accounting: a dispatch charges the tenant's counter prompt x 1 + max_tokens x 2
   (the reservation), finished() refunds output tokens not generated.
@@ -495,7 +496,10 @@ class AdmissionQueue:
         """A dispatched request ended: refund the reserved output tokens it did not generate; with `now`, learn how
         far its predicted service time was off (from a request that ran to its max_tokens). A request with a
         deadline teaches the deadline figures instead (deadline-aware batching serves those faster), with the time
-        of its first token (`first_s`) splitting the start from the rest."""
+        of its first token (`first_s`) splitting the start from the rest; one that met its deadline can only lower
+        the calibration: the engines ran the largest batch that still met it, so its time says how slow it was
+        allowed to be, not how fast it could go (issue 39: learning it as a speed raised the calibration until
+        every deadline request was refused at arrival, and none was admitted to show otherwise)."""
         self.running.pop(id(p), None)
         self._dispatched.remove(id(p))
         if now is not None and p.predicted_s > 0 and p.dispatched_s is not None and output_tokens >= p.max_tokens:
@@ -505,8 +509,10 @@ class AdmissionQueue:
             elif first_s is not None and p.predicted_s > p.predicted_first_s:
                 extra = (first_s - p.dispatched_s) - p.predicted_first_s
                 self.deadline_first_extra_s = 0.8 * self.deadline_first_extra_s + 0.2 * max(extra, 0.0)
-                ratio = (now - first_s) / (p.predicted_s - p.predicted_first_s)
-                self.deadline_calibration = 0.8 * self.deadline_calibration + 0.2 * min(max(ratio, 0.25), 4.0)
+                ratio = min(max((now - first_s) / (p.predicted_s - p.predicted_first_s), 0.25), 4.0)
+                if now <= p.deadline_s:  # met: slowed to fit its deadline (deadline-aware batching runs the largest
+                    ratio = min(ratio, self.deadline_calibration)  # batch that does), so it bounds the time from above
+                self.deadline_calibration = 0.8 * self.deadline_calibration + 0.2 * ratio
         unused = p.max_tokens - output_tokens
         if unused > 0:
             self.policy.charge(p.tenant, p.weight, 0, -unused, now=now)

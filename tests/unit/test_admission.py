@@ -406,3 +406,23 @@ def test_predictions_are_calibrated_by_what_requests_actually_took():
     assert q.calibration == pytest.approx(1.2)
     q.offer(pending("b", 3.0, predicted_s=1.0), 3.0)
     assert q.predicted_wait(3.0, q.queue) == pytest.approx(1.2)
+
+
+def test_a_met_deadline_never_makes_the_deadline_predictions_slower():
+    """A deadline request that met its deadline was run at the largest batch that still met it (deadline-aware
+    batching), so its time bounds the calibration from above; only a miss says the engines could not go faster.
+    Learning met ones as speeds (issue 39) raised the calibration until every deadline request was refused at
+    arrival and none was admitted to show otherwise."""
+    q = AdmissionQueue(FairDeadlinePolicy(100.0), starvation_s=100.0, slots=4)
+
+    def serve(name, t, deadline_s, took_s):
+        q.offer(pending(name, t, deadline_s=deadline_s, predicted_s=2.0, predicted_first_s=0.0), t)
+        p = q.next(t)
+        q.finished(p, p.max_tokens, now=t + took_s, first_s=t)
+
+    serve("met-slowly", 0.0, deadline_s=20.0, took_s=8.0)  # 4x its prediction, within its deadline
+    assert q.deadline_calibration == pytest.approx(1.0)
+    serve("met-quickly", 10.0, deadline_s=30.0, took_s=1.0)  # half its prediction: the engines are faster
+    assert q.deadline_calibration == pytest.approx(0.9)
+    serve("missed", 40.0, deadline_s=43.0, took_s=6.0)  # 3x, past its deadline: they could not go faster
+    assert q.deadline_calibration == pytest.approx(0.8 * 0.9 + 0.2 * 3.0)
