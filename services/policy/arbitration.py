@@ -268,7 +268,6 @@ class FairPolicy(ArbitrationPolicy):
         self.demand: dict[str, DecayedRate] = {}  # offered service per tenant (arrived())
         self.served: dict[str, DecayedRate] = {}  # service charged per tenant, at a known time
         self.weights: dict[str, float] = {}
-        self.now: float | None = None  # the latest time a caller gave
         self.since: float | None = None  # the first arrival reported: when the rates began
         self.light: frozenset = frozenset()  # tenants served ahead of the heavy ones (module docstring)
         self._classified_s = -math.inf
@@ -312,7 +311,6 @@ class FairPolicy(ArbitrationPolicy):
             return
         self.demand.setdefault(tenant, DecayedRate()).add(cost(input_tokens, output_tokens, 1.0), now)
         self.weights[tenant] = weight
-        self.now = now if self.now is None else max(self.now, now)
         self.since = now if self.since is None else self.since
 
     def admission_order(self, waiting: list, running: list, slots: int, now: float) -> list:
@@ -348,7 +346,6 @@ class FairPolicy(ArbitrationPolicy):
         if amount > 0:
             self.virtual = max(self.virtual, self.counter(tenant))
         self.counters[tenant] = self.counter(tenant) + amount
-        now = self.now if now is None else now
         if now is not None and self.demand:
             self.served.setdefault(tenant, DecayedRate()).add(amount * weight, now)
 
