@@ -9,6 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.common.errors import CapacityExhausted, DeadlineExceeded
+from services.common.pb import meshserve_pb2 as pb
+from services.policy.admission_core import AdmissionCore
 from services.policy.admission_queue import AdmissionQueue, Pending, ServiceTimeModel
 from services.policy.arbitration import (
     DeadlinePolicy,
@@ -21,6 +23,8 @@ from services.policy.arbitration import (
     make_policy,
     max_min_shares,
 )
+from services.policy.tenants import Tenant
+from tests.support.fakes import Clock
 
 
 @dataclass
@@ -122,6 +126,24 @@ def test_a_heavy_tenants_deadline_is_predicted_at_the_rate_it_is_served_and_refu
     assert q.offer(pending("b", 61.0, tenant="B", prompt=100, out=50, deadline_s=64.0, predicted_s=1.0), 61.0) == []
 
 
+@pytest.mark.parametrize("policy", ["fair", "fair-deadline", "vtc"])
+def test_slots_in_reserve_let_a_tenant_within_its_share_start_at_once(policy):
+    """Light-first order alone makes B wait for the next slot to free; with a tenth of the slots kept for tenants
+    within their share, A's backlog takes nine of ten and B's request starts at once (VTC alone keeps none)."""
+    c = AdmissionCore(policy, 30.0, clock=Clock(61.0), queue_bursts=False)
+    c.update_view([pb.WorkerLoad(role="unified", max_num_seqs=10, kv_capacity_tokens=100_000,
+                                 prefill_s_per_token=1e-3, decode_s_per_step=0.01)], "unified")
+    _stream(c.queue.policy, "A", 1.0, 200, 40)  # A offers five times what it gets; B exactly what it gets
+    _stream(c.queue.policy, "B", 1.0, 20, 20)
+    for i in range(12):
+        c.offer(Tenant("A"), f"a{i}", 10, 10, 0, None)
+    reserved = policy != "vtc"
+    assert len(c.sweep()[1]) == (9 if reserved else 10)
+    c.offer(Tenant("B"), "b", 10, 10, 0, None)
+    assert [p.req_id for p in c.sweep()[1]] == (["b"] if reserved else [])
+    assert [p.req_id for p in c.sweep()[1]] == []  # the mesh is full now
+
+
 def test_light_tenants_go_first_only_while_every_heavy_tenant_gets_half_its_share():
     """The guard: B and C each offer under twice their max-min share, but together take nearly everything; A, offering
     far more, gets less than half its share, so nobody is served ahead and VTC's counters decide (A's, the lowest)."""
@@ -183,10 +205,22 @@ def test_a_deadline_request_is_judged_by_the_requests_ahead_of_it_in_the_policys
     q.offer(pending("a-first", 0.0, tenant="A", deadline_s=1.5, predicted_s=1.0), 0.0)  # nothing ahead of it
 
 
-def test_fcfs_does_not_drop_on_slack_but_does_on_a_passed_deadline():
+def test_fcfs_does_not_drop_on_its_wait_but_does_what_cannot_finish_even_served_at_once():
+    """FCFS orders by arrival, not by deadline, so the queue ahead never refuses a deadline request; but one whose
+    own service time is longer than its time left would only be cut at its deadline, every token wasted."""
     q = AdmissionQueue(make_policy("fcfs"))
-    q.offer(pending("a", 0.0, deadline_s=5.0, predicted_s=10.0), 0.0)  # FCFS serves it, late
+    q.offer(pending("long", 0.0, predicted_s=10.0), 0.0)
+    q.offer(pending("b", 0.0, deadline_s=5.0, predicted_s=2.0), 0.0)  # behind 10 s of work: late, but not refused
+    with pytest.raises(DeadlineExceeded, match="even served at once"):
+        q.offer(pending("c", 0.0, deadline_s=5.0, predicted_s=10.0), 0.0)
     assert q.expired(1.0) == []
+    assert [p.req_id for p in q.expired(3.5)] == ["b"]  # 1.5 s left of a 2 s service
+
+
+def test_until_predictions_are_trusted_only_a_passed_deadline_drops_a_request():
+    q = AdmissionQueue(make_policy("fcfs"), trust_predictions=False)
+    q.offer(pending("a", 0.0, deadline_s=5.0, predicted_s=10.0), 0.0)
+    assert q.expired(4.9) == []
     assert [p.req_id for p in q.expired(5.0)] == ["a"]
 
 
