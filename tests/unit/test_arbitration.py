@@ -120,6 +120,29 @@ def test_deadline_aware_batching_caps_the_batch_while_a_deadline_request_runs(ti
     assert all(r.num_output == 40 for r in others)  # those left out kept their blocks and finished in full
 
 
+def test_a_capped_batch_carries_a_prompt_through_so_its_first_token_is_not_held_back(tiny_model):
+    """Issue 39: under fair-deadline a request without a deadline joined the batch, its prompt's first chunk went in,
+    and the rest waited behind the cap with the decoding requests, so its first token came only when the deadline
+    request left (the light tenant's first token 4.8 s after dispatch at the median). A prompt not yet through now
+    goes right after the deadline requests."""
+    engine = make_engine(tiny_model, num_blocks=128, block_size=16, budget=256, max_seqs=8, policy="fair-deadline")
+    clock = engine.scheduler.clock = Clock(0.0)
+    engine.scheduler.cap.step_cost = FixedSteps()
+    for i in range(6):
+        engine.add_request(f"bg-{i}", list(range(3 + i, 20 + i)), SamplingParams(max_tokens=60, ignore_eos=True))
+    engine.step()
+    urgent = engine.add_request("urgent", list(range(60, 70)), SamplingParams(max_tokens=20, ignore_eos=True),
+                                deadline_s=0.12)
+    engine.step()
+    clock.now += 0.005
+    late = engine.add_request("late", [5 + i % 90 for i in range(120)], SamplingParams(max_tokens=5, ignore_eos=True))
+    while late.num_output == 0:
+        engine.step()
+        clock.now += 0.001 + 0.001 * engine.last_step.num_running
+        assert engine.scheduler.last_cap < 8  # still capped
+    assert urgent.status.value != "finished"  # the prompt went through while the deadline request ran
+
+
 def test_a_deadline_already_lost_does_not_shrink_the_batch_below_the_floor(tiny_model):
     engine = make_engine(tiny_model, num_blocks=128, block_size=16, budget=256, max_seqs=8, policy="fair-deadline")
     engine.scheduler.cap.step_cost = FixedSteps()
