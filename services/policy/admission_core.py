@@ -10,9 +10,11 @@ that no other request already dispatched past capacity is taking the slot of (ou
 services.policy.bands), or, with `share_preemption` under the fair policies, its tenant below its weighted share of
 the slots (under_share). Without it (the default: late binding) requests wait here, not in the engines, and the
 fair order gives the next free slot; preempting for a share recomputes the victim's prompt, which on the real model
-cost the fair policy 11% of throughput (issue 39). done() frees its share and teaches the cost model; withdraw()
-takes back a request whose caller left. Requests that wait the starvation bound without a slot are dropped by
-sweep() (the bound is a promise: services.policy.admission_queue timed_out()).
+cost the fair policy 11% of throughput (issue 39). The fair policy may keep slots in reserve for tenants within
+their share (services.policy.arbitration): the others' requests then need more free slots than that (held_back()).
+done() frees its share and teaches the cost model; withdraw() takes back a request whose caller left. Requests that
+wait the starvation bound without a slot are dropped by sweep() (the bound is a promise: services.policy.admission_queue
+timed_out()).
 
 SLOs on the request (slo_ttft_s, slo_tpot_s; offer()): once the cost model is trusted (it has measured enough
 completed requests), a request whose time to first token (its predicted wait in the queue, ahead of it only what
@@ -108,16 +110,26 @@ class AdmissionCore:
             self.credits.sync(w.address for w in serving)
 
     def has_room(self, p: Pending) -> bool:
-        v = self.view
+        v, held = self.view, self.held_back(p)
         if self.credits is not None and self.credits.known:
-            if self.credits.total() - self.unrouted <= 0:
+            if self.credits.total() - self.unrouted <= held:
                 return False
         elif self.running_requests == 0:
             return True  # never stall an idle mesh on a stale or empty view
-        elif v.slots and self.running_requests >= v.slots:
+        elif v.slots and self.running_requests >= v.slots - held:
             return False
         load = max(self.running_tokens, v.outstanding_tokens)
         return not v.kv_tokens or load + p.input_tokens + p.max_tokens <= v.kv_tokens
+
+    def held_back(self, p: Pending) -> int:
+        """Slots p may not take: the policy's slots in reserve, unless p's tenant is one they are kept for."""
+        policy = self.queue.policy
+        if not policy.reserve_fraction:
+            return 0
+        holders = policy.reserve_holders(self.clock())
+        if not holders or p.tenant in holders:
+            return 0
+        return int(self.view.slots * policy.reserve_fraction)
 
     def saturation(self) -> float:
         """How full the pool is by the measures has_room() gates on: the larger of slots in use over slots and

@@ -31,6 +31,15 @@ policy below orders the claims inside a band.
   departs from VTC's guarantee on purpose: while a light and a heavy tenant are both backlogged,
   the light one may be served more than VTC's 2U bound ahead; the floor bounds the heavy tenant's
   loss to half its share (FairPolicy(by_demand=False) is VTC alone, with the bound).
+  Slots in reserve (the gateway's queue, by demand only): while some tenant offers at most
+  WITHIN_FACTOR times its share, RESERVE_FRACTION of the mesh's slots are kept for such tenants:
+  the others' requests are dispatched only while more slots than that are free (trunk
+  reservation, as telephone exchanges keep circuits for priority calls). Light-first order alone
+  still makes a tenant within its share wait for the next slot to free, and at 2x overload on
+  the smollm2 shape that is the whole of its queueing (about one departure a second: p99 of one
+  wait is 5 s, issue 39); with slots in reserve its request usually starts at once. The reserve
+  costs the heavy tenants a few batch slots, not tokens: the mesh's output is bound by per-token
+  work, not by the batch size (docs/BENCHMARKS.md).
 - vtc: fair without light tenants first (VTC's order alone).
 - fair-deadline (the default): (1) a claim that has waited the starvation bound goes next
   (oldest first); (2) otherwise light tenants first, then the tenant with the lowest counter;
@@ -61,6 +70,8 @@ LIGHT_FACTOR = 2.0  # light: offering at most this multiple of its max-min share
 # measured over a minute, seldom looks heavy)
 HEAVY_FLOOR = 0.5  # light tenants go first only while every heavy tenant receives this fraction of its share
 CLASSIFY_EVERY_S = 1.0  # how often the light tenants are worked out again
+WITHIN_FACTOR = 1.25  # within its share: offering at most this multiple of its max-min share (the reserve's holders)
+RESERVE_FRACTION = 0.1  # of the gateway's slots, kept free for tenants within their share (module docstring)
 
 
 class SlotClaim(Protocol):
@@ -167,6 +178,7 @@ class ArbitrationPolicy:
     """Base: subclasses define rank(); selection helpers and no-op hooks are shared."""
 
     name = "base"
+    reserve_fraction = 0.0  # of the gateway's slots kept for reserve_holders() (0: none)
     uses_deadlines = False  # rejects claims that can no longer meet their deadline; engines cap their batch for them
     tracks_activation = False  # activate() does something (callers may skip working out who is backlogged)
     # A key giving rank()'s order from the claim alone (no clock, no state), for a policy whose admission order is
@@ -212,6 +224,10 @@ class ArbitrationPolicy:
 
     def activate(self, tenant: str, backlogged: Iterable[str]) -> None:
         """tenant had nothing queued and now has; `backlogged` are the tenants with queued claims."""
+
+    def reserve_holders(self, now: float) -> frozenset:
+        """The tenants the slots in reserve are kept for now (empty: no slot is held back)."""
+        return frozenset()
 
     def charge(self, tenant: str, weight: float, input_tokens: int = 0, output_tokens: int = 0,
                now: float | None = None) -> None:
@@ -270,6 +286,8 @@ class FairPolicy(ArbitrationPolicy):
         self.weights: dict[str, float] = {}
         self.since: float | None = None  # the first arrival reported: when the rates began
         self.light: frozenset = frozenset()  # tenants served ahead of the heavy ones (module docstring)
+        self.within: frozenset = frozenset()  # tenants offering at most WITHIN_FACTOR x their share
+        self.reserve_fraction = RESERVE_FRACTION if by_demand else 0.0
         self._classified_s = -math.inf
 
     def counter(self, tenant: str) -> float:
@@ -288,14 +306,23 @@ class FairPolicy(ArbitrationPolicy):
         demand = {t: r.rate(now, self.since) for t, r in self.demand.items()}
         demand = {t: d for t, d in demand.items() if d > 0}
         total = sum(served.get(t, 0.0) for t in demand)
+        self.light = self.within = frozenset()
         if total <= 0 or len(demand) < 2:
-            self.light = frozenset()
             return self.light
         shares = max_min_shares(total, demand, self.weights)
         light = frozenset(t for t in demand if demand[t] <= LIGHT_FACTOR * shares[t])
         starved = any(served.get(t, 0.0) < HEAVY_FLOOR * shares[t] for t in demand if t not in light)
-        self.light = frozenset() if starved or len(light) == len(demand) else light
+        if not starved and len(light) < len(demand):
+            self.light = light
+            self.within = frozenset(t for t in light if demand[t] <= WITHIN_FACTOR * shares[t])
         return self.light
+
+    def reserve_holders(self, now: float) -> frozenset:
+        """The tenants within their share, while the light ones go first (classify())."""
+        if not self.reserve_fraction:
+            return frozenset()
+        self.classify(now)
+        return self.within
 
     def heavy_rate(self, tenant: str, now: float) -> float | None:
         """The service a heavy tenant has been getting (cost units a second, weight not divided out), or None for a
