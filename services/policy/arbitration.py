@@ -37,9 +37,10 @@ policy below orders the claims inside a band.
   reservation, as telephone exchanges keep circuits for priority calls). Light-first order alone
   still makes a tenant within its share wait for the next slot to free, and at 2x overload on
   the smollm2 shape that is the whole of its queueing (about one departure a second: p99 of one
-  wait is 5 s, issue 39); with slots in reserve its request usually starts at once. The reserve
-  costs the heavy tenants a few batch slots, not tokens: the mesh's output is bound by per-token
-  work, not by the batch size (docs/BENCHMARKS.md).
+  wait is 5 s, issue 39); with a slot in reserve its request can start at once. Not yet shown to
+  help: in tenants-overload's run 7 the light tenant offered exactly its share, measured against
+  the service the overloaded mesh delivered it looked over 1.25x, and its queue wait did not
+  change (docs/BENCHMARKS.md).
 - vtc: fair without light tenants first (VTC's order alone).
 - fair-deadline (the default): (1) a claim that has waited the starvation bound goes next
   (oldest first); (2) otherwise light tenants first, then the tenant with the lowest counter;
