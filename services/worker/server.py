@@ -228,12 +228,16 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             return "", None
 
     async def _reserve(self, link: KVLink, request, transfer_id: str, hashes: list, handoff: bool):
-        """The transfer's export plan; a push (not handoff) that cannot be reserved is skipped (None)."""
+        """The transfer's export plan; None for a push (not handoff) that cannot be reserved, and for a handoff its
+        reader released already."""
         try:
             return await link.reserve(transfer_id, len(request.prompt_token_ids), hashes, handoff)
         except grpc.aio.AioRpcError as e:
-            if handoff:
+            if handoff and e.code() != grpc.StatusCode.NOT_FOUND:
                 raise rpc.forward_rpc_error(e, link.address) from None
+            if handoff:  # the decode side gave up on the transfer and released it first (its pull failed: the
+                # kvstore restarted under it): it computes the prompt itself, and the first token is still ours
+                log.info("transfer %s: %s; the first token goes out without its KV", transfer_id, e.details())
             return None
 
     @rpc.mapped
@@ -252,7 +256,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 link.release_soon(lease_id)
             raise
         lease_id, pooled = await leasing
-        kv: asyncio.Queue = asyncio.Queue()
+        kv: asyncio.Queue | None = asyncio.Queue() if plan is not None else None
         try:
             q = await self._registered(request.request_id,
                                        self.runner.add(spec_from_work(request, self.runner.clock), kv=kv, plan=plan,
@@ -260,15 +264,15 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         finally:
             if lease_id:
                 link.release_soon(lease_id)
-        put = link.stub.Put(kv_chunks(kv, request.transfer_id))
+        put = link.stub.Put(kv_chunks(kv, request.transfer_id)) if kv is not None else None
         try:
             first = await self._next(q)
             yield _event(first)  # the first token goes out at once; the KV tail may still be in flight
-            if not first.finished:
+            if put is not None and not first.finished:
                 await rpc.finish_client_stream(put, f"the kvstore at {request.kvstore}")
         finally:
             self.runner.abort(request.request_id)
-            if not put.done():
+            if put is not None and not put.done():
                 put.cancel()
 
     @rpc.mapped
