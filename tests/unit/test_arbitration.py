@@ -120,6 +120,17 @@ def test_deadline_aware_batching_caps_the_batch_while_a_deadline_request_runs(ti
     assert all(r.num_output == 40 for r in others)  # those left out kept their blocks and finished in full
 
 
+def late_prompt_through_a_capped_batch(engine, clock) -> None:
+    """A request without a deadline and with a 120-token prompt joins; step (1 ms + 1 ms a sequence) until its first
+    token, the batch capped all along."""
+    clock.now += 0.005
+    late = engine.add_request("late", [5 + i % 90 for i in range(120)], SamplingParams(max_tokens=5, ignore_eos=True))
+    while late.num_output == 0:
+        engine.step()
+        clock.now += 0.001 + 0.001 * engine.last_step.num_running
+        assert engine.scheduler.last_cap < 8  # still capped
+
+
 def test_a_capped_batch_carries_a_prompt_through_so_its_first_token_is_not_held_back(tiny_model):
     """Issue 39: under fair-deadline a request without a deadline joined the batch, its prompt's first chunk went in,
     and the rest waited behind the cap with the decoding requests, so its first token came only when the deadline
@@ -134,12 +145,7 @@ def test_a_capped_batch_carries_a_prompt_through_so_its_first_token_is_not_held_
     urgent = engine.add_request("urgent", list(range(60, 70)), SamplingParams(max_tokens=20, ignore_eos=True),
                                 deadline_s=0.12)
     engine.step()
-    clock.now += 0.005
-    late = engine.add_request("late", [5 + i % 90 for i in range(120)], SamplingParams(max_tokens=5, ignore_eos=True))
-    while late.num_output == 0:
-        engine.step()
-        clock.now += 0.001 + 0.001 * engine.last_step.num_running
-        assert engine.scheduler.last_cap < 8  # still capped
+    late_prompt_through_a_capped_batch(engine, clock)
     assert urgent.status.value != "finished"  # the prompt went through while the deadline request ran
 
 
@@ -153,12 +159,7 @@ def test_a_prompt_goes_through_a_batch_whose_cap_the_deadline_requests_fill(tiny
     urgent = [engine.add_request(f"urgent-{i}", list(range(60 + i, 70 + i)),
                                  SamplingParams(max_tokens=20, ignore_eos=True), deadline_s=0.1) for i in range(4)]
     engine.step()
-    clock.now += 0.005
-    late = engine.add_request("late", [5 + i % 90 for i in range(120)], SamplingParams(max_tokens=5, ignore_eos=True))
-    while late.num_output == 0:
-        engine.step()
-        clock.now += 0.001 + 0.001 * engine.last_step.num_running
-        assert engine.scheduler.last_cap < 8  # capped (at the floor, which the deadline requests fill)
+    late_prompt_through_a_capped_batch(engine, clock)
     assert not any(r.status.value == "finished" for r in urgent)  # the prompt went through while they ran
 
 
