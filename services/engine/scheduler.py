@@ -16,15 +16,14 @@ charges output tokens as they are sampled), and of a tenant becoming backlogged 
 
 Deadline-aware batching (the deadline-aware policies, deadline and fair-deadline; BatchCap): a running request with a
 deadline needs a step at least every (deadline - now) x SAFETY / steps it has left. While one
-does, the step carries at most `cap` decoding sequences: deadline requests first, earliest
-deadline first, then the others in the policy's order; those left out keep their blocks and run
-again when the cap lifts. A request whose prompt is not through yet is not counted: its next chunk
-goes in whatever the cap (issue 39 measured the light tenant's first token 4.8 s after its
-dispatch at the median under fair-deadline while its chunked prompt waited behind the cap, and
-3.7 s, p99 19.7 s, once it went right after the deadline requests: they alone filled the cap).
-Waiting requests still join. A capped step carries only as many prompt tokens as the step time
-left over allows (by the engine's step-time fit, step_cost; at least an eighth of the budget),
-so the prompts cannot slow it past what the deadline requests need. The cap starts at the floor
+does, the step carries at most `cap` sequences: deadline requests first, earliest deadline first,
+then requests whose prompt is not through yet (a chunked prompt goes on, so its first token is
+not held back behind the cap: issue 39 measured the light tenant's first token 4.8 s after its
+dispatch at the median under fair-deadline), then the others in the policy's order; those left
+out keep their blocks and run again when the cap lifts. Waiting requests still join (their
+prompts go in, their first tokens come out), but a capped step carries only as many prompt
+tokens as the step time left over allows (by the engine's step-time fit, step_cost; at least an
+eighth of the budget). The cap starts at the floor
 when a deadline request arrives, then follows the step times measured (which carry what a fit
 cannot: the CPU the servicer and the other processes take): a step slower than needed cuts the
 cap in proportion, one well within it raises the cap by one. Never below
@@ -165,16 +164,11 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, now: float, cap: int) -> int:
         queue = self.policy.order(self.running, now)
-        if cap < len(queue):  # deadline requests first, earliest deadline first; then prompts not yet through (the
-            # step's prompt tokens go to them first); the others in the policy's order
+        if cap < len(queue):  # deadline requests first, earliest deadline first; then prompts not yet through; the
+            # others in the policy's order
             queue.sort(key=lambda r: (r.deadline_s is None, r.deadline_s or 0.0, r.num_computed >= r.num_prompt))
-        decoding = 0  # sequences past their prompt in this step: what the cap counts
-        while queue and budget > 0:
+        while queue and budget > 0 and len(out.seqs) < cap:
             req = queue.pop(0)
-            if req.num_computed >= req.num_prompt:
-                if decoding >= cap:
-                    continue  # a prompt not yet through still goes in, within the step's token budget
-                decoding += 1
             num_new = min(req.num_tokens - req.num_computed, budget)
             while not self.kv.allocate(req, req.num_computed + num_new):
                 victim = self.policy.victim(queue + [req], now)
