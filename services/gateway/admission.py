@@ -159,7 +159,7 @@ class Admission(AdmissionCore):
     def done(self, p: Pending, output_tokens: int, first_token_s: float | None = None,
              last_token_s: float | None = None) -> None:
         super().done(p, output_tokens, first_token_s, last_token_s)
-        outcomes = self.slo_outcome(p, output_tokens, first_token_s, last_token_s) if first_token_s is not None else {}
+        outcomes = self.slo_outcome(p, output_tokens, first_token_s, last_token_s) if last_token_s is not None else {}
         for objective, met in outcomes.items():  # of completed requests (a cancelled one met or missed nothing)
             self.metrics.slo.add(1, {"tenant": p.tenant, "objective": objective, "outcome": "met" if met else "missed"})
         self.metrics.tokens.add(p.input_tokens, {"tenant": p.tenant, "kind": "prompt"})

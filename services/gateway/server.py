@@ -313,8 +313,9 @@ class GatewayServicer(pb_grpc.GenerationServicer):
                 queue_ms = 0.0
                 if ev.finish_reason:
                     return
-        finally:  # a completed request's times teach the admission cost model (a cut-short one's would not)
-            self.admission.done(ticket, len(streamed), *((first_s, last_s) if finished else ()))
+        finally:  # a completed request's times teach the admission cost model; a cut-short one's first token, how
+            # far a deadline request got by its deadline (services.policy.admission_queue)
+            self.admission.done(ticket, len(streamed), first_s, last_s if finished else None)
             if finished:
                 answered["output_tokens"] = len(streamed)
 

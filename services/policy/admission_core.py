@@ -228,7 +228,8 @@ class AdmissionCore:
     def done(self, p: Pending, output_tokens: int, first_token_s: float | None = None,
              last_token_s: float | None = None) -> None:
         """A dispatched request ended (any way): free its share of capacity; refund unused reservation. With the
-        times of its first and last token (the core's clock), a completed request teaches the cost model."""
+        times of its first and last token (the core's clock), a completed request teaches the cost model; a request
+        cut short has no last token (None), and its first token's time, if any, teaches only the deadline figures."""
         if p.dispatched_s is not None and first_token_s is not None and last_token_s is not None:
             self.cost.observe(p.input_tokens, output_tokens, first_token_s - p.dispatched_s,
                               last_token_s - first_token_s)

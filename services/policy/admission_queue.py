@@ -469,6 +469,24 @@ class AdmissionQueue:
             ahead += p.predicted_s * c
         return False
 
+    def _learn_deadline(self, p: Pending, output_tokens: int, now: float, first_s: float | None) -> None:
+        """The deadline figures from a request with a deadline that completed, or was cut at its deadline (how far
+        it got is a measure of its speed: without it, the orders that ignore deadlines never learned that theirs ran
+        slower than predicted, and kept dispatching requests that were then cut, 56 under fair in issue 39's run 7).
+        A cut before its first token says the first token comes at least that late."""
+        first_at = first_s if first_s is not None else now
+        extra = (first_at - p.dispatched_s) - p.predicted_first_s
+        if first_s is not None or extra > self.deadline_first_extra_s:
+            self.deadline_first_extra_s = 0.8 * self.deadline_first_extra_s + 0.2 * max(extra, 0.0)
+        decode_s = p.predicted_s - p.predicted_first_s
+        if first_s is None or decode_s <= 0 or output_tokens < 2:
+            return
+        part = 1.0 if output_tokens >= p.max_tokens else (output_tokens - 1) / max(p.max_tokens - 1, 1)
+        ratio = min(max((now - first_s) / (decode_s * part), 0.25), 4.0)
+        if part == 1.0 and now <= p.deadline_s:  # met: slowed to fit its deadline (deadline-aware batching runs the
+            ratio = min(ratio, self.deadline_calibration)  # largest batch that does), so it bounds the time from above
+        self.deadline_calibration = 0.8 * self.deadline_calibration + 0.2 * ratio
+
     def expired(self, now: float) -> list[Pending]:
         """Remove and return requests that can no longer meet their deadline."""
         self.drain.advance(now, bool(self.queue))
@@ -504,23 +522,21 @@ class AdmissionQueue:
         """A dispatched request ended: refund the reserved output tokens it did not generate; with `now`, learn how
         far its predicted service time was off (from a request that ran to its max_tokens). A request with a
         deadline teaches the deadline figures instead (deadline-aware batching serves those faster), with the time
-        of its first token (`first_s`) splitting the start from the rest; one that met its deadline can only lower
+        of its first token (`first_s`) splitting the start from the rest, also when it was cut at its deadline
+        (_learn_deadline()); one that met its deadline can only lower
         the calibration: the engines ran the largest batch that still met it, so its time says how slow it was
         allowed to be, not how fast it could go (issue 39: learning it as a speed raised the calibration until
         every deadline request was refused at arrival, and none was admitted to show otherwise)."""
         self.running.pop(id(p), None)
         self._dispatched.remove(id(p))
-        if now is not None and p.predicted_s > 0 and p.dispatched_s is not None and output_tokens >= p.max_tokens:
-            if p.deadline_s is None:
+        if now is None or p.predicted_s <= 0 or p.dispatched_s is None:
+            pass
+        elif p.deadline_s is None:
+            if output_tokens >= p.max_tokens:
                 ratio = min(max((now - p.dispatched_s) / p.predicted_s, 0.1), 10.0)
                 self.calibration = 0.9 * self.calibration + 0.1 * ratio
-            elif first_s is not None and p.predicted_s > p.predicted_first_s:
-                extra = (first_s - p.dispatched_s) - p.predicted_first_s
-                self.deadline_first_extra_s = 0.8 * self.deadline_first_extra_s + 0.2 * max(extra, 0.0)
-                ratio = min(max((now - first_s) / (p.predicted_s - p.predicted_first_s), 0.25), 4.0)
-                if now <= p.deadline_s:  # met: slowed to fit its deadline (deadline-aware batching runs the largest
-                    ratio = min(ratio, self.deadline_calibration)  # batch that does), so it bounds the time from above
-                self.deadline_calibration = 0.8 * self.deadline_calibration + 0.2 * ratio
+        elif output_tokens >= p.max_tokens or now >= p.deadline_s:
+            self._learn_deadline(p, output_tokens, now, first_s)
         unused = p.max_tokens - output_tokens
         if unused > 0:
             self.policy.charge(p.tenant, p.weight, 0, -unused, now=now)

@@ -217,6 +217,21 @@ def test_fcfs_does_not_drop_on_its_wait_but_does_what_cannot_finish_even_served_
     assert [p.req_id for p in q.expired(3.5)] == ["b"]  # 1.5 s left of a 2 s service
 
 
+def test_a_deadline_request_cut_at_its_deadline_teaches_how_slow_it_ran():
+    """Issue 39, run 7: under the orders that ignore deadlines, deadline requests ran at full-batch speed, slower than
+    predicted, and were cut at their deadlines (fair: 56 of them), but only a request that ran to its max_tokens
+    taught the predictions, so they never learned and the next ones were dispatched to be cut too. A cut request's
+    progress by its deadline is its speed; with it, a request that cannot finish is refused at arrival."""
+    q = AdmissionQueue(make_policy("fcfs"))
+    for i in range(6):  # each cut after 26 of its 51 tokens: half its decode in over three times all of it
+        t = 20.0 * i
+        q.offer(pending(f"cut-{i}", t, out=51, deadline_s=t + 11.0, predicted_s=4.0, predicted_first_s=1.0), t)
+        q.finished(q.next(t), 26, now=t + 11.0, first_s=t + 1.0)
+    assert q.deadline_calibration > 3.0
+    with pytest.raises(DeadlineExceeded, match="even served at once"):  # 4 s predicted, 8 s left: not any more
+        q.offer(pending("next", 200.0, out=51, deadline_s=208.0, predicted_s=4.0, predicted_first_s=1.0), 200.0)
+
+
 def test_until_predictions_are_trusted_only_a_passed_deadline_drops_a_request():
     q = AdmissionQueue(make_policy("fcfs"), trust_predictions=False)
     q.offer(pending("a", 0.0, deadline_s=5.0, predicted_s=10.0), 0.0)
