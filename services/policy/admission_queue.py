@@ -523,20 +523,19 @@ class AdmissionQueue:
         far its predicted service time was off (from a request that ran to its max_tokens). A request with a
         deadline teaches the deadline figures instead (deadline-aware batching serves those faster), with the time
         of its first token (`first_s`) splitting the start from the rest, also when it was cut at its deadline
-        (_learn_deadline()); one that met its deadline can only lower
-        the calibration: the engines ran the largest batch that still met it, so its time says how slow it was
-        allowed to be, not how fast it could go (issue 39: learning it as a speed raised the calibration until
-        every deadline request was refused at arrival, and none was admitted to show otherwise)."""
+        (_learn_deadline()); one that met its deadline can only lower the calibration: the engines ran the largest
+        batch that still met it, so its time says how slow it was allowed to be, not how fast it could go (issue
+        39: learning it as a speed raised the calibration until every deadline request was refused at arrival, and
+        none was admitted to show otherwise)."""
         self.running.pop(id(p), None)
         self._dispatched.remove(id(p))
-        if now is None or p.predicted_s <= 0 or p.dispatched_s is None:
-            pass
-        elif p.deadline_s is None:
-            if output_tokens >= p.max_tokens:
+        if now is not None and p.predicted_s > 0 and p.dispatched_s is not None:
+            if p.deadline_s is not None:
+                if output_tokens >= p.max_tokens or now >= p.deadline_s:
+                    self._learn_deadline(p, output_tokens, now, first_s)
+            elif output_tokens >= p.max_tokens:
                 ratio = min(max((now - p.dispatched_s) / p.predicted_s, 0.1), 10.0)
                 self.calibration = 0.9 * self.calibration + 0.1 * ratio
-        elif output_tokens >= p.max_tokens or now >= p.deadline_s:
-            self._learn_deadline(p, output_tokens, now, first_s)
         unused = p.max_tokens - output_tokens
         if unused > 0:
             self.policy.charge(p.tenant, p.weight, 0, -unused, now=now)

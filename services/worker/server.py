@@ -233,11 +233,13 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         try:
             return await link.reserve(transfer_id, len(request.prompt_token_ids), hashes, handoff)
         except grpc.aio.AioRpcError as e:
-            if handoff and e.code() != grpc.StatusCode.NOT_FOUND:
+            if not handoff:
+                return None
+            if e.code() != grpc.StatusCode.NOT_FOUND:
                 raise rpc.forward_rpc_error(e, link.address) from None
-            if handoff:  # the decode side gave up on the transfer and released it first (its pull failed: the
-                # kvstore restarted under it): it computes the prompt itself, and the first token is still ours
-                log.info("transfer %s: %s; the first token goes out without its KV", transfer_id, e.details())
+            # The decode side gave up on the transfer and released it first (its pull failed: the kvstore restarted
+            # under it): it computes the prompt itself, and the first token is still ours to send.
+            log.info("transfer %s: %s; the first token goes out without its KV", transfer_id, e.details())
             return None
 
     @rpc.mapped
