@@ -89,6 +89,7 @@ class DecodeBatch:
     q_index: torch.Tensor  # [B] flat token index of each sequence's query
     tables: torch.Tensor  # [B, max_blocks] int64 block tables (padding -> 0)
     lens: torch.Tensor  # [B] int64 context length including the new token
+    rows: slice | None = None  # the same tokens as q_index where they are one run of the flat batch (no gather)
 
 
 @dataclass
@@ -146,8 +147,10 @@ class TorchAttention:
         tables = np.zeros((len(seqs), width), dtype=np.int64)
         for row, s in zip(tables, seqs):
             row[:len(s.block_table)] = s.block_table
+        run = offsets[-1] - offsets[0] == len(offsets) - 1  # decode rows come first and in order (the scheduler)
         return DecodeBatch(q_index=torch.tensor(offsets), tables=torch.from_numpy(tables),
-                           lens=torch.tensor([s.num_computed + 1 for s in seqs], dtype=torch.long))
+                           lens=torch.tensor([s.num_computed + 1 for s in seqs], dtype=torch.long),
+                           rows=slice(offsets[0], offsets[-1] + 1) if run else None)
 
     def _group(self, seqs: list[SeqLayout], offsets: list[int]) -> AttentionGroup:
         bs = self.block_size
@@ -172,15 +175,19 @@ class TorchAttention:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor,
                 v_pool: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D] (written into the pool first). Returns [T, H*D]."""
-        k_pool.index_copy_(0, meta.slot_mapping, k)
-        v_pool.index_copy_(0, meta.slot_mapping, v)
+        if self.kernel is not None:
+            self.kernel.write_kv(k, v, k_pool, v_pool, meta.slot_mapping)
+        else:
+            k_pool.index_copy_(0, meta.slot_mapping, k)
+            v_pool.index_copy_(0, meta.slot_mapping, v)
+        d = meta.decode
+        if d is not None and d.rows == slice(0, meta.num_tokens):  # a step of decodes only: the kernel's output is all
+            return self.kernel.paged_decode(q, k_pool, v_pool, d.tables, d.lens, self.block_size, self.scale)
         out = q.new_empty((meta.num_tokens, self.num_heads * self.head_dim))
-        if meta.decode is not None:
-            d = meta.decode
-            o = self.kernel.paged_decode(q[d.q_index].float().contiguous(), k_pool, v_pool, d.tables, d.lens,
-                                         self.block_size,
-                                         self.scale)
-            out[d.q_index] = o.view(len(d.q_index), -1).to(out.dtype)
+        if d is not None:
+            rows = d.q_index if d.rows is None else d.rows
+            out[rows] = self.kernel.paged_decode(q[rows], k_pool, v_pool, d.tables, d.lens, self.block_size,
+                                                 self.scale)
         for g in meta.groups:
             out[g.out_tokens] = self._attend(q, k_pool, v_pool, g)[g.out_rows]
         for start, n in meta.fresh:

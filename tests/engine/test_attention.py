@@ -68,6 +68,66 @@ def check_kernel_against_pytorch(kernel, kv_heads: int, heads: int, d: int = 16,
         torch.testing.assert_close(raw, wide, rtol=1e-5, atol=1e-5)
 
 
+def fused_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
+    """q, k, v as the model hands them over: views of one [T, (H + 2 KVH) * D] projection, rows strided."""
+    t, d = q.shape[0], q.shape[2]
+    qkv = torch.cat([x.reshape(t, -1) for x in (q, k, v)], dim=1)
+    q_w, kv_w = q.shape[1] * d, k.shape[1] * d
+    return tuple(x.view(t, -1, d) for x in qkv.split((q_w, kv_w, kv_w), dim=1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_a_step_of_decodes_only_reads_the_fused_projection_in_place_and_matches_pytorch(dtype):
+    """Every token a decode (most busy steps): the kernel takes the strided query rows of the fused qkv output in
+    the model's dtype and its result is the layer's output, equal to the PyTorch path's; bfloat16 rows give what
+    the float32 query widened from them gives, rounded once."""
+    kernel = paged_attention()
+    if kernel is None:
+        pytest.skip("kernels disabled or unavailable")
+    g = torch.Generator().manual_seed(5)
+    bs, kv_heads, heads, d = 16, 3, 9, 64
+    perm = torch.randperm(64, generator=g).tolist()
+    seqs = []
+    for computed in (0, 15, 16, 40, 70, 3):
+        blocks = -(-(computed + 1) // bs)
+        seqs.append(SeqLayout(computed, 1, perm[:blocks]))
+        perm = perm[blocks:]
+    q, k, v = fused_qkv(*(torch.randn(len(seqs), n, d, generator=g).to(dtype) for n in (heads, kv_heads, kv_heads)))
+    assert not q.is_contiguous()
+    k_pool, v_pool = (torch.randn(64 * bs, kv_heads, d, generator=g).to(dtype) for _ in range(2))
+    fast = TorchAttention(heads, kv_heads, d, block_size=bs, kernel=kernel)
+    plain = TorchAttention(heads, kv_heads, d, block_size=bs)
+    meta = fast.build_metadata(seqs)
+    assert meta.decode.rows == slice(0, len(seqs)) and not meta.groups and not meta.fresh
+    fk, fv, pk, pv = k_pool.clone(), v_pool.clone(), k_pool.clone(), v_pool.clone()
+    out_fast = fast.forward(q, k, v, fk, fv, meta)
+    out_plain = plain.forward(q, k, v, pk, pv, plain.build_metadata(seqs))
+    assert torch.equal(fk, pk) and torch.equal(fv, pv), "the new K/V went to other slots"
+    assert out_fast.dtype == dtype and out_fast.shape == (len(seqs), heads * d)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out_fast, out_plain, rtol=tol, atol=tol)
+    d_ = meta.decode
+    wide = kernel.paged_decode(q.float().contiguous(), fk, fv, d_.tables, d_.lens, bs, d ** -0.5)
+    assert torch.equal(out_fast, wide.to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_the_kernel_writes_new_keys_and_values_where_index_copy_would(dtype):
+    kernel = paged_attention()
+    if kernel is None:
+        pytest.skip("kernels disabled or unavailable")
+    g = torch.Generator().manual_seed(6)
+    q, k, v = fused_qkv(*(torch.randn(200, n, 64, generator=g).to(dtype) for n in (9, 3, 3)))
+    slots = torch.randperm(1024, generator=g)[:200]
+    pools = [torch.zeros(1024, 3, 64, dtype=dtype) for _ in range(4)]
+    kernel.write_kv(k, v, pools[0], pools[1], slots)
+    pools[2].index_copy_(0, slots, k)
+    pools[3].index_copy_(0, slots, v)
+    assert torch.equal(pools[0], pools[2]) and torch.equal(pools[1], pools[3])
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        kernel.write_kv(k, v, pools[0], pools[1], slots + 1024)
+
+
 @pytest.mark.parametrize("lens", [(1, 5, 17, 4, 30, 9), (0, 0, 12, 0, 0, 7)],
                          ids=["continuing", "with chunks that start their sequence"])
 def test_pytorch_attention_equals_naive_reference(lens):

@@ -29,15 +29,21 @@ def check_ops(ops, dtype: torch.dtype, rows: int = 37, heads: int = 4, kv_heads:
     assert torch.equal(ours, theirs), "rotary differs"  # the same products and sums, no FMA: bit for bit
     assert torch.equal(ours[:, (heads + kv_heads) * d:], qkv[:, (heads + kv_heads) * d:]), "v was touched"
 
-    h, a, w = (torch.randn(*shape, generator=g).to(dtype) for shape in ((rows, 256), (rows, 256), (256,)))
+    for width in (256, 250):  # whole vectors of 16, and a tail
+        check_norm(ops, ref, g, dtype, rows, width)
+
+    for inter in (688, 693):
+        gate_up = (torch.randn(rows, 2 * inter, generator=g) * 4).to(dtype)
+        last_bit(ops.silu_mul(gate_up), ref.silu_mul(gate_up), dtype)
+
+
+def check_norm(ops, ref, g, dtype, rows: int, width: int) -> None:
+    h, a, w = (torch.randn(*shape, generator=g).to(dtype) for shape in ((rows, width), (rows, width), (width,)))
     h_ours, h_theirs = h.clone(), h.clone()
     x_ours, x_theirs = ops.add_rms_norm_(h_ours, a, w, 1e-6), ref.add_rms_norm_(h_theirs, a, w, 1e-6)
     assert torch.equal(h_ours, h_theirs), "the residual sum differs"
     last_bit(x_ours, x_theirs, dtype)
     last_bit(ops.add_rms_norm_(h.clone(), None, w, 1e-6), ref.add_rms_norm_(h.clone(), None, w, 1e-6), dtype)
-
-    gate_up = (torch.randn(rows, 2 * 688, generator=g) * 4).to(dtype)
-    last_bit(ops.silu_mul(gate_up), ref.silu_mul(gate_up), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "bfloat16"])

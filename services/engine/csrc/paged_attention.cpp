@@ -253,29 +253,41 @@ static void flash_sequence(const Seq<T>& s, std::vector<float>& acc, std::vector
 }
 #endif
 
-// q: [B, H, D] float32; k_pool, v_pool: [slots, KVH, D] of T; tables: [B, max_blocks] int64; lens: [B] int64.
-template <typename T>
+// q: [B, H, D] float32 or bfloat16, rows any stride apart; k_pool, v_pool: [slots, KVH, D] of T; tables:
+// [B, max_blocks] int64; lens: [B] int64; out: [B, H * D] contiguous, of q's type.
+template <typename T, typename Q>
 static void paged_decode_impl(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
                               const torch::Tensor& tables, const torch::Tensor& lens, int64_t block_size, double scale,
                               torch::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KVH = k_pool.size(1), G = H / KVH;
-  const int64_t max_blocks = tables.size(1);
-  const float* qp = q.data_ptr<float>();
+  const int64_t max_blocks = tables.size(1), q_row = q.stride(0);
+  const Q* qp = q.data_ptr<Q>();
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
-  float* op = out.data_ptr<float>();
+  Q* op = out.data_ptr<Q>();
   Seq<T> proto{k_pool.data_ptr<T>(), v_pool.data_ptr<T>(), nullptr, 0, block_size, H, G, D, KVH * D,
                static_cast<float>(scale), nullptr, nullptr};
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc, buf;
     std::vector<T> qh(std::is_same_v<T, bf16> ? H * D : 0);  // the query rounded to bfloat16, for vdpbf16ps
+    // the query widened to float32 and the output before it is rounded to Q (unused where Q is float32)
+    std::vector<float> q32(std::is_same_v<Q, float> ? 0 : H * D), o32(std::is_same_v<Q, float> ? 0 : H * D);
     for (int64_t b = begin; b < end; ++b) {
       Seq<T> s = proto;
-      s.table = tp + b * max_blocks, s.L = lp[b], s.q = qp + b * H * D, s.out = op + b * H * D;
+      const Q* qb = qp + b * q_row;
+      s.table = tp + b * max_blocks, s.L = lp[b];
+      if constexpr (std::is_same_v<Q, float>) {
+        s.q = qb, s.out = op + b * H * D;
+      } else {
+        for (int64_t i = 0; i < H * D; ++i) q32[i] = f32(qb[i]);
+        s.q = q32.data(), s.out = o32.data();
+      }
 #if defined(__AVX512F__)
       if (D == 64 || D == 128) {  // the head sizes of the models served (a fixed D keeps the dots in registers)
         const T* qr;  // the query in T: read only by the bfloat16 dot products
-        if constexpr (std::is_same_v<T, bf16>) {
+        if constexpr (std::is_same_v<T, bf16> && std::is_same_v<Q, bf16>) {
+          qr = qb;  // a bfloat16 query is its own rounding
+        } else if constexpr (std::is_same_v<T, bf16>) {
           if (has_bf16_dot())
             for (int64_t i = 0; i < H * D; ++i) qh[i] = static_cast<T>(s.q[i]);
           qr = qh.data();
@@ -283,30 +295,74 @@ static void paged_decode_impl(const torch::Tensor& q, const torch::Tensor& k_poo
           qr = s.q;
         }
         D == 64 ? flash_sequence<4>(s, acc, buf, qr) : flash_sequence<8>(s, acc, buf, qr);
-        continue;
+      } else {
+        plain_sequence(s, buf, acc);
       }
-#endif
+#else
       plain_sequence(s, buf, acc);
+#endif
+      if constexpr (!std::is_same_v<Q, float>)
+        for (int64_t i = 0; i < H * D; ++i) op[b * H * D + i] = static_cast<Q>(o32[i]);
     }
   });
 }
 
-// The result is float32 [B, H, D], whatever the pool's type (float32 or bfloat16, K and V alike).
+template <typename T>
+static void paged_decode_pool(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
+                              const torch::Tensor& tables, const torch::Tensor& lens, int64_t block_size, double scale,
+                              torch::Tensor& out) {
+  if (q.scalar_type() == torch::kFloat32)
+    paged_decode_impl<T, float>(q, k_pool, v_pool, tables, lens, block_size, scale, out);
+  else
+    paged_decode_impl<T, bf16>(q, k_pool, v_pool, tables, lens, block_size, scale, out);
+}
+
+// The result is [B, H * D] in the query's type (float32 or bfloat16), whatever the pool's type (float32 or
+// bfloat16, K and V alike); every sum is float32. The query's rows may lie any stride apart (a view of the fused
+// qkv projection), each row's heads contiguous.
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor tables,
                            torch::Tensor lens, int64_t block_size, double scale) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32, "the query must be float32");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 || q.scalar_type() == torch::kBFloat16,
+              "the query must be float32 or bfloat16");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "each query row's heads contiguous");
   TORCH_CHECK(k_pool.scalar_type() == v_pool.scalar_type(), "K and V pools of different types");
-  TORCH_CHECK(q.is_contiguous() && k_pool.is_contiguous() && v_pool.is_contiguous() && tables.is_contiguous());
-  auto out = torch::empty_like(q);
+  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && tables.is_contiguous() && lens.is_contiguous());
+  auto out = torch::empty({q.size(0), q.size(1) * q.size(2)}, q.options());
   if (k_pool.scalar_type() == torch::kFloat32) {
-    paged_decode_impl<float>(q, k_pool, v_pool, tables, lens, block_size, scale, out);
+    paged_decode_pool<float>(q, k_pool, v_pool, tables, lens, block_size, scale, out);
   } else {
     TORCH_CHECK(k_pool.scalar_type() == torch::kBFloat16, "KV pool must be float32 or bfloat16");
-    paged_decode_impl<bf16>(q, k_pool, v_pool, tables, lens, block_size, scale, out);
+    paged_decode_pool<bf16>(q, k_pool, v_pool, tables, lens, block_size, scale, out);
   }
   return out;
 }
 
+// k_pool[slots[t]] = k[t] and v_pool[slots[t]] = v[t] for every new token t: k, v [T, KVH, D] with each row
+// contiguous (rows any stride apart: views of the fused qkv projection), pools [slots, KVH, D] of the same type.
+// One pass for both, where two index_copy_ calls cost ~4x as long on a 2,048-token prefill chunk.
+void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor slots) {
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.size(0) == slots.numel());
+  TORCH_CHECK(k.scalar_type() == k_pool.scalar_type() && v.scalar_type() == v_pool.scalar_type());
+  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 && v.stride(1) == v.size(2));
+  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && slots.is_contiguous() &&
+              slots.scalar_type() == torch::kInt64);
+  TORCH_CHECK(k_pool.size(1) * k_pool.size(2) == k.size(1) * k.size(2));
+  const int64_t T = k.size(0), slot_count = k_pool.size(0);
+  const int64_t bytes = k.size(1) * k.size(2) * k.element_size();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sp[t] >= 0 && sp[t] < slot_count, "slot out of range");
+  const char *kp = static_cast<const char*>(k.data_ptr()), *vp = static_cast<const char*>(v.data_ptr());
+  char *kd = static_cast<char*>(k_pool.data_ptr()), *vd = static_cast<char*>(v_pool.data_ptr());
+  const int64_t ks = k.stride(0) * k.element_size(), vs = v.stride(0) * v.element_size();
+  at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      std::memcpy(kd + sp[t] * bytes, kp + t * ks, bytes);
+      std::memcpy(vd + sp[t] * bytes, vp + t * vs, bytes);
+    }
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU; float32 or bfloat16 pool)");
+  m.def("write_kv", &write_kv, "the new tokens' K and V into their pool slots");
 }
