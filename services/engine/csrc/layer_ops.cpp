@@ -48,7 +48,8 @@ constexpr int64_t GRAIN = 16;  // rows per parallel task
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 // bfloat16 rows 16 at a time, as BF16::load/store do one value (GCC left those loops scalar: bfloat16 SiLU-and-mul
-// ran at half float32's speed though it moves half the bytes). The tail of a row goes through BF16 itself.
+// ran at half float32's speed though it moves half the bytes). A row's tail past the last 16 goes through BF16
+// itself (RMSNorm: a row whose width is not a multiple of 16, whole).
 namespace bf16x16 {
 static inline __m512 load(const uint16_t* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
