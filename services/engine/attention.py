@@ -5,7 +5,9 @@ sequence. Each step, build_metadata() turns the per-sequence layout into index t
 every layer then (1) writes its new K/V into the paged pool at their slots and (2) attends.
 
 Decode tokens go to the compiled paged kernel (services.engine.kernels) when it is available:
-it reads keys and values in place from the pool. A prefill chunk that starts a sequence (nothing
+it reads keys and values in place from the pool. In bfloat16 with head size 64, on a CPU with AMX granted
+(prompt_kernel_runs), every prefill chunk, new or continuing, goes to the compiled prompt kernel, which also reads
+the pool in place and runs both products on AMX tiles. Otherwise a prefill chunk that starts a sequence (nothing
 cached before it) attends only to its own keys, which are at hand: one causal
 scaled_dot_product_attention over them (torch's flash kernel, GQA without a repeat), no gather,
 no mask. Otherwise, and for prefill chunks that continue a sequence,
@@ -19,11 +21,19 @@ methods over the same pool layout.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+
+def prompt_kernel_runs(kernel, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether prefill chunks go to the compiled prompt kernel: bfloat16, head size 64, and AMX tiles granted here
+    (Sapphire Rapids and later); elsewhere torch's flash SDPA, as before."""
+    return (kernel is not None and dtype == torch.bfloat16 and head_dim == 64
+            and os.environ.get("MESHSERVE_PROMPT_KERNEL", "1") != "0" and kernel.prefill_ready())
 
 
 class KVCache:
@@ -93,23 +103,35 @@ class DecodeBatch:
 
 
 @dataclass
+class PromptBatch:
+    """Prefill chunks (more than one new token) for the compiled prompt kernel: keys read in place from the pool."""
+
+    starts: torch.Tensor  # [S] int64 flat token index of each chunk's first query
+    num_new: torch.Tensor  # [S] int64 the chunk's length
+    computed: torch.Tensor  # [S] int64 tokens of its sequence cached before it
+    tables: torch.Tensor  # [S, max_blocks] int64 block tables (padding -> 0)
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] pool slot where each new token's K/V is written
     groups: list  # AttentionGroup, covering every token not in `decode` or `fresh`
     decode: DecodeBatch | None  # decode tokens handled by the compiled kernel, if any
     num_tokens: int  # T
     fresh: list = ()  # (first flat token, length) of each prefill chunk that starts its sequence
+    prompts: PromptBatch | None = None  # every prefill chunk, where the prompt kernel runs (then fresh is empty)
 
 
 class TorchAttention:
     """The CPU backend (see module doc). group_size bounds how many decode sequences share one padded group."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, group_size: int = 32,
-                 kernel=None):
+                 kernel=None, dtype: torch.dtype = torch.float32):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.block_size, self.group_size = block_size, group_size
         self.scale = head_dim ** -0.5
         self.kernel = kernel  # services.engine.kernels.paged_attention() module, or None
+        self.prompt_kernel = prompt_kernel_runs(kernel, dtype, head_dim)
 
     def build_metadata(self, seqs: list[SeqLayout]) -> AttentionMetadata:
         bs = self.block_size
@@ -122,8 +144,14 @@ class TorchAttention:
             else:
                 slots.extend(self._slots(s))
         decodes = [i for i in range(len(seqs)) if seqs[i].num_new == 1]
-        fresh = [(offsets[i], s.num_new) for i, s in enumerate(seqs) if s.num_new > 1 and s.num_computed == 0]
-        prefills = [[i] for i, s in enumerate(seqs) if s.num_new > 1 and s.num_computed > 0]
+        prompts = None
+        if self.prompt_kernel:
+            chunks = [i for i, s in enumerate(seqs) if s.num_new > 1]
+            prompts = self._prompt_batch([seqs[i] for i in chunks], [offsets[i] for i in chunks]) if chunks else None
+            fresh, prefills = [], []
+        else:
+            fresh = [(offsets[i], s.num_new) for i, s in enumerate(seqs) if s.num_new > 1 and s.num_computed == 0]
+            prefills = [[i] for i, s in enumerate(seqs) if s.num_new > 1 and s.num_computed > 0]
         decode = None
         if self.kernel is not None and decodes:
             decode = self._decode_batch([seqs[i] for i in decodes], [offsets[i] for i in decodes])
@@ -132,7 +160,7 @@ class TorchAttention:
         cuts = [decodes[i:i + self.group_size] for i in range(0, len(decodes), self.group_size)] + prefills
         groups = [self._group([seqs[i] for i in idx], [offsets[i] for i in idx]) for idx in cuts]
         return AttentionMetadata(slot_mapping=torch.tensor(slots), groups=groups, decode=decode, num_tokens=starts,
-                                 fresh=fresh)
+                                 fresh=fresh, prompts=prompts)
 
     def _slots(self, s: SeqLayout) -> list[int]:
         """Pool slots of the sequence's new tokens (plain ints: cheaper than tensor ops for a few tokens)."""
@@ -151,6 +179,16 @@ class TorchAttention:
         return DecodeBatch(q_index=torch.tensor(offsets), tables=torch.from_numpy(tables),
                            lens=torch.tensor([s.num_computed + 1 for s in seqs], dtype=torch.long),
                            rows=slice(offsets[0], offsets[-1] + 1) if run else None)
+
+    @staticmethod
+    def _prompt_batch(seqs: list[SeqLayout], offsets: list[int]) -> PromptBatch:
+        tables = np.zeros((len(seqs), max(len(s.block_table) for s in seqs)), dtype=np.int64)
+        for row, s in zip(tables, seqs):
+            row[:len(s.block_table)] = s.block_table
+        return PromptBatch(starts=torch.tensor(offsets, dtype=torch.long),
+                           num_new=torch.tensor([s.num_new for s in seqs], dtype=torch.long),
+                           computed=torch.tensor([s.num_computed for s in seqs], dtype=torch.long),
+                           tables=torch.from_numpy(tables))
 
     def _group(self, seqs: list[SeqLayout], offsets: list[int]) -> AttentionGroup:
         bs = self.block_size
@@ -188,6 +226,10 @@ class TorchAttention:
             rows = d.q_index if d.rows is None else d.rows
             out[rows] = self.kernel.paged_decode(q[rows], k_pool, v_pool, d.tables, d.lens, self.block_size,
                                                  self.scale)
+        if meta.prompts is not None:  # writes the chunks' rows of out in place
+            p = meta.prompts
+            self.kernel.paged_prefill(q, k_pool, v_pool, p.starts, p.num_new, p.computed, p.tables, self.block_size,
+                                      self.scale, out)
         for g in meta.groups:
             out[g.out_tokens] = self._attend(q, k_pool, v_pool, g)[g.out_rows]
         for start, n in meta.fresh:

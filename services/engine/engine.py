@@ -25,6 +25,7 @@ import torch
 from services.common.errors import InvalidRequest, NotFound, OutOfRange
 from services.common.request import RequestSpec
 from services.common.tokenizer import Tokenizer, cut_at_stop
+from services.engine.allocator import keep_large_buffers
 from services.engine.attention import KVCache, SeqLayout, TorchAttention
 from services.engine.block_pool import BlockPool
 from services.engine.config import EngineConfig
@@ -113,6 +114,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, clock=time.monotonic):
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        keep_large_buffers()
         self.config, self.clock = config, clock
         self.weights_form = resolve_quantization(config.quantization, config.model_dir, config.dtype)
         loaded = load_model(config.model_dir, config.dtype, self.weights_form)
@@ -138,7 +140,10 @@ class LLMEngine:
                                    clock=clock, lora=self.lora, step_cost=self.step_cost,
                                    deadline_min_batch=sc.deadline_min_batch, before_admit=self._admit_pooled)
         kernel = paged_attention() if self.model.dtype in (torch.float32, torch.bfloat16) else None
-        self.attention = TorchAttention(mc.num_heads, mc.num_kv_heads, mc.head_dim, cc.block_size, kernel=kernel)
+        self.attention = TorchAttention(mc.num_heads, mc.num_kv_heads, mc.head_dim, cc.block_size, kernel=kernel,
+                                        dtype=self.model.dtype)
+        log.info("attention: decode %s, prompts %s", "compiled kernel" if kernel else "PyTorch",
+                 "compiled kernel on AMX tiles" if self.attention.prompt_kernel else "torch's SDPA")
         self.sampler = Sampler(loaded.eos_token_ids, kernel=sampler())
         self._seeds = random.Random(config.seed)  # a sampling seed for each request that brings none
         self.requests: dict[str, Request] = {}

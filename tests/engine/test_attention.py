@@ -146,3 +146,114 @@ def test_pytorch_attention_equals_naive_reference(lens):
                 w = torch.softmax(keys[:n, h // 2] @ q[row, h] / d ** 0.5, dim=0)
                 torch.testing.assert_close(out[row, h * d:(h + 1) * d], w @ values[:n, h // 2], rtol=1e-5, atol=1e-5)
             row += 1
+
+
+def prompt_case(seed: int, layout: list, bs: int = 16, kv_heads: int = 3, heads: int = 9, d: int = 64):
+    """Prefill chunks (num_computed, num_new) and decodes mixed in one step, bfloat16, q/k/v views of one fused
+    projection, blocks scattered over the pool."""
+    g = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(256, generator=g).tolist()
+    seqs = []
+    for computed, new in layout:
+        blocks = -(-(computed + new) // bs)
+        seqs.append(SeqLayout(computed, new, perm[:blocks]))
+        perm = perm[blocks:]
+    t = sum(new for _, new in layout)
+    q, k, v = fused_qkv(*(torch.randn(t, n, d, generator=g).bfloat16() for n in (heads, kv_heads, kv_heads)))
+    k_pool, v_pool = (torch.randn(256 * bs, kv_heads, d, generator=g).bfloat16() for _ in range(2))
+    return seqs, q, k, v, k_pool, v_pool
+
+
+# decodes first (as the scheduler orders a step), then chunks that start their sequence and chunks that continue one,
+# lengths on and off the kernel's 16-query and 32-key steps
+PROMPT_STEP = [(30, 1), (0, 1), (70, 1), (0, 37), (0, 2), (20, 50), (100, 17), (0, 300), (31, 33), (64, 16)]
+
+
+def test_the_prompt_kernel_matches_the_pytorch_path_on_fresh_and_continuing_chunks():
+    """bfloat16 on AMX tiles (where this CPU grants them): every prefill chunk of the step, new or continuing, read
+    from the pool in place; the layer's output equals the PyTorch path's within bfloat16's precision (the weights
+    are rounded to bfloat16 before the value product, as torch's flash kernel does)."""
+    kernel = paged_attention()
+    if kernel is None or not kernel.prefill_ready():
+        pytest.skip("the prompt kernel needs AMX (Sapphire Rapids or later) granted by Linux")
+    seqs, q, k, v, k_pool, v_pool = prompt_case(7, PROMPT_STEP)
+    fast = TorchAttention(9, 3, 64, block_size=16, kernel=kernel, dtype=torch.bfloat16)
+    plain = TorchAttention(9, 3, 64, block_size=16)
+    assert fast.prompt_kernel
+    meta = fast.build_metadata(seqs)
+    assert meta.prompts is not None and len(meta.prompts.starts) == 7 and not meta.fresh and not meta.groups
+    fk, fv, pk, pv = k_pool.clone(), v_pool.clone(), k_pool.clone(), v_pool.clone()
+    out_fast = fast.forward(q, k, v, fk, fv, meta)
+    out_plain = plain.forward(q, k, v, pk, pv, plain.build_metadata(seqs))
+    assert torch.equal(fk, pk) and torch.equal(fv, pv)
+    assert out_fast.dtype == torch.bfloat16
+    torch.testing.assert_close(out_fast.float(), out_plain.float(), rtol=2e-2, atol=2e-2)
+    # and against a float32 softmax computed here from the same bfloat16 values
+    row, bs = 0, 16
+    for s in seqs:
+        slots = [s.block_table[p // bs] * bs + p % bs for p in range(s.num_computed + s.num_new)]
+        keys, values = fk[slots].float(), fv[slots].float()
+        for j in range(s.num_new):
+            n = s.num_computed + j + 1
+            for h in (0, 4, 8):
+                w = torch.softmax(keys[:n, h // 3] @ q[row, h].float() / 8, dim=0)
+                torch.testing.assert_close(out_fast[row, h * 64:(h + 1) * 64].float(), w @ values[:n, h // 3],
+                                           rtol=2e-2, atol=2e-2)
+            row += 1
+
+
+def test_the_prompt_kernel_refuses_chunks_and_blocks_out_of_range():
+    kernel = paged_attention()
+    if kernel is None or not kernel.prefill_ready():
+        pytest.skip("the prompt kernel needs AMX (Sapphire Rapids or later) granted by Linux")
+    seqs, q, k, v, k_pool, v_pool = prompt_case(8, [(0, 40), (10, 20)])
+    meta = TorchAttention(9, 3, 64, block_size=16, kernel=kernel, dtype=torch.bfloat16).build_metadata(seqs)
+    p = meta.prompts
+    out = torch.empty(60, 9 * 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="chunk out of range"):
+        kernel.paged_prefill(q, k_pool, v_pool, p.starts + 30, p.num_new, p.computed, p.tables, 16, 0.125, out)
+    with pytest.raises(RuntimeError, match="block out of range"):
+        kernel.paged_prefill(q, k_pool, v_pool, p.starts, p.num_new, p.computed, p.tables + 256, 16, 0.125, out)
+    with pytest.raises(RuntimeError, match="block table too short"):
+        kernel.paged_prefill(q, k_pool, v_pool, p.starts, p.num_new, p.computed + 64, p.tables, 16, 0.125, out)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        kernel.paged_prefill(q.float(), k_pool, v_pool, p.starts, p.num_new, p.computed, p.tables, 16, 0.125,
+                             out)
+
+
+class _PromptKernelStub:
+    """Stands for the compiled module where AMX is absent: says the prompt kernel runs, records what it is given."""
+
+    def __init__(self):
+        self.calls = []
+
+    def prefill_ready(self):
+        return True
+
+    def write_kv(self, k, v, k_pool, v_pool, slots):
+        k_pool.index_copy_(0, slots, k)
+        v_pool.index_copy_(0, slots, v)
+
+    def paged_decode(self, q, *args):
+        return torch.zeros(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype)
+
+    def paged_prefill(self, q, k_pool, v_pool, starts, num_new, computed, tables, block_size, scale, out):
+        self.calls.append((starts.tolist(), num_new.tolist(), computed.tolist(), tables.clone()))
+
+
+def test_every_prefill_chunk_and_only_those_goes_to_the_prompt_kernel_where_it_runs():
+    stub = _PromptKernelStub()
+    seqs, q, k, v, k_pool, v_pool = prompt_case(9, PROMPT_STEP)
+    attn = TorchAttention(9, 3, 64, block_size=16, kernel=stub, dtype=torch.bfloat16)
+    meta = attn.build_metadata(seqs)
+    attn.forward(q, k, v, k_pool, v_pool, meta)
+    (starts, num_new, computed, tables), = stub.calls
+    chunks = [(i, s) for i, s in enumerate(seqs) if s.num_new > 1]
+    offsets = [sum(s.num_new for s in seqs[:i]) for i, _ in chunks]
+    assert starts == offsets and num_new == [s.num_new for _, s in chunks]
+    assert computed == [s.num_computed for _, s in chunks]
+    for row, (_, s) in zip(tables, chunks):
+        assert row[:len(s.block_table)].tolist() == s.block_table
+    assert len(meta.decode.q_index) == 3 and not meta.fresh and not meta.groups
+    for dtype, d in ((torch.float32, 64), (torch.bfloat16, 32)):  # elsewhere: torch's flash SDPA, as before
+        assert not TorchAttention(9, 3, d, block_size=16, kernel=stub, dtype=dtype).prompt_kernel

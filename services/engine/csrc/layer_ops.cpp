@@ -5,8 +5,9 @@
 // Every function rounds where transformers' eager float32 / bfloat16 code rounds (each bfloat16 op
 // rounds its result to bfloat16; float32 products are never fused into FMAs: -ffp-contract=off), so
 // the result equals the PyTorch code's bit for bit except for the order of the RMSNorm's sum and
-// the exp inside SiLU (glibc's vector expf, within 4 ulp: -ffast-math is what makes GCC call it; a
-// scalar expf per element made SiLU-and-mul slower than PyTorch's two passes).
+// the exp inside SiLU (float32: glibc's vector expf, within 4 ulp: -ffast-math is what makes GCC call it; a
+// scalar expf per element made SiLU-and-mul slower than PyTorch's two passes; bfloat16: avx512_math.h's inline exp
+// and reciprocal, relative error ~1e-5 before the result is rounded to bfloat16).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
@@ -47,6 +48,7 @@ constexpr int64_t GRAIN = 16;  // rows per parallel task
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
+#include "avx512_math.h"
 // bfloat16 rows 16 at a time, as BF16::load/store do one value (GCC left those loops scalar: bfloat16 SiLU-and-mul
 // ran at half float32's speed though it moves half the bytes). A row's tail past the last 16 goes through BF16
 // itself (RMSNorm: a row whose width is not a multiple of 16, whole).
@@ -65,13 +67,6 @@ static inline void store(uint16_t* p, __m512 f) {
 }
 static inline __m512 rnd(__m512 f) {  // rounded to bfloat16 and widened back
   return _mm512_castsi512_ps(_mm512_and_si512(rounded(f), _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
-}
-static inline __m512 exp(__m512 x) {  // libmvec's 16-lane expf, the one the scalar loops vectorize into
-  alignas(64) float t[16];
-  _mm512_store_ps(t, x);
-#pragma omp simd
-  for (int i = 0; i < 16; ++i) t[i] = std::exp(t[i]);
-  return _mm512_load_ps(t);
 }
 }  // namespace bf16x16
 #define MESHSERVE_BF16X16 1
@@ -217,8 +212,8 @@ static void silu_mul_impl(const torch::Tensor& gu, torch::Tensor& out) {
         for (int64_t i = 0; i + 16 <= I; i += 16, vec = i) {
           const __m512 x = bf16x16::load(g + i);
           const __m512 one = _mm512_set1_ps(1.f);
-          const __m512 s = bf16x16::rnd(_mm512_div_ps(x, _mm512_add_ps(one, bf16x16::exp(_mm512_sub_ps(
-              _mm512_setzero_ps(), x)))));
+          const __m512 s = bf16x16::rnd(_mm512_mul_ps(x, avx512::reciprocal(_mm512_add_ps(one, avx512::exp(
+              _mm512_sub_ps(_mm512_setzero_ps(), x))))));
           bf16x16::store(o + i, _mm512_mul_ps(s, bf16x16::load(u + i)));
         }
       }

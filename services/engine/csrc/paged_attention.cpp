@@ -4,6 +4,7 @@
 // each run of up to 16 consecutive slots has its K rows scored and its V rows summed while both are in L1,
 // and the next run is prefetched meanwhile. Elsewhere two plain passes (scores, then values).
 // The pool is float32 or bfloat16 (T); the query, the scores and every sum are float32.
+// paged_prefill (further down) is the prompts' counterpart, on AMX tiles in bfloat16.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -14,6 +15,7 @@
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
+#include "avx512_math.h"
 
 using bf16 = at::BFloat16;
 
@@ -362,7 +364,273 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_pool, torch::Ten
   });
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// Prompt attention on AMX tiles (bfloat16 pool and query, head size 64): every prefill chunk of a step, whether it
+// starts its sequence or continues one, attends causally to its sequence's keys read from the pool through the
+// block table. Per sequence and KV head the keys and values are first repacked into the tiles' pair-interleaved
+// layout (once, shared by the G query heads and every block of queries); then each block of 16 queries of one head
+// scores its keys on the tiles (two 16 x 32 by 32 x 16 products per 16 keys), takes a softmax over whole rows in
+// AVX-512 (the scores of 16 rows fit in L2 for any context here, so no online rescaling), rounds the weights to
+// bfloat16 and sums the values on four accumulator tiles (16 x 64 float32). As FlashAttention's bfloat16 path
+// does, the weights are rounded to bfloat16 before the value product; every sum is float32.
+#if defined(__AVX512F__)
+#include <atomic>
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+// The CPU has AMX (tiles and bfloat16 products) and Linux grants this process the tile state (arch_prctl
+// ARCH_REQ_XCOMP_PERM for XTILEDATA, Linux 5.16 and later; oneDNN asks the same way). Asked once.
+static bool amx_ready() {
+  static const bool yes = [] {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    const bool tile = d & (1u << 24), bf16_tile = d & (1u << 22);
+    if (!tile || !bf16_tile || !has_bf16_dot()) return false;
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return yes;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// One sequence's prefill chunk: n queries from flat row `start`, after `computed` tokens already cached.
+struct Chunk {
+  int64_t start, n, computed, packed;  // packed: offset of its repacked K (and V) in the step's buffers
+  const int64_t* table;
+  int64_t keys() const { return computed + n; }
+  int64_t padded() const { return (keys() + 31) / 32 * 32; }
+};
+
+// K rows of one KV head into B tiles of 16 keys: two tiles per 16 keys (pairs of elements 0-31, 32-63), each row
+// of a tile one pair-index, 16 keys x 2 elements (64 bytes). V rows into B tiles of 32 keys: four per 32 keys
+// (elements 16 at a time), each row a pair of consecutive keys, 16 elements x 2 keys. Keys past the end are zero.
+__attribute__((target("avx512bw,avx512f")))
+static void pack_kv(const bf16* k_pool, const bf16* v_pool, const Chunk& c, int64_t g, int64_t block_size,
+                    int64_t row, bf16* kp, bf16* vp) {
+  const int64_t L = c.keys(), Lp = c.padded();
+  std::memset(kp + L / 16 * 1024, 0, (Lp * 64 - L / 16 * 1024) * sizeof(bf16));  // the blocks keys past L fall in
+  std::memset(vp + L / 32 * 2048, 0, (Lp * 64 - L / 32 * 2048) * sizeof(bf16));
+  // key j's row in the pool, block by block (no division per key)
+  std::vector<const bf16*> krow(L + 1), vrow(L + 1);
+  for (int64_t b = 0, j = 0; j < L; ++b)
+    for (int64_t i = 0, base = c.table[b] * block_size; i < block_size && j < L; ++i, ++j)
+      krow[j] = k_pool + (base + i) * row + g * 64, vrow[j] = v_pool + (base + i) * row + g * 64;
+  uint32_t* kp32 = reinterpret_cast<uint32_t*>(kp);
+  for (int64_t j = 0; j < L; ++j) {
+    const uint32_t* kr = reinterpret_cast<const uint32_t*>(krow[j]);
+    uint32_t* kt = kp32 + (j / 16) * 512 + (j % 16);  // + (pair / 16) * 256 + (pair % 16) * 16
+    for (int p = 0; p < 32; ++p) kt[(p / 16) * 256 + (p % 16) * 16] = kr[p];
+  }
+  // two keys' rows, 16 elements at a time, interleaved element by element: one 64-byte tile row
+  alignas(64) static const uint16_t zip[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                               8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i order = _mm512_load_si512(zip);
+  for (int64_t j = 0; j < L; j += 2) {
+    const bf16* a = vrow[j];
+    const bf16* b = j + 1 < L ? vrow[j + 1] : nullptr;
+    bf16* vt = vp + (j / 32) * 2048 + ((j % 32) / 2) * 32;
+    for (int db = 0; db < 4; ++db) {
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + db * 16));
+      const __m256i y = b ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + db * 16)) : _mm256_setzero_si256();
+      const __m512i xy = _mm512_inserti64x4(_mm512_castsi256_si512(x), y, 1);
+      _mm512_storeu_si512(vt + db * 512, _mm512_permutexvar_epi16(order, xy));
+    }
+  }
+}
+
+// One block of up to 16 queries of head h: rows q0 .. q0 + rows - 1 of the chunk. s: [16, Lp] float32 scores,
+// p: [16, Lp] bfloat16 weights, qb: [16, 64] bfloat16, o: [16, 64] float32 (scratch).
+__attribute__((target("amx-tile,amx-bf16,avx512bf16,avx512bw,avx512f")))
+static void prefill_block(const bf16* q, int64_t q_row, const Chunk& c, int64_t h, int64_t q0, const bf16* kp,
+                          const bf16* vp, float scale, bf16* out, int64_t out_row, float* s, bf16* p, bf16* qb,
+                          float* o) {
+  const int64_t rows = std::min<int64_t>(16, c.n - q0);
+  const int64_t limit = c.computed + q0 + rows;  // keys the block's last query sees
+  const int64_t chunks = (limit + 31) / 32, width = chunks * 32;  // keys scored, in 32s
+  for (int64_t r = 0; r < 16; ++r) {
+    if (r < rows)
+      std::memcpy(qb + r * 64, q + (c.start + q0 + r) * q_row + h * 64, 64 * sizeof(bf16));
+    else
+      std::memset(qb + r * 64, 0, 64 * sizeof(bf16));
+  }
+  _tile_loadd(0, qb, 128);       // queries, elements 0-31
+  _tile_loadd(1, qb + 32, 128);  // queries, elements 32-63
+  for (int64_t kb = 0; kb < 2 * chunks; ++kb) {
+    _tile_zero(4);
+    _tile_loadd(2, kp + kb * 1024, 64);
+    _tile_loadd(3, kp + kb * 1024 + 512, 64);
+    _tile_dpbf16ps(4, 0, 2);
+    _tile_dpbf16ps(4, 1, 3);
+    _tile_stored(4, s + kb * 16, width * sizeof(float));
+  }
+  // softmax(scale * scores) over each row's keys 0 .. seen - 1: its maximum, then exp(scale * (s - max)) rounded to
+  // bfloat16, summed unrounded. Only the last 16 keys a row sees can be partly masked.
+  const __m512 sc = _mm512_set1_ps(scale);
+  float inv[16];
+  for (int64_t r = 0; r < 16; ++r) {
+    const float* sr = s + r * width;
+    bf16* pr = p + r * width;
+    if (r >= rows) {
+      std::memset(pr, 0, width * sizeof(bf16));
+      continue;
+    }
+    const int64_t seen = c.computed + q0 + r + 1;  // keys 0 .. seen - 1
+    const int64_t full = seen / 16 * 16;
+    const __mmask16 tail = static_cast<__mmask16>((1u << (seen - full)) - 1);
+    __m512 m = _mm512_set1_ps(-1e30f);
+    for (int64_t j = 0; j < full; j += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(sr + j));
+    if (tail) m = _mm512_mask_max_ps(m, tail, m, _mm512_loadu_ps(sr + full));
+    const __m512 shift = _mm512_set1_ps(-scale * _mm512_reduce_max_ps(m));
+    __m512 total = _mm512_setzero_ps();
+    int64_t j = 0;
+    for (; j < full; j += 16) {
+      const __m512 w = avx512::exp(_mm512_fmadd_ps(_mm512_loadu_ps(sr + j), sc, shift));
+      total = _mm512_add_ps(total, w);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j), (__m256i)_mm512_cvtneps_pbh(w));
+    }
+    if (tail) {  // the partly masked run
+      const __m512 w = _mm512_maskz_mov_ps(tail, avx512::exp(_mm512_fmadd_ps(_mm512_loadu_ps(sr + j), sc, shift)));
+      total = _mm512_add_ps(total, w);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j), (__m256i)_mm512_cvtneps_pbh(w));
+      j += 16;
+    }
+    std::memset(pr + j, 0, (width - j) * sizeof(bf16));  // runs wholly past the row's last key
+    inv[r] = 1.f / _mm512_reduce_add_ps(total);
+  }
+  _tile_zero(4);
+  _tile_zero(5);
+  _tile_zero(6);
+  _tile_zero(7);
+  for (int64_t kc = 0; kc < chunks; ++kc) {
+    const bf16* vt = vp + kc * 2048;
+    _tile_loadd(0, p + kc * 32, width * sizeof(bf16));
+    _tile_loadd(1, vt, 64);
+    _tile_dpbf16ps(4, 0, 1);
+    _tile_loadd(2, vt + 512, 64);
+    _tile_dpbf16ps(5, 0, 2);
+    _tile_loadd(3, vt + 1024, 64);
+    _tile_dpbf16ps(6, 0, 3);
+    _tile_loadd(1, vt + 1536, 64);
+    _tile_dpbf16ps(7, 0, 1);
+  }
+  _tile_stored(4, o, 256);
+  _tile_stored(5, o + 16, 256);
+  _tile_stored(6, o + 32, 256);
+  _tile_stored(7, o + 48, 256);
+  for (int64_t r = 0; r < rows; ++r) {
+    bf16* dst = out + (c.start + q0 + r) * out_row + h * 64;
+    const __m512 iv = _mm512_set1_ps(inv[r]);
+    for (int d = 0; d < 64; d += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(o + r * 64 + d), iv)));
+  }
+}
+
+__attribute__((target("amx-tile,amx-bf16")))
+static void load_tiles() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  asm volatile("" : : "r"(&cfg) : "memory");  // GCC 12 drops the stores above as dead without this
+  _tile_loadconfig(&cfg);
+}
+
+__attribute__((target("amx-tile")))
+static void release_tiles() { _tile_release(); }
+#endif
+
+bool prefill_ready() {
+#if defined(__AVX512F__)
+  return amx_ready();
+#else
+  return false;
+#endif
+}
+
+// out[rows of each chunk] = causal attention of the chunk's queries over its sequence's keys in the pool.
+// q: [T, H, 64] bfloat16, rows any stride apart (a view of the fused qkv projection); pools [slots, KVH, 64]
+// bfloat16; starts, num_new, computed: [S] int64 (flat row of each chunk's first query, its length, tokens cached
+// before it); tables: [S, max_blocks] int64; out: [T, H * 64] bfloat16, contiguous; rows of other tokens untouched.
+void paged_prefill(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor starts,
+                   torch::Tensor num_new, torch::Tensor computed, torch::Tensor tables, int64_t block_size,
+                   double scale, torch::Tensor out) {
+  TORCH_CHECK(prefill_ready(), "prompt attention needs AMX (bfloat16 tiles) granted by the kernel");
+  TORCH_CHECK(q.scalar_type() == torch::kBFloat16 && k_pool.scalar_type() == torch::kBFloat16 &&
+              v_pool.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kBFloat16,
+              "prompt attention runs on bfloat16 queries and pools");
+  TORCH_CHECK(q.dim() == 3 && q.size(2) == 64 && q.stride(2) == 1 && q.stride(1) == 64, "head size 64, rows contiguous");
+  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && tables.is_contiguous() && out.is_contiguous());
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == q.size(0) && out.size(1) == q.size(1) * 64);
+  const int64_t S = starts.numel(), H = q.size(1), KVH = k_pool.size(1), G = H / KVH, slots = k_pool.size(0);
+  TORCH_CHECK(H % KVH == 0 && k_pool.size(2) == 64 && num_new.numel() == S && computed.numel() == S &&
+              tables.size(0) == S);
+#if defined(__AVX512F__)
+  const int64_t* sp = starts.data_ptr<int64_t>();
+  const int64_t* np = num_new.data_ptr<int64_t>();
+  const int64_t* cp = computed.data_ptr<int64_t>();
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t max_blocks = tables.size(1);
+  std::vector<Chunk> chunks(S);
+  int64_t packed = 0, widest = 0;
+  for (int64_t i = 0; i < S; ++i) {
+    Chunk& c = chunks[i];
+    c = Chunk{sp[i], np[i], cp[i], packed, tp + i * max_blocks};
+    TORCH_CHECK(c.n > 0 && c.computed >= 0 && c.start >= 0 && c.start + c.n <= q.size(0), "chunk out of range");
+    TORCH_CHECK((c.keys() + block_size - 1) / block_size <= max_blocks, "block table too short");
+    for (int64_t b = 0; b < (c.keys() + block_size - 1) / block_size; ++b)
+      TORCH_CHECK(c.table[b] >= 0 && (c.table[b] + 1) * block_size <= slots, "block out of range");
+    packed += KVH * c.padded() * 64;
+    widest = std::max(widest, c.padded());
+  }
+  // scratch kept by the calling thread between calls (a step's layers all need about the same): no allocation,
+  // page faults or zeroing per call
+  static thread_local std::vector<bf16> kp, vp;
+  if (static_cast<int64_t>(kp.size()) < packed) kp.resize(packed), vp.resize(packed);
+  bf16 *kpd = kp.data(), *vpd = vp.data();  // (inside the parallel regions kp names each thread's own)
+  const bf16 *kpool = k_pool.data_ptr<bf16>(), *vpool = v_pool.data_ptr<bf16>(), *qp = q.data_ptr<bf16>();
+  at::parallel_for(0, S * KVH, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const Chunk& c = chunks[i / KVH];
+      const int64_t g = i % KVH, at = c.packed + g * c.padded() * 64;
+      pack_kv(kpool, vpool, c, g, block_size, KVH * 64, kpd + at, vpd + at);
+    }
+  });
+  // (chunk, block of 16 queries) with all its heads, costliest first, taken in turn by whichever thread is free
+  struct Item { int64_t chunk, q0, cost; };
+  std::vector<Item> items;
+  for (int64_t i = 0; i < S; ++i)
+    for (int64_t q0 = 0; q0 < chunks[i].n; q0 += 16) items.push_back({i, q0, chunks[i].computed + q0 + 16});
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(items.size()));
+  bf16* op = out.data_ptr<bf16>();
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    static thread_local std::vector<float> s, o(16 * 64);
+    static thread_local std::vector<bf16> p, qb(16 * 64);
+    if (static_cast<int64_t>(s.size()) < 16 * widest) s.resize(16 * widest), p.resize(16 * widest);
+    load_tiles();
+    for (int64_t i; (i = next.fetch_add(1)) < static_cast<int64_t>(items.size());) {
+      const Item& it = items[i];
+      const Chunk& c = chunks[it.chunk];
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t at = c.packed + (h / G) * c.padded() * 64;
+        prefill_block(qp, q.stride(0), c, h, it.q0, kpd + at, vpd + at, static_cast<float>(scale), op, H * 64,
+                      s.data(), p.data(), qb.data(), o.data());
+      }
+    }
+    release_tiles();
+  });
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU; float32 or bfloat16 pool)");
   m.def("write_kv", &write_kv, "the new tokens' K and V into their pool slots");
+  m.def("prefill_ready", &prefill_ready, "whether paged_prefill can run here (AMX granted)");
+  m.def("paged_prefill", &paged_prefill, "causal prompt attention over the paged pool (AMX, bfloat16, head size 64)");
 }
