@@ -5,9 +5,9 @@ sequence. Each step, build_metadata() turns the per-sequence layout into index t
 every layer then (1) writes its new K/V into the paged pool at their slots and (2) attends.
 
 Decode tokens go to the compiled paged kernel (services.engine.kernels) when it is available:
-it reads keys and values in place from the pool. In bfloat16 with head size 64, on a CPU with AMX granted
-(prompt_kernel_runs), every prefill chunk, new or continuing, goes to the compiled prompt kernel, which also reads
-the pool in place and runs both products on AMX tiles. Otherwise a prefill chunk that starts a sequence (nothing
+it reads keys and values in place from the pool. With head size 64, every prefill chunk, new or continuing, goes
+to the compiled prompt kernel where it runs (prompt_kernel_runs: float32 on AVX-512, bfloat16 on AMX tiles), which
+also reads the pool in place. Otherwise a prefill chunk that starts a sequence (nothing
 cached before it) attends only to its own keys, which are at hand: one causal
 scaled_dot_product_attention over them (torch's flash kernel, GQA without a repeat), no gather,
 no mask. Otherwise, and for prefill chunks that continue a sequence,
@@ -30,10 +30,11 @@ import torch.nn.functional as F
 
 
 def prompt_kernel_runs(kernel, dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether prefill chunks go to the compiled prompt kernel: bfloat16, head size 64, and AMX tiles granted here
-    (Sapphire Rapids and later); elsewhere torch's flash SDPA, as before."""
-    return (kernel is not None and dtype == torch.bfloat16 and head_dim == 64
-            and os.environ.get("MESHSERVE_PROMPT_KERNEL", "1") != "0" and kernel.prefill_ready())
+    """Whether prefill chunks go to the compiled prompt kernel: head size 64, float32 on an AVX-512 build, bfloat16
+    where AMX tiles are granted (Sapphire Rapids and later); elsewhere torch's flash SDPA, as before."""
+    return (kernel is not None and dtype in (torch.float32, torch.bfloat16) and head_dim == 64
+            and os.environ.get("MESHSERVE_PROMPT_KERNEL", "1") != "0"
+            and kernel.prefill_ready(dtype == torch.bfloat16))
 
 
 class KVCache:

@@ -143,7 +143,7 @@ class LLMEngine:
         self.attention = TorchAttention(mc.num_heads, mc.num_kv_heads, mc.head_dim, cc.block_size, kernel=kernel,
                                         dtype=self.model.dtype)
         log.info("attention: decode %s, prompts %s", "compiled kernel" if kernel else "PyTorch",
-                 "compiled kernel on AMX tiles" if self.attention.prompt_kernel else "torch's SDPA")
+                 "compiled kernel" if self.attention.prompt_kernel else "torch's SDPA")
         self.sampler = Sampler(loaded.eos_token_ids, kernel=sampler())
         self._seeds = random.Random(config.seed)  # a sampling seed for each request that brings none
         self.requests: dict[str, Request] = {}

@@ -183,8 +183,9 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention, meta, kv_cache,
                 logits_index: torch.Tensor, lora=None) -> torch.Tensor:
-        """Logits [len(logits_index), vocab] for the selected rows of the flat batch; lora (LoRABatch): the rows'
-        adapters, None when no row has one."""
+        """Logits [len(logits_index), vocab] for the selected rows of the flat batch, in the model's dtype (the
+        sampler widens bfloat16 exactly, row by row); lora (LoRABatch): the rows' adapters, None when no row has
+        one."""
         c, ops = self.config, self.ops
         quantized = isinstance(self.embed, QuantizedWeight)
         h = self.embed.rows(input_ids) if quantized else F.embedding(input_ids, self.embed)
@@ -203,7 +204,7 @@ class LlamaModel:
                             lora, i, "down")
         last = h[logits_index]
         h = ops.add_rms_norm_(last, pending[logits_index], self.norm, c.rms_norm_eps)
-        return _linear(h, self.lm_head, None).float()
+        return _linear(h, self.lm_head, None)
 
 
 class _Getter:

@@ -12,7 +12,8 @@ holding at least top_p of its mass; tokens within e^-40 of nothing are ignored).
 the argmax. A request short of its min_tokens cannot sample EOS or its stop tokens. Logprobs, when
 asked, are of the model's raw distribution at the sampled token.
 
-The compiled kernel (services.engine.kernels.sampler) does all of it in one parallel pass;
+The compiled kernel (services.engine.kernels.sampler) does all of it in one parallel pass, on float32 or
+bfloat16 logits (a bfloat16 model's logits are widened row by row inside it, exactly);
 sample_torch() is the PyTorch fallback, which computes the same noise bit for bit and so gives the
 same tokens for the same seeds (to float rounding of the top-p mass at its exact boundary).
 """
@@ -83,11 +84,11 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[float] | None]:
         """Sampled token per row, and logprobs per row when any request asked (else None)."""
         batch = SamplingBatch.of(reqs, self.eos_token_ids)
-        logits = logits.float().contiguous()
-        if self.kernel is not None:
-            tokens, logprobs = self.kernel.sample(logits, *batch.tensors())
+        if self.kernel is not None:  # float32 or bfloat16 logits, each row widened as it is sampled
+            keep = logits.dtype in (torch.float32, torch.bfloat16)
+            tokens, logprobs = self.kernel.sample((logits if keep else logits.float()).contiguous(), *batch.tensors())
         else:
-            tokens, logprobs = sample_torch(logits, batch)
+            tokens, logprobs = sample_torch(logits.float().contiguous(), batch)
         return tokens.tolist(), (logprobs.tolist() if batch.want_logprobs.any() else None)
 
 

@@ -148,9 +148,10 @@ def test_pytorch_attention_equals_naive_reference(lens):
             row += 1
 
 
-def prompt_case(seed: int, layout: list, bs: int = 16, kv_heads: int = 3, heads: int = 9, d: int = 64):
-    """Prefill chunks (num_computed, num_new) and decodes mixed in one step, bfloat16, q/k/v views of one fused
-    projection, blocks scattered over the pool."""
+def prompt_case(seed: int, layout: list, bs: int = 16, kv_heads: int = 3, heads: int = 9, d: int = 64,
+                dtype: torch.dtype = torch.bfloat16):
+    """Prefill chunks (num_computed, num_new) and decodes mixed in one step, q/k/v views of one fused projection,
+    blocks scattered over the pool."""
     g = torch.Generator().manual_seed(seed)
     perm = torch.randperm(256, generator=g).tolist()
     seqs = []
@@ -159,9 +160,16 @@ def prompt_case(seed: int, layout: list, bs: int = 16, kv_heads: int = 3, heads:
         seqs.append(SeqLayout(computed, new, perm[:blocks]))
         perm = perm[blocks:]
     t = sum(new for _, new in layout)
-    q, k, v = fused_qkv(*(torch.randn(t, n, d, generator=g).bfloat16() for n in (heads, kv_heads, kv_heads)))
-    k_pool, v_pool = (torch.randn(256 * bs, kv_heads, d, generator=g).bfloat16() for _ in range(2))
+    q, k, v = fused_qkv(*(torch.randn(t, n, d, generator=g).to(dtype) for n in (heads, kv_heads, kv_heads)))
+    k_pool, v_pool = (torch.randn(256 * bs, kv_heads, d, generator=g).to(dtype) for _ in range(2))
     return seqs, q, k, v, k_pool, v_pool
+
+
+def prompt_kernel(dtype: torch.dtype):
+    kernel = paged_attention()
+    if kernel is None or not kernel.prefill_ready(dtype == torch.bfloat16):
+        pytest.skip("the prompt kernel needs AVX-512 (float32) or AMX granted by Linux (bfloat16)")
+    return kernel
 
 
 # decodes first (as the scheduler orders a step), then chunks that start their sequence and chunks that continue one,
@@ -169,15 +177,15 @@ def prompt_case(seed: int, layout: list, bs: int = 16, kv_heads: int = 3, heads:
 PROMPT_STEP = [(30, 1), (0, 1), (70, 1), (0, 37), (0, 2), (20, 50), (100, 17), (0, 300), (31, 33), (64, 16)]
 
 
-def test_the_prompt_kernel_matches_the_pytorch_path_on_fresh_and_continuing_chunks():
-    """bfloat16 on AMX tiles (where this CPU grants them): every prefill chunk of the step, new or continuing, read
-    from the pool in place; the layer's output equals the PyTorch path's within bfloat16's precision (the weights
-    are rounded to bfloat16 before the value product, as torch's flash kernel does)."""
-    kernel = paged_attention()
-    if kernel is None or not kernel.prefill_ready():
-        pytest.skip("the prompt kernel needs AMX (Sapphire Rapids or later) granted by Linux")
-    seqs, q, k, v, k_pool, v_pool = prompt_case(7, PROMPT_STEP)
-    fast = TorchAttention(9, 3, 64, block_size=16, kernel=kernel, dtype=torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_the_prompt_kernel_matches_the_pytorch_path_on_fresh_and_continuing_chunks(dtype):
+    """Every prefill chunk of the step, new or continuing, read from the pool in place (float32 on AVX-512 FMAs,
+    bfloat16 on AMX tiles where this CPU grants them); the layer's output equals the PyTorch path's, to float32
+    rounding, or within bfloat16's precision (the weights are rounded to bfloat16 before the value product, as
+    torch's flash kernel does)."""
+    kernel = prompt_kernel(dtype)
+    seqs, q, k, v, k_pool, v_pool = prompt_case(7, PROMPT_STEP, dtype=dtype)
+    fast = TorchAttention(9, 3, 64, block_size=16, kernel=kernel, dtype=dtype)
     plain = TorchAttention(9, 3, 64, block_size=16)
     assert fast.prompt_kernel
     meta = fast.build_metadata(seqs)
@@ -186,8 +194,9 @@ def test_the_prompt_kernel_matches_the_pytorch_path_on_fresh_and_continuing_chun
     out_fast = fast.forward(q, k, v, fk, fv, meta)
     out_plain = plain.forward(q, k, v, pk, pv, plain.build_metadata(seqs))
     assert torch.equal(fk, pk) and torch.equal(fv, pv)
-    assert out_fast.dtype == torch.bfloat16
-    torch.testing.assert_close(out_fast.float(), out_plain.float(), rtol=2e-2, atol=2e-2)
+    assert out_fast.dtype == dtype
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out_fast.float(), out_plain.float(), rtol=tol, atol=tol)
     # and against a float32 softmax computed here from the same bfloat16 values
     row, bs = 0, 16
     for s in seqs:
@@ -198,27 +207,25 @@ def test_the_prompt_kernel_matches_the_pytorch_path_on_fresh_and_continuing_chun
             for h in (0, 4, 8):
                 w = torch.softmax(keys[:n, h // 3] @ q[row, h].float() / 8, dim=0)
                 torch.testing.assert_close(out_fast[row, h * 64:(h + 1) * 64].float(), w @ values[:n, h // 3],
-                                           rtol=2e-2, atol=2e-2)
+                                           rtol=tol, atol=tol)
             row += 1
 
 
-def test_the_prompt_kernel_refuses_chunks_and_blocks_out_of_range():
-    kernel = paged_attention()
-    if kernel is None or not kernel.prefill_ready():
-        pytest.skip("the prompt kernel needs AMX (Sapphire Rapids or later) granted by Linux")
-    seqs, q, k, v, k_pool, v_pool = prompt_case(8, [(0, 40), (10, 20)])
-    meta = TorchAttention(9, 3, 64, block_size=16, kernel=kernel, dtype=torch.bfloat16).build_metadata(seqs)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_the_prompt_kernel_refuses_chunks_and_blocks_out_of_range(dtype):
+    kernel = prompt_kernel(dtype)
+    seqs, q, k, v, k_pool, v_pool = prompt_case(8, [(0, 40), (10, 20)], dtype=dtype)
+    meta = TorchAttention(9, 3, 64, block_size=16, kernel=kernel, dtype=dtype).build_metadata(seqs)
     p = meta.prompts
-    out = torch.empty(60, 9 * 64, dtype=torch.bfloat16)
+    out = torch.empty(60, 9 * 64, dtype=dtype)
     with pytest.raises(RuntimeError, match="chunk out of range"):
         kernel.paged_prefill(q, k_pool, v_pool, p.starts + 30, p.num_new, p.computed, p.tables, 16, 0.125, out)
     with pytest.raises(RuntimeError, match="block out of range"):
         kernel.paged_prefill(q, k_pool, v_pool, p.starts, p.num_new, p.computed, p.tables + 256, 16, 0.125, out)
     with pytest.raises(RuntimeError, match="block table too short"):
         kernel.paged_prefill(q, k_pool, v_pool, p.starts, p.num_new, p.computed + 64, p.tables, 16, 0.125, out)
-    with pytest.raises(RuntimeError, match="bfloat16"):
-        kernel.paged_prefill(q.float(), k_pool, v_pool, p.starts, p.num_new, p.computed, p.tables, 16, 0.125,
-                             out)
+    with pytest.raises(RuntimeError, match="all of one type"):
+        kernel.paged_prefill(q.half(), k_pool, v_pool, p.starts, p.num_new, p.computed, p.tables, 16, 0.125, out)
 
 
 class _PromptKernelStub:
@@ -227,7 +234,7 @@ class _PromptKernelStub:
     def __init__(self):
         self.calls = []
 
-    def prefill_ready(self):
+    def prefill_ready(self, bfloat16):
         return True
 
     def write_kv(self, k, v, k_pool, v_pool, slots):
@@ -255,5 +262,5 @@ def test_every_prefill_chunk_and_only_those_goes_to_the_prompt_kernel_where_it_r
     for row, (_, s) in zip(tables, chunks):
         assert row[:len(s.block_table)].tolist() == s.block_table
     assert len(meta.decode.q_index) == 3 and not meta.fresh and not meta.groups
-    for dtype, d in ((torch.float32, 64), (torch.bfloat16, 32)):  # elsewhere: torch's flash SDPA, as before
+    for dtype, d in ((torch.float16, 64), (torch.bfloat16, 32)):  # elsewhere: torch's flash SDPA, as before
         assert not TorchAttention(9, 3, d, block_size=16, kernel=stub, dtype=dtype).prompt_kernel

@@ -136,6 +136,29 @@ def check_kernel_against_fallback(kernel, scale: float) -> None:
     assert torch.allclose(fast_lp[asked], slow_lp[asked], atol=1e-5) and fast_lp[~asked].isnan().all()
 
 
+def test_bfloat16_logits_sample_as_their_float32_widening(kernel):
+    """A bfloat16 model hands the sampler its logits as they are: the kernel widens each row itself, so tokens and
+    logprobs equal those of the same values widened beforehand (greedy, sampled, masked, banned)."""
+    g = torch.Generator().manual_seed(11)
+    rows, vocab = 64, 4099
+    logits = (torch.randn(rows, vocab, generator=g) * 4).bfloat16()
+    cycle = lambda *vals: torch.tensor([vals[i % len(vals)] for i in range(rows)])  # noqa: E731
+    batch = SamplingBatch(
+        temperature=cycle(0.0, 1.0, 0.7).float(), top_k=cycle(0, 0, 50, 0), top_p=cycle(1.0, 0.9, 1.0).float(),
+        log_min_p=torch.full((rows,), -math.inf), seeds=torch.randint(0, 2**62, (rows,), generator=g),
+        positions=torch.randint(0, 4096, (rows,), generator=g), ban_offsets=torch.arange(rows + 1),
+        ban_ids=logits.float().argmax(dim=-1), want_logprobs=cycle(True, False, True))
+    narrow, narrow_lp = kernel.sample(logits, *batch.tensors())
+    wide, wide_lp = kernel.sample(logits.float(), *batch.tensors())
+    assert narrow.tolist() == wide.tolist()
+    assert torch.equal(narrow_lp.isnan(), wide_lp.isnan())
+    assert torch.equal(narrow_lp[~narrow_lp.isnan()], wide_lp[~wide_lp.isnan()])
+    tokens, _ = Sampler(kernel=kernel)(logits, [_req(i, temperature=0.0) for i in range(rows)])
+    assert tokens == logits.float().argmax(dim=-1).tolist()
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        kernel.sample(logits.half(), *batch.tensors())
+
+
 def _req(i, **kw):
     return Request(f"r{i}", [1], SamplingParams(**kw), arrival_s=0.0, seq_no=i)
 

@@ -7,7 +7,7 @@
 // the result equals the PyTorch code's bit for bit except for the order of the RMSNorm's sum and
 // the exp inside SiLU (float32: glibc's vector expf, within 4 ulp: -ffast-math is what makes GCC call it; a
 // scalar expf per element made SiLU-and-mul slower than PyTorch's two passes; bfloat16: avx512_math.h's inline exp
-// and reciprocal, relative error ~1e-5 before the result is rounded to bfloat16).
+// (~2 ulp) and reciprocal, before the result is rounded to bfloat16).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>

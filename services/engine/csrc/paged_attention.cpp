@@ -4,7 +4,7 @@
 // each run of up to 16 consecutive slots has its K rows scored and its V rows summed while both are in L1,
 // and the next run is prefetched meanwhile. Elsewhere two plain passes (scores, then values).
 // The pool is float32 or bfloat16 (T); the query, the scores and every sum are float32.
-// paged_prefill (further down) is the prompts' counterpart, on AMX tiles in bfloat16.
+// paged_prefill (further down) is the prompts' counterpart: AMX tiles in bfloat16, AVX-512 FMAs in float32.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -444,6 +444,55 @@ static void pack_kv(const bf16* k_pool, const bf16* v_pool, const Chunk& c, int6
   }
 }
 
+// Weights as the value product reads them: float32 as they are, bfloat16 rounded to nearest even by vcvtneps2bf16.
+// softmax_rows below is compiled with AVX512_BF16 allowed for both types, so that this inlines; its float32 form
+// has no bfloat16 conversion in it (no such instruction is emitted) and runs on any AVX-512 CPU.
+__attribute__((target("avx512bf16,avx512bw,avx512f"), always_inline))
+static inline void store_weights(float* p, __m512 w) { _mm512_storeu_ps(p, w); }
+__attribute__((target("avx512bf16,avx512bw,avx512f"), always_inline))
+static inline void store_weights(bf16* p, __m512 w) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(w));
+}
+
+// softmax(scale * scores) of 16 rows of s ([16, width] float32) into p ([16, width]): row r sees keys
+// 0 .. seen0 + r - 1 (rows from `rows` on are padding: all zero). Its maximum, then exp(scale * (s - max)), summed
+// unrounded into inv[r] = 1 / sum. Only the last 16 keys a row sees can be partly masked.
+template <typename P>
+__attribute__((target("avx512bf16,avx512bw,avx512f")))
+static void softmax_rows(const float* s, P* p, int64_t width, int64_t rows, int64_t seen0, float scale, float* inv) {
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int64_t r = 0; r < 16; ++r) {
+    const float* sr = s + r * width;
+    P* pr = p + r * width;
+    if (r >= rows) {
+      std::memset(pr, 0, width * sizeof(P));
+      continue;
+    }
+    const int64_t seen = seen0 + r;
+    const int64_t full = seen / 16 * 16;
+    const __mmask16 tail = static_cast<__mmask16>((1u << (seen - full)) - 1);
+    __m512 m = _mm512_set1_ps(-1e30f);
+    for (int64_t j = 0; j < full; j += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(sr + j));
+    if (tail) m = _mm512_mask_max_ps(m, tail, m, _mm512_loadu_ps(sr + full));
+    const __m512 shift = _mm512_set1_ps(-scale * _mm512_reduce_max_ps(m));
+    __m512 total = _mm512_setzero_ps();
+    int64_t j = 0;
+    for (; j < full; j += 16) {
+      const __m512 w = avx512::exp(_mm512_fmadd_ps(_mm512_loadu_ps(sr + j), sc, shift));
+      total = _mm512_add_ps(total, w);
+      store_weights(pr + j, w);
+    }
+    if (tail) {  // the partly masked run
+      const __m512 w = _mm512_maskz_mov_ps(tail, avx512::exp(_mm512_fmadd_ps(_mm512_loadu_ps(sr + j), sc, shift)));
+      total = _mm512_add_ps(total, w);
+      store_weights(pr + j, w);
+      j += 16;
+    }
+    std::memset(pr + j, 0, (width - j) * sizeof(P));  // runs wholly past the row's last key
+    inv[r] = 1.f / _mm512_reduce_add_ps(total);
+  }
+}
+
 // One block of up to 16 queries of head h: rows q0 .. q0 + rows - 1 of the chunk. s: [16, Lp] float32 scores,
 // p: [16, Lp] bfloat16 weights, qb: [16, 64] bfloat16, o: [16, 64] float32 (scratch).
 __attribute__((target("amx-tile,amx-bf16,avx512bf16,avx512bw,avx512f")))
@@ -469,40 +518,8 @@ static void prefill_block(const bf16* q, int64_t q_row, const Chunk& c, int64_t 
     _tile_dpbf16ps(4, 1, 3);
     _tile_stored(4, s + kb * 16, width * sizeof(float));
   }
-  // softmax(scale * scores) over each row's keys 0 .. seen - 1: its maximum, then exp(scale * (s - max)) rounded to
-  // bfloat16, summed unrounded. Only the last 16 keys a row sees can be partly masked.
-  const __m512 sc = _mm512_set1_ps(scale);
   float inv[16];
-  for (int64_t r = 0; r < 16; ++r) {
-    const float* sr = s + r * width;
-    bf16* pr = p + r * width;
-    if (r >= rows) {
-      std::memset(pr, 0, width * sizeof(bf16));
-      continue;
-    }
-    const int64_t seen = c.computed + q0 + r + 1;  // keys 0 .. seen - 1
-    const int64_t full = seen / 16 * 16;
-    const __mmask16 tail = static_cast<__mmask16>((1u << (seen - full)) - 1);
-    __m512 m = _mm512_set1_ps(-1e30f);
-    for (int64_t j = 0; j < full; j += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(sr + j));
-    if (tail) m = _mm512_mask_max_ps(m, tail, m, _mm512_loadu_ps(sr + full));
-    const __m512 shift = _mm512_set1_ps(-scale * _mm512_reduce_max_ps(m));
-    __m512 total = _mm512_setzero_ps();
-    int64_t j = 0;
-    for (; j < full; j += 16) {
-      const __m512 w = avx512::exp(_mm512_fmadd_ps(_mm512_loadu_ps(sr + j), sc, shift));
-      total = _mm512_add_ps(total, w);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j), (__m256i)_mm512_cvtneps_pbh(w));
-    }
-    if (tail) {  // the partly masked run
-      const __m512 w = _mm512_maskz_mov_ps(tail, avx512::exp(_mm512_fmadd_ps(_mm512_loadu_ps(sr + j), sc, shift)));
-      total = _mm512_add_ps(total, w);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j), (__m256i)_mm512_cvtneps_pbh(w));
-      j += 16;
-    }
-    std::memset(pr + j, 0, (width - j) * sizeof(bf16));  // runs wholly past the row's last key
-    inv[r] = 1.f / _mm512_reduce_add_ps(total);
-  }
+  softmax_rows(s, p, width, rows, c.computed + q0 + 1, scale, inv);
   _tile_zero(4);
   _tile_zero(5);
   _tile_zero(6);
@@ -532,6 +549,69 @@ static void prefill_block(const bf16* q, int64_t q_row, const Chunk& c, int64_t 
   }
 }
 
+// The float32 prompt kernel: the same blocks of 16 queries on AVX-512 FMAs (no AMX for float32). Keys are repacked
+// transposed, 16 at a time (kt: [L / 16][64][16]: a vector holds one element of 16 keys), so a block's scores are
+// 16 accumulators, each element of the head one vector load and 16 FMAs with the queries' elements broadcast;
+// values are copied into rows in key order (vr: [L][64]) and summed 4 query rows x 64 elements at a time.
+static void pack_kv_f32(const float* k_pool, const float* v_pool, const Chunk& c, int64_t g, int64_t block_size,
+                        int64_t row, float* kt, float* vr) {
+  const int64_t L = c.keys(), Lp = c.padded();
+  std::memset(kt + L / 16 * 1024, 0, (Lp * 64 - L / 16 * 1024) * sizeof(float));
+  std::memset(vr + L * 64, 0, (Lp - L) * 64 * sizeof(float));
+  for (int64_t b = 0, j = 0; j < L; ++b)
+    for (int64_t i = 0, base = c.table[b] * block_size; i < block_size && j < L; ++i, ++j) {
+      const float* k = k_pool + (base + i) * row + g * 64;
+      float* t = kt + (j / 16) * 1024 + (j % 16);
+      for (int d = 0; d < 64; ++d) t[d * 16] = k[d];
+      std::memcpy(vr + j * 64, v_pool + (base + i) * row + g * 64, 64 * sizeof(float));
+    }
+}
+
+static void prefill_block_f32(const float* q, int64_t q_row, const Chunk& c, int64_t h, int64_t q0, const float* kt,
+                              const float* vr, float scale, float* out, int64_t out_row, float* s, float* p,
+                              float* qb) {
+  const int64_t rows = std::min<int64_t>(16, c.n - q0);
+  const int64_t limit = c.computed + q0 + rows;
+  const int64_t blocks = (limit + 15) / 16, width = blocks * 16;
+  for (int64_t r = 0; r < 16; ++r) {
+    if (r < rows)
+      std::memcpy(qb + r * 64, q + (c.start + q0 + r) * q_row + h * 64, 64 * sizeof(float));
+    else
+      std::memset(qb + r * 64, 0, 64 * sizeof(float));
+  }
+  for (int64_t kb = 0; kb < blocks; ++kb) {
+    const float* k = kt + kb * 1024;
+    __m512 acc[16];
+    for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
+    for (int d = 0; d < 64; ++d) {
+      const __m512 kv = _mm512_loadu_ps(k + d * 16);
+      for (int r = 0; r < 16; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(qb[r * 64 + d]), kv, acc[r]);
+    }
+    for (int r = 0; r < 16; ++r) _mm512_storeu_ps(s + r * width + kb * 16, acc[r]);
+  }
+  float inv[16];
+  softmax_rows(s, p, width, rows, c.computed + q0 + 1, scale, inv);
+  for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+    __m512 acc[4][4];
+    for (int i = 0; i < 4; ++i)
+      for (int e = 0; e < 4; ++e) acc[i][e] = _mm512_setzero_ps();
+    const int64_t seen = c.computed + q0 + std::min<int64_t>(r0 + 4, rows);  // keys the group's last row sees
+    for (int64_t j = 0; j < seen; ++j) {
+      __m512 v[4];
+      for (int e = 0; e < 4; ++e) v[e] = _mm512_loadu_ps(vr + j * 64 + 16 * e);
+      for (int i = 0; i < 4; ++i) {
+        const __m512 w = _mm512_set1_ps(p[(r0 + i) * width + j]);
+        for (int e = 0; e < 4; ++e) acc[i][e] = _mm512_fmadd_ps(w, v[e], acc[i][e]);
+      }
+    }
+    for (int i = 0; i < 4 && r0 + i < rows; ++i) {
+      float* dst = out + (c.start + q0 + r0 + i) * out_row + h * 64;
+      const __m512 iv = _mm512_set1_ps(inv[r0 + i]);
+      for (int e = 0; e < 4; ++e) _mm512_storeu_ps(dst + 16 * e, _mm512_mul_ps(acc[i][e], iv));
+    }
+  }
+}
+
 __attribute__((target("amx-tile,amx-bf16")))
 static void load_tiles() {
   TileConfig cfg;
@@ -544,29 +624,87 @@ __attribute__((target("amx-tile")))
 static void release_tiles() { _tile_release(); }
 #endif
 
-bool prefill_ready() {
+// Whether paged_prefill runs here for that pool type: float32 on any AVX-512 build; bfloat16 where AMX is granted.
+bool prefill_ready(bool bfloat16) {
 #if defined(__AVX512F__)
-  return amx_ready();
+  return !bfloat16 || amx_ready();
 #else
   return false;
 #endif
 }
 
+#if defined(__AVX512F__)
+// The chunks' keys and values repacked (one task per chunk and KV head), then the blocks of 16 queries with all their
+// heads, costliest first, taken in turn by whichever thread is free. Scratch stays with its thread between calls (a
+// step's layers all need about the same): no allocation, page faults or zeroing per call.
+template <typename T>
+static void prefill_impl(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
+                         const std::vector<Chunk>& chunks, int64_t packed, int64_t widest, int64_t block_size,
+                         float scale, torch::Tensor& out) {
+  const int64_t S = chunks.size(), H = q.size(1), KVH = k_pool.size(1), G = H / KVH;
+  static thread_local std::vector<T> kp, vp;
+  if (static_cast<int64_t>(kp.size()) < packed) kp.resize(packed), vp.resize(packed);
+  T *kpd = kp.data(), *vpd = vp.data();  // (inside the parallel regions kp names each thread's own)
+  const T *kpool = k_pool.data_ptr<T>(), *vpool = v_pool.data_ptr<T>(), *qp = q.data_ptr<T>();
+  at::parallel_for(0, S * KVH, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const Chunk& c = chunks[i / KVH];
+      const int64_t g = i % KVH, at = c.packed + g * c.padded() * 64;
+      if constexpr (std::is_same_v<T, bf16>)
+        pack_kv(kpool, vpool, c, g, block_size, KVH * 64, kpd + at, vpd + at);
+      else
+        pack_kv_f32(kpool, vpool, c, g, block_size, KVH * 64, kpd + at, vpd + at);
+    }
+  });
+  struct Item { int64_t chunk, q0, cost; };
+  std::vector<Item> items;
+  for (int64_t i = 0; i < S; ++i)
+    for (int64_t q0 = 0; q0 < chunks[i].n; q0 += 16) items.push_back({i, q0, chunks[i].computed + q0 + 16});
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(items.size()));
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    static thread_local std::vector<float> s, o(16 * 64);
+    static thread_local std::vector<T> p, qb(16 * 64);
+    if (static_cast<int64_t>(s.size()) < 16 * widest) s.resize(16 * widest), p.resize(16 * widest);
+    if constexpr (std::is_same_v<T, bf16>) load_tiles();
+    for (int64_t i; (i = next.fetch_add(1)) < static_cast<int64_t>(items.size());) {
+      const Chunk& c = chunks[items[i].chunk];
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t at = c.packed + (h / G) * c.padded() * 64;
+        if constexpr (std::is_same_v<T, bf16>)
+          prefill_block(qp, q.stride(0), c, h, items[i].q0, kpd + at, vpd + at, scale, op, H * 64, s.data(),
+                        p.data(), qb.data(), o.data());
+        else
+          prefill_block_f32(qp, q.stride(0), c, h, items[i].q0, kpd + at, vpd + at, scale, op, H * 64, s.data(),
+                            p.data(), qb.data());
+      }
+    }
+    if constexpr (std::is_same_v<T, bf16>) release_tiles();
+  });
+}
+#endif
+
 // out[rows of each chunk] = causal attention of the chunk's queries over its sequence's keys in the pool.
-// q: [T, H, 64] bfloat16, rows any stride apart (a view of the fused qkv projection); pools [slots, KVH, 64]
-// bfloat16; starts, num_new, computed: [S] int64 (flat row of each chunk's first query, its length, tokens cached
-// before it); tables: [S, max_blocks] int64; out: [T, H * 64] bfloat16, contiguous; rows of other tokens untouched.
+// q: [T, H, 64] float32 or bfloat16, rows any stride apart (a view of the fused qkv projection); pools
+// [slots, KVH, 64] and out [T, H * 64] (contiguous) of the same type; starts, num_new, computed: [S] int64 (flat row
+// of each chunk's first query, its length, tokens cached before it); tables: [S, max_blocks] int64. Rows of other
+// tokens in out are left untouched.
 void paged_prefill(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor starts,
                    torch::Tensor num_new, torch::Tensor computed, torch::Tensor tables, int64_t block_size,
                    double scale, torch::Tensor out) {
-  TORCH_CHECK(prefill_ready(), "prompt attention needs AMX (bfloat16 tiles) granted by the kernel");
-  TORCH_CHECK(q.scalar_type() == torch::kBFloat16 && k_pool.scalar_type() == torch::kBFloat16 &&
-              v_pool.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kBFloat16,
-              "prompt attention runs on bfloat16 queries and pools");
+  const auto type = q.scalar_type();
+  TORCH_CHECK((type == torch::kBFloat16 || type == torch::kFloat32) && k_pool.scalar_type() == type &&
+              v_pool.scalar_type() == type && out.scalar_type() == type,
+              "prompt attention runs on float32 or bfloat16 queries and pools, all of one type");
+  TORCH_CHECK(prefill_ready(type == torch::kBFloat16),
+              type == torch::kBFloat16 ? "bfloat16 prompt attention needs AMX tiles granted by the kernel"
+                                       : "float32 prompt attention needs AVX-512");
   TORCH_CHECK(q.dim() == 3 && q.size(2) == 64 && q.stride(2) == 1 && q.stride(1) == 64, "head size 64, rows contiguous");
   TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && tables.is_contiguous() && out.is_contiguous());
   TORCH_CHECK(out.dim() == 2 && out.size(0) == q.size(0) && out.size(1) == q.size(1) * 64);
-  const int64_t S = starts.numel(), H = q.size(1), KVH = k_pool.size(1), G = H / KVH, slots = k_pool.size(0);
+  const int64_t S = starts.numel(), H = q.size(1), KVH = k_pool.size(1), slots = k_pool.size(0);
   TORCH_CHECK(H % KVH == 0 && k_pool.size(2) == 64 && num_new.numel() == S && computed.numel() == S &&
               tables.size(0) == S);
 #if defined(__AVX512F__)
@@ -587,50 +725,18 @@ void paged_prefill(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool, 
     packed += KVH * c.padded() * 64;
     widest = std::max(widest, c.padded());
   }
-  // scratch kept by the calling thread between calls (a step's layers all need about the same): no allocation,
-  // page faults or zeroing per call
-  static thread_local std::vector<bf16> kp, vp;
-  if (static_cast<int64_t>(kp.size()) < packed) kp.resize(packed), vp.resize(packed);
-  bf16 *kpd = kp.data(), *vpd = vp.data();  // (inside the parallel regions kp names each thread's own)
-  const bf16 *kpool = k_pool.data_ptr<bf16>(), *vpool = v_pool.data_ptr<bf16>(), *qp = q.data_ptr<bf16>();
-  at::parallel_for(0, S * KVH, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const Chunk& c = chunks[i / KVH];
-      const int64_t g = i % KVH, at = c.packed + g * c.padded() * 64;
-      pack_kv(kpool, vpool, c, g, block_size, KVH * 64, kpd + at, vpd + at);
-    }
-  });
-  // (chunk, block of 16 queries) with all its heads, costliest first, taken in turn by whichever thread is free
-  struct Item { int64_t chunk, q0, cost; };
-  std::vector<Item> items;
-  for (int64_t i = 0; i < S; ++i)
-    for (int64_t q0 = 0; q0 < chunks[i].n; q0 += 16) items.push_back({i, q0, chunks[i].computed + q0 + 16});
-  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
-  std::atomic<int64_t> next{0};
-  const int64_t workers = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(items.size()));
-  bf16* op = out.data_ptr<bf16>();
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    static thread_local std::vector<float> s, o(16 * 64);
-    static thread_local std::vector<bf16> p, qb(16 * 64);
-    if (static_cast<int64_t>(s.size()) < 16 * widest) s.resize(16 * widest), p.resize(16 * widest);
-    load_tiles();
-    for (int64_t i; (i = next.fetch_add(1)) < static_cast<int64_t>(items.size());) {
-      const Item& it = items[i];
-      const Chunk& c = chunks[it.chunk];
-      for (int64_t h = 0; h < H; ++h) {
-        const int64_t at = c.packed + (h / G) * c.padded() * 64;
-        prefill_block(qp, q.stride(0), c, h, it.q0, kpd + at, vpd + at, static_cast<float>(scale), op, H * 64,
-                      s.data(), p.data(), qb.data(), o.data());
-      }
-    }
-    release_tiles();
-  });
+  if (type == torch::kBFloat16)
+    prefill_impl<bf16>(q, k_pool, v_pool, chunks, packed, widest, block_size, static_cast<float>(scale), out);
+  else
+    prefill_impl<float>(q, k_pool, v_pool, chunks, packed, widest, block_size, static_cast<float>(scale), out);
 #endif
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU; float32 or bfloat16 pool)");
   m.def("write_kv", &write_kv, "the new tokens' K and V into their pool slots");
-  m.def("prefill_ready", &prefill_ready, "whether paged_prefill can run here (AMX granted)");
-  m.def("paged_prefill", &paged_prefill, "causal prompt attention over the paged pool (AMX, bfloat16, head size 64)");
+  m.def("prefill_ready", &prefill_ready, "whether paged_prefill runs here for a bfloat16 (AMX) or float32 pool",
+        py::arg("bfloat16"));
+  m.def("paged_prefill", &paged_prefill,
+        "causal prompt attention over the paged pool (head size 64; AMX in bfloat16, AVX-512 in float32)");
 }

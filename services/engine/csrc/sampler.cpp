@@ -279,19 +279,22 @@ int64_t sample_row(const float* x, int64_t n, const RowArgs& a, const int64_t* b
 
 }  // namespace
 
-// logits [B, V] float32; temperature, top_p, log_min_p [B] float32; top_k, seeds, positions [B] int64;
+// logits [B, V] float32 or bfloat16 (each row widened to float32 as it is sampled: exact, and the whole [B, V]
+// float32 copy a separate .float() wrote and this pass read back is never made); temperature, top_p, log_min_p [B] float32; top_k, seeds, positions [B] int64;
 // ban_offsets [B + 1] and ban_ids int64 (tokens row b may not sample: ban_ids[ban_offsets[b]:ban_offsets[b+1]]);
 // want_logprobs [B] bool. Returns (tokens [B] int64, logprobs [B] float32, NaN where not asked).
 std::vector<torch::Tensor> sample(torch::Tensor logits, torch::Tensor temperature, torch::Tensor top_k,
                                   torch::Tensor top_p, torch::Tensor log_min_p, torch::Tensor seeds,
                                   torch::Tensor positions, torch::Tensor ban_offsets, torch::Tensor ban_ids,
                                   torch::Tensor want_logprobs) {
-  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32 && logits.is_contiguous(),
-              "logits must be a contiguous float32 [B, V] tensor");
+  const bool wide = logits.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(logits.dim() == 2 && (logits.scalar_type() == torch::kFloat32 || wide) && logits.is_contiguous(),
+              "logits must be a contiguous float32 or bfloat16 [B, V] tensor");
   const int64_t B = logits.size(0), V = logits.size(1);
   auto tokens = torch::empty({B}, torch::kInt64);
   auto logprobs = torch::full({B}, std::numeric_limits<float>::quiet_NaN(), torch::kFloat32);
-  const float* lp = logits.data_ptr<float>();
+  const float* lp = wide ? nullptr : logits.data_ptr<float>();
+  const uint16_t* lp16 = wide ? reinterpret_cast<const uint16_t*>(logits.data_ptr<at::BFloat16>()) : nullptr;
   const float* tp = temperature.data_ptr<float>();
   const float* pp = top_p.data_ptr<float>();
   const float* mp = log_min_p.data_ptr<float>();
@@ -304,13 +307,20 @@ std::vector<torch::Tensor> sample(torch::Tensor logits, torch::Tensor temperatur
   int64_t* out = tokens.data_ptr<int64_t>();
   float* out_lp = logprobs.data_ptr<float>();
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> xs(V), work(std::max<int64_t>(V, kChunk)), scratch;
+    std::vector<float> xs(V), work(std::max<int64_t>(V, kChunk)), scratch, widened(wide ? V : 0);
     std::vector<uint8_t> pass(kChunk);
     std::vector<int32_t> buckets(V);
     for (int64_t b = begin; b < end; ++b) {
       const uint64_t seed = static_cast<uint64_t>(sp[b]), pos = static_cast<uint64_t>(posp[b]);
       const RowArgs a{tp[b], kp[b], pp[b], mp[b], mix64(mix64(seed) + (pos + 1) * kGolden)};
       const float* x = lp + b * V;
+      if (wide) {  // bfloat16 is the top half of a float32
+        const uint16_t* h = lp16 + b * V;
+        uint32_t* w = reinterpret_cast<uint32_t*>(widened.data());
+#pragma omp simd
+        for (int64_t i = 0; i < V; ++i) w[i] = static_cast<uint32_t>(h[i]) << 16;
+        x = widened.data();
+      }
       out[b] = sample_row(x, V, a, bi + bo[b], bo[b + 1] - bo[b], xs, work, scratch, pass, buckets);
       if (wl[b]) out_lp[b] = log_softmax_at(x, V, out[b]);
     }
@@ -319,5 +329,5 @@ std::vector<torch::Tensor> sample(torch::Tensor logits, torch::Tensor temperatur
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("sample", &sample, "fused Gumbel-max sampler with min-p / top-k / top-p (CPU, float32)");
+  m.def("sample", &sample, "fused Gumbel-max sampler with min-p / top-k / top-p (CPU, float32 or bfloat16 logits)");
 }
