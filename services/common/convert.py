@@ -7,7 +7,7 @@ import time
 from services.common.errors import InvalidRequest
 from services.common.pb import meshserve_pb2 as pb
 from services.common.request import ClientRequest, RequestSpec
-from services.common.sampling import SamplingParams
+from services.common.sampling import Guided, SamplingParams, guided_from
 
 
 def utf8(raw: bytes, field: str) -> str:
@@ -23,7 +23,9 @@ def sampling_from_pb(s: pb.Sampling) -> SamplingParams:
         max_tokens=s.max_tokens, temperature=s.temperature if s.HasField("temperature") else 1.0,
         top_p=s.top_p if s.HasField("top_p") else 1.0, top_k=s.top_k, min_p=s.min_p,
         seed=s.seed if s.HasField("seed") else None, stop=tuple(utf8(b, "stop") for b in s.stop),
-        stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos, logprobs=s.logprobs, min_tokens=s.min_tokens)
+        stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos, logprobs=s.logprobs, min_tokens=s.min_tokens,
+        top_logprobs=s.top_logprobs,
+        guided=Guided(s.guided.kind, utf8(s.guided.spec, "guided.spec")) if s.HasField("guided") else None)
     params.validate()
     return params
 
@@ -31,10 +33,17 @@ def sampling_from_pb(s: pb.Sampling) -> SamplingParams:
 def sampling_to_pb(p: SamplingParams) -> pb.Sampling:
     s = pb.Sampling(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
                     stop=[x.encode() for x in p.stop], stop_token_ids=list(p.stop_token_ids),
-                    ignore_eos=p.ignore_eos, logprobs=p.logprobs, min_tokens=p.min_tokens)
+                    ignore_eos=p.ignore_eos, logprobs=p.logprobs, min_tokens=p.min_tokens, top_logprobs=p.top_logprobs)
     if p.seed is not None:
         s.seed = p.seed
+    if p.guided is not None:
+        s.guided.kind, s.guided.spec = p.guided.kind, p.guided.spec.encode()
     return s
+
+
+def top_logprobs_to_pb(tops: list | None) -> list:
+    """[(token ids, logprobs) per token] as TopLogprobs messages ([] when none were asked)."""
+    return [pb.TopLogprobs(token_ids=ids, logprobs=lps) for ids, lps in tops or ()]
 
 
 # A heartbeat (pb.WorkerLoad) field -> the router's WorkerView attribute, both ways, in one place.
@@ -100,13 +109,16 @@ def request_from_line(obj: dict) -> pb.GenerateRequest:
     """A JSONL line (docs/INTERFACES.md) as a GenerateRequest: what `meshserve client` and the benchmarks send."""
     s = pb.Sampling(max_tokens=int(obj.get("max_tokens", 16)), top_k=int(obj.get("top_k", 0)),
                     ignore_eos=bool(obj.get("ignore_eos", False)), logprobs=bool(obj.get("logprobs", False)),
-                    min_tokens=int(obj.get("min_tokens") or 0),
+                    min_tokens=int(obj.get("min_tokens") or 0), top_logprobs=int(obj.get("top_logprobs") or 0),
                     stop_token_ids=obj.get("stop_token_ids") or [])
     stop = obj.get("stop") or []
     s.stop.extend(x.encode() for x in ([stop] if isinstance(stop, str) else stop))
     for name in ("temperature", "top_p", "min_p", "seed"):
         if obj.get(name) is not None:
             setattr(s, name, obj[name])
+    if obj.get("guided") is not None:
+        guided = guided_from(obj["guided"])
+        s.guided.kind, s.guided.spec = guided.kind, guided.spec.encode()
     req = pb.GenerateRequest(request_id=str(obj.get("id", "")), sampling=s, priority=int(obj.get("priority", 0)),
                              deadline_ms=int(obj.get("deadline_ms", 0)), adapter=obj.get("adapter") or "",
                              criticality=str(obj.get("criticality") or ""), slo_ttft_ms=int(obj.get("slo_ttft_ms", 0)),

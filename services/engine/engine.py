@@ -29,6 +29,7 @@ from services.engine.allocator import keep_large_buffers
 from services.engine.attention import KVCache, SeqLayout, TorchAttention
 from services.engine.block_pool import BlockPool
 from services.engine.config import EngineConfig
+from services.engine.guided import Grammars
 from services.engine.kernels import lora as lora_kernel
 from services.engine.kernels import paged_attention, sampler
 from services.engine.kv_manager import KVCacheManager
@@ -57,6 +58,7 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None  # stop | length | abort, once finished
     request: Request  # the engine's record (read only)
+    new_top_logprobs: list | None = None  # per new token: (token ids, logprobs) most likely first, when asked
 
 
 @dataclass
@@ -121,7 +123,10 @@ class LLMEngine:
         mc = self.model_config = loaded.config
         self.model = LlamaModel(mc, loaded.weights)
         log.info("weights: %s", self.describe_weights())
-        self.tokenizer = Tokenizer(config.model_dir) if (Path(config.model_dir) / "tokenizer.json").exists() else None
+        tokenizer_json = Path(config.model_dir) / "tokenizer.json"
+        self.tokenizer = Tokenizer(config.model_dir) if tokenizer_json.exists() else None
+        self.grammars = Grammars(tokenizer_json if self.tokenizer else None, mc.vocab_size, loaded.eos_token_ids,
+                                 threads=torch.get_num_threads())  # structured outputs (guided.py)
         cc, sc = config.cache, config.scheduler
         block_bytes = KVCache.bytes_per_block(mc.num_layers, cc.block_size, mc.num_kv_heads, mc.head_dim,
                                               self.model.dtype)
@@ -195,10 +200,12 @@ class LLMEngine:
             raise InvalidRequest(f"weight must be > 0, got {spec.weight}")
         if spec.band not in BANDS:
             raise InvalidRequest(f"band must be one of {list(BANDS)}, got {spec.band}")
-        return Request(spec.request_id, ids, spec.sampling, arrival_s=self.clock(), seq_no=next(self._seq),
-                       priority=spec.priority, band=spec.band, adapter=spec.adapter, cache_salt=spec.cache_salt,
-                       tenant=spec.tenant, weight=spec.weight, deadline_s=spec.deadline_s, predicted_s=spec.predicted_s,
-                       sample_seed=self._sample_seed(spec.sampling), resumed_outputs=spec.resumed_outputs)
+        req = Request(spec.request_id, ids, spec.sampling, arrival_s=self.clock(), seq_no=next(self._seq),
+                      priority=spec.priority, band=spec.band, adapter=spec.adapter, cache_salt=spec.cache_salt,
+                      tenant=spec.tenant, weight=spec.weight, deadline_s=spec.deadline_s, predicted_s=spec.predicted_s,
+                      sample_seed=self._sample_seed(spec.sampling), resumed_outputs=spec.resumed_outputs)
+        self.grammars.start(req)  # a constraint that does not compile is refused here, before anything is held
+        return req
 
     def _sample_seed(self, params: SamplingParams) -> int:
         return params.seed if params.seed is not None else self._seeds.getrandbits(63)
@@ -257,12 +264,13 @@ class LLMEngine:
             return failed
         ids, positions, layouts, logits_index, sampling, lora = self._build_batch(out)
         meta = self.attention.build_metadata(layouts)
+        allow = self.grammars.masks(sampling)  # structured outputs: what each constrained row may sample
         t1 = time.perf_counter()
         logits = self.model.forward(ids, positions, self.attention, meta, self.kv_cache, logits_index, lora)
         forward_s = time.perf_counter() - t1
-        tokens, logprobs = self.sampler(logits, sampling) if sampling else ([], None)
+        sampled = self.sampler(logits, sampling, allow) if sampling else None
         self.scheduler.update(out)
-        results = self._postprocess(sampling, tokens, logprobs)
+        results = self._postprocess(sampling, sampled) if sampled else []
         if self.lora is not None and self.lora.retired:
             self.lora.sweep()  # unloaded adapters whose last request just finished
         self._record(out, forward_s, time.perf_counter() - t0)
@@ -298,20 +306,22 @@ class LLMEngine:
             self._lora_kernel = lora_kernel() or False
         return self._lora_kernel or None
 
-    def _postprocess(self, reqs: list[Request], tokens: list[int], logprobs) -> list[RequestOutput]:
+    def _postprocess(self, reqs: list[Request], sampled) -> list[RequestOutput]:
         results = []
-        for i, (req, tok) in enumerate(zip(reqs, tokens)):
+        for i, (req, tok) in enumerate(zip(reqs, sampled.tokens)):
             req.tokens.append(tok)
             self.scheduler.policy.charge(req.tenant, req.weight, output_tokens=1)
             lp = None
-            if req.params.logprobs:
-                lp = [logprobs[i]]
-                req.logprobs.append(logprobs[i])
-            reason = self._finish_reason(req, tok)
+            if req.params.wants_logprobs:
+                lp = [sampled.logprobs[i]]
+                req.logprobs.append(sampled.logprobs[i])
+            top = [sampled.top[i]] if req.params.top_logprobs else None
+            reason = self.grammars.accept(req, tok) if req.grammar is not None else None
+            reason = reason or self._finish_reason(req, tok)
             if reason:
                 self.scheduler.finish(req, reason)
                 self.requests.pop(req.req_id, None)
-            results.append(RequestOutput(req.req_id, [tok], lp, reason is not None, reason, req))
+            results.append(RequestOutput(req.req_id, [tok], lp, reason is not None, reason, req, top))
         return results
 
     def _finish_reason(self, req: Request, tok: int) -> str | None:

@@ -41,6 +41,8 @@ class Request:
     resumed_outputs: int = 0  # the prompt ends with this many outputs of an earlier attempt (a resume)
     lora_slot: int | None = None  # the adapter slot it pins while in the batch (or receiving)
     pooled: tuple | None = None  # (hashes, start, blocks) from the mesh's KV pool, imported when it is admitted
+    grammar: object | None = None  # its constraint's llguidance matcher (guided.py), when params.guided is set
+    grammar_fed: int = 0  # outputs (a resume's streamed ones included) the matcher has consumed
 
     def __post_init__(self):
         if not self.tokens:

@@ -9,8 +9,11 @@ preemption or a KV export/import. Unseeded requests get a seed drawn at admissio
 Masks are thresholds on the scaled logits, applied in vLLM's order: min-p (keep p >= min_p * p_max),
 top-k (keep values >= the k-th largest), then top-p over what is left (keep the fewest top values
 holding at least top_p of its mass; tokens within e^-40 of nothing are ignored). Greedy rows take
-the argmax. A request short of its min_tokens cannot sample EOS or its stop tokens. Logprobs, when
-asked, are of the model's raw distribution at the sampled token.
+the argmax. A request short of its min_tokens cannot sample EOS or its stop tokens; a constrained request
+(structured outputs) only the tokens its grammar's bitmask allows (services/engine/guided.py), applied in
+the same pass. Logprobs, when asked, are of the model's raw distribution (before any mask) at the
+sampled token; top logprobs, the most likely tokens of that distribution, from one log-softmax of the
+rows that ask (which also gives those rows' sampled-token logprob, so the two always agree).
 
 The compiled kernel (services.engine.kernels.sampler) does all of it in one parallel pass, on float32 or
 bfloat16 logits (a bfloat16 model's logits are widened row by row inside it, exactly);
@@ -52,9 +55,11 @@ class SamplingBatch:
     ban_offsets: torch.Tensor  # [B + 1] int64: row b may not sample ban_ids[ban_offsets[b]:ban_offsets[b + 1]]
     ban_ids: torch.Tensor  # int64
     want_logprobs: torch.Tensor  # [B] bool
+    allow_rows: torch.Tensor | None = None  # [B] int64: row b samples only what allow[allow_rows[b]] sets (-1: any)
+    allow: torch.Tensor | None = None  # [M, ceil(V / 32)] int32 bitmasks (bit v: token v allowed)
 
     @classmethod
-    def of(cls, reqs: list[Request], eos_token_ids: tuple = ()) -> SamplingBatch:
+    def of(cls, reqs: list[Request], eos_token_ids: tuple = (), allow: tuple | None = None) -> SamplingBatch:
         offsets, bans = [0], []
         for r in reqs:
             if r.num_output < r.params.min_tokens:
@@ -69,11 +74,22 @@ class SamplingBatch:
             seeds=torch.tensor([r.sample_seed for r in reqs], dtype=torch.int64),
             positions=torch.tensor([r.resumed_outputs + r.num_output for r in reqs], dtype=torch.int64),
             ban_offsets=torch.tensor(offsets, dtype=torch.int64), ban_ids=torch.tensor(bans, dtype=torch.int64),
-            want_logprobs=torch.tensor([x.logprobs for x in p], dtype=torch.bool))
+            want_logprobs=torch.tensor([x.wants_logprobs for x in p], dtype=torch.bool),
+            allow_rows=allow[0] if allow else None, allow=allow[1] if allow else None)
 
     def tensors(self) -> tuple:
+        rows = len(self.temperature)
+        allow_rows = self.allow_rows if self.allow_rows is not None else torch.full((rows,), -1, dtype=torch.int64)
+        allow = self.allow if self.allow is not None else torch.empty((0, 0), dtype=torch.int32)
         return (self.temperature, self.top_k, self.top_p, self.log_min_p, self.seeds, self.positions,
-                self.ban_offsets, self.ban_ids, self.want_logprobs)
+                self.ban_offsets, self.ban_ids, self.want_logprobs, allow_rows, allow)
+
+
+@dataclass
+class Sampled:
+    tokens: list  # per row
+    logprobs: list | None  # per row (NaN where not asked), or None when no row asked
+    top: list | None  # per row: (token ids, logprobs), most likely first, or None; None when no row asked
 
 
 class Sampler:
@@ -81,15 +97,33 @@ class Sampler:
         self.eos_token_ids = tuple(eos_token_ids)
         self.kernel = kernel  # services.engine.kernels.sampler() module, or None for sample_torch
 
-    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[float] | None]:
-        """Sampled token per row, and logprobs per row when any request asked (else None)."""
-        batch = SamplingBatch.of(reqs, self.eos_token_ids)
+    def __call__(self, logits: torch.Tensor, reqs: list[Request], allow: tuple | None = None) -> Sampled:
+        """Sampled token per row, and logprobs (and top logprobs) per row when any request asked. allow: the
+        grammars' (allow_rows, allow) bitmasks (services/engine/guided.py)."""
+        batch = SamplingBatch.of(reqs, self.eos_token_ids, allow)
         if self.kernel is not None:  # float32 or bfloat16 logits, each row widened as it is sampled
             keep = logits.dtype in (torch.float32, torch.bfloat16)
             tokens, logprobs = self.kernel.sample((logits if keep else logits.float()).contiguous(), *batch.tensors())
         else:
             tokens, logprobs = sample_torch(logits.float().contiguous(), batch)
-        return tokens.tolist(), (logprobs.tolist() if batch.want_logprobs.any() else None)
+        top = _top_logprobs(logits, reqs, tokens, logprobs)
+        return Sampled(tokens.tolist(), logprobs.tolist() if batch.want_logprobs.any() else None, top)
+
+
+def _top_logprobs(logits: torch.Tensor, reqs: list[Request], tokens: torch.Tensor, logprobs: torch.Tensor):
+    """Each asking row's top_logprobs most likely tokens, and its sampled token's logprob from the same log-softmax
+    (written into logprobs); None when no row asks."""
+    rows = [i for i, r in enumerate(reqs) if r.params.top_logprobs]
+    if not rows:
+        return None
+    lsm = torch.log_softmax(logits[rows].float(), dim=-1)
+    values, ids = lsm.topk(max(reqs[i].params.top_logprobs for i in rows), dim=-1)
+    logprobs[rows] = lsm.gather(1, tokens[rows, None]).squeeze(1)
+    top = [None] * len(reqs)
+    for j, i in enumerate(rows):
+        n = reqs[i].params.top_logprobs
+        top[i] = (ids[j, :n].tolist(), values[j, :n].tolist())
+    return top
 
 
 # ---- the PyTorch fallback: the kernel's arithmetic, operation for operation --------------------------
@@ -167,12 +201,25 @@ def _top_p_threshold(xs: torch.Tensor, mx: torch.Tensor, floor: torch.Tensor, to
     return out
 
 
+def allowed_tokens(allow_rows: torch.Tensor, allow: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, vocab] bool: what each row may sample under its bitmask (every token where allow_rows < 0)."""
+    out = torch.ones((len(allow_rows), vocab), dtype=torch.bool)
+    rows = (allow_rows >= 0).nonzero().flatten()
+    if len(rows):
+        words = allow[allow_rows[rows]].long() & 0xFFFFFFFF
+        bits = (words[:, :, None] >> torch.arange(32)) & 1  # [R, W, 32]: bit v of the row
+        out[rows] = bits.flatten(1)[:, :vocab].bool()
+    return out
+
+
 def sample_torch(logits: torch.Tensor, b: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's sample() in PyTorch: (tokens [B] int64, logprobs [B] float32, NaN where not asked)."""
     rows = logits.shape[0]
     greedy = b.temperature <= 0
     xs = logits / torch.where(greedy, 1.0, b.temperature)[:, None]
     xs[torch.repeat_interleave(torch.arange(rows), b.ban_offsets.diff()), b.ban_ids] = -math.inf
+    if b.allow_rows is not None:
+        xs[~allowed_tokens(b.allow_rows, b.allow, xs.shape[-1])] = -math.inf
     mx = xs.max(dim=-1).values
     thr = torch.where(b.log_min_p > -math.inf, mx + b.log_min_p, -math.inf)
     thr = torch.maximum(thr, _top_k_threshold(xs, b.top_k))

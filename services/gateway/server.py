@@ -307,6 +307,7 @@ class GatewayServicer(pb_grpc.GenerationServicer):
                 counts = counts or (ev.prompt_tokens, ev.cached_prompt_tokens)  # the first attempt's prompt
                 finished = bool(ev.finish_reason)
                 yield pb.GenerateResponse(request_id=client_id, token_ids=ev.token_ids, logprobs=ev.logprobs,
+                                          top_logprobs=ev.top_logprobs,
                                           text=text.push(ev.token_ids, bool(ev.finish_reason)),
                                           finish_reason=ev.finish_reason, prompt_tokens=counts[0],
                                           cached_prompt_tokens=counts[1], queue_wait_ms=queue_ms)

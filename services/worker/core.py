@@ -41,6 +41,7 @@ class StepOutput:
     num_cached_prompt: int
     num_output: int
     arrival_s: float  # on the core's clock (time.monotonic: the same on both sides of the pipe)
+    new_top_logprobs: list | None = None  # per new token: (token ids, logprobs), when asked
 
 
 @dataclass(frozen=True, slots=True)
@@ -376,7 +377,7 @@ class EngineCore:
             req = out.request
             outs.append(StepOutput(out.req_id, list(out.new_token_ids), out.new_logprobs, out.finished,
                                    out.finish_reason, req.num_prompt, req.num_cached_prompt, req.num_output,
-                                   req.arrival_s))
+                                   req.arrival_s, out.new_top_logprobs))
         self.send(message("step", outs, self.stats()))  # first: a first token must not wait for its KV to be copied out
         pieces = self._export()
         for out in outs:

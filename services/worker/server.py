@@ -22,7 +22,7 @@ import logging
 import grpc
 
 from services.common import rpc
-from services.common.convert import spec_from_work
+from services.common.convert import spec_from_work, top_logprobs_to_pb
 from services.common.errors import CapacityExhausted, InvalidRequest, MeshError, NotFound, Unavailable
 from services.common.host import host_id
 from services.common.pb import meshserve_pb2 as pb
@@ -49,6 +49,7 @@ def _events_of(outs: list) -> pb.TokenEvent:
         ev.token_ids.extend(out.new_token_ids)
         if out.new_logprobs:
             ev.logprobs.extend(out.new_logprobs)
+        ev.top_logprobs.extend(top_logprobs_to_pb(out.new_top_logprobs))
     return ev
 
 
@@ -361,6 +362,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                     dropped = min(skip, len(ev.token_ids))
                     del ev.token_ids[:dropped]
                     del ev.logprobs[:dropped]
+                    del ev.top_logprobs[:dropped]
                     skip -= dropped
                     if not ev.token_ids and not finished:
                         continue

@@ -153,7 +153,7 @@ def test_bfloat16_logits_sample_as_their_float32_widening(kernel):
     assert narrow.tolist() == wide.tolist()
     assert torch.equal(narrow_lp.isnan(), wide_lp.isnan())
     assert torch.equal(narrow_lp[~narrow_lp.isnan()], wide_lp[~wide_lp.isnan()])
-    tokens, _ = Sampler(kernel=kernel)(logits, [_req(i, temperature=0.0) for i in range(rows)])
+    tokens = Sampler(kernel=kernel)(logits, [_req(i, temperature=0.0) for i in range(rows)]).tokens
     assert tokens == logits.float().argmax(dim=-1).tolist()
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         kernel.sample(logits.half(), *batch.tensors())
@@ -170,7 +170,7 @@ def test_sampler_keeps_only_allowed_tokens_as_requests_advance():
     sampler = Sampler(kernel=sampler_kernel())
     seen = [set() for _ in reqs]
     for _ in range(200):
-        tokens, _ = sampler(logits, reqs)
+        tokens = sampler(logits, reqs).tokens
         for r, s, t in zip(reqs, seen, tokens):
             s.add(t)
             r.tokens.append(t)
@@ -300,3 +300,73 @@ def test_min_p_is_validated():
 
     with pytest.raises(InvalidRequest, match="min_p"):
         SamplingParams(min_p=1.5).validate()
+
+
+def _random_masks(rows: int, vocab: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """allow_rows (every third row free) and bitmasks allowing a random ~10% of the vocabulary (and never none)."""
+    words = (vocab + 31) // 32
+    allowed = torch.rand(rows, words * 32, generator=g) < 0.1
+    allowed[:, vocab:] = False
+    allowed[torch.arange(rows), torch.randint(0, vocab, (rows,), generator=g)] = True
+    weights = (1 << torch.arange(32, dtype=torch.int64))
+    masks = (allowed.view(rows, words, 32).long() * weights).sum(-1)
+    masks = torch.where(masks >= 2**31, masks - 2**32, masks).to(torch.int32)
+    allow_rows = torch.tensor([-1 if i % 3 == 0 else i for i in range(rows)], dtype=torch.int64)
+    return allow_rows, masks, allowed[:, :vocab]
+
+
+def test_grammar_masks_hold_and_kernel_equals_fallback(kernel):
+    """A row with a bitmask samples only tokens whose bit is set (greedy and sampled, with top-k / top-p on top),
+    a row without one is unaffected, the kernel and the PyTorch fallback agree token for token, and logprobs stay
+    those of the unmasked distribution."""
+    g = torch.Generator().manual_seed(5)
+    rows, vocab = 48, 4099
+    logits = torch.randn(rows, vocab, generator=g) * 3
+    allow_rows, masks, allowed = _random_masks(rows, vocab, g)
+    cycle = lambda *vals: torch.tensor([vals[i % len(vals)] for i in range(rows)])  # noqa: E731
+    batch = SamplingBatch(
+        temperature=cycle(0.0, 1.0, 0.7, 1.0).float(), top_k=cycle(0, 0, 20), top_p=cycle(1.0, 0.9).float(),
+        log_min_p=torch.full((rows,), -math.inf), seeds=torch.randint(0, 2**62, (rows,), generator=g),
+        positions=torch.randint(0, 4096, (rows,), generator=g), ban_offsets=torch.zeros(rows + 1, dtype=torch.int64),
+        ban_ids=torch.zeros(0, dtype=torch.int64), want_logprobs=torch.ones(rows, dtype=torch.bool),
+        allow_rows=allow_rows, allow=masks)
+    fast, fast_lp = kernel.sample(logits, *batch.tensors())
+    slow, slow_lp = sample_torch(logits, batch)
+    assert fast.tolist() == slow.tolist()
+    for b in range(rows):
+        if allow_rows[b] >= 0:
+            assert allowed[allow_rows[b], fast[b]], f"row {b} sampled a masked token"
+    free = SamplingBatch(**{**batch.__dict__, "allow_rows": None, "allow": None})
+    unmasked, unmasked_lp = kernel.sample(logits, *free.tensors())
+    assert fast[allow_rows < 0].tolist() == unmasked[allow_rows < 0].tolist()
+    raw = torch.log_softmax(logits, dim=-1).gather(1, fast[:, None]).squeeze(1)
+    assert torch.allclose(fast_lp, raw, atol=1e-5)
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernel.sample(logits, *SamplingBatch(**{**batch.__dict__, "allow_rows": allow_rows + rows}).tensors())
+    with pytest.raises(RuntimeError, match="bitmask"):
+        kernel.sample(logits, *SamplingBatch(**{**batch.__dict__, "allow": masks[:, :-1].contiguous()}).tensors())
+
+
+def test_top_logprobs_are_the_most_likely_tokens_and_agree_with_the_logprob():
+    """top_logprobs: the k most likely tokens of the raw distribution, best first; the sampled token's own logprob
+    is the same number where it is among them (greedy: it is the first)."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 500, generator=g) * 2
+    reqs = [_req(0, temperature=0.0, top_logprobs=5), _req(1, temperature=1.0, seed=2, top_logprobs=20),
+            _req(2, temperature=0.0, logprobs=True), _req(3, temperature=0.0), _req(4, top_logprobs=1, seed=9),
+            _req(5, temperature=0.0, top_logprobs=3)]
+    out = Sampler(kernel=sampler_kernel())(logits, reqs)
+    lsm = torch.log_softmax(logits, dim=-1)
+    for i, r in enumerate(reqs):
+        k = r.params.top_logprobs
+        if not k:
+            assert out.top[i] is None
+            continue
+        ids, lps = out.top[i]
+        want = lsm[i].topk(k)
+        assert ids == want.indices.tolist() and torch.allclose(torch.tensor(lps), want.values)
+        assert lps == sorted(lps, reverse=True)
+        if out.tokens[i] in ids:
+            assert lps[ids.index(out.tokens[i])] == out.logprobs[i]
+    assert out.tokens[0] == out.top[0][0][0] and out.logprobs[0] == out.top[0][1][0]
+    assert math.isnan(out.logprobs[3]) and not math.isnan(out.logprobs[2])

@@ -1,4 +1,4 @@
-// Fused token sampler for the CPU: per row, bans, temperature, min-p / top-k / top-p masking and
+// Fused token sampler for the CPU: per row, bans, a grammar's token mask, temperature, min-p / top-k / top-p masking and
 // Gumbel-max with counter-based noise, then the argmax, in one parallel pass over the logits
 // (no noise tensor, no softmax tensor, no sort of the vocabulary).
 //
@@ -254,13 +254,17 @@ float log_softmax_at(const float* x, int64_t n, int64_t token) {
 }
 
 int64_t sample_row(const float* x, int64_t n, const RowArgs& a, const int64_t* ban, int64_t n_ban,
-                   std::vector<float>& xs, std::vector<float>& work, std::vector<float>& scratch,
+                   const int32_t* allow, std::vector<float>& xs, std::vector<float>& work, std::vector<float>& scratch,
                    std::vector<uint8_t>& pass, std::vector<int32_t>& buckets) {
   float* row = xs.data();
   const float t = a.temperature > 0.f ? a.temperature : 1.f;
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) row[i] = x[i] / t;
   for (int64_t b = 0; b < n_ban; ++b) row[ban[b]] = -kInf;
+  if (allow) {  // a grammar's token mask: bit v of the row's bitmask set = token v may be sampled
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) row[i] = (allow[i >> 5] >> (i & 31)) & 1 ? row[i] : -kInf;
+  }
   float mx = -kInf;
   int64_t mx_i = -1;
   for (int64_t c0 = 0; c0 < n; c0 += kChunk) argmax(row + c0, std::min(kChunk, n - c0), mx, mx_i, c0);
@@ -282,15 +286,23 @@ int64_t sample_row(const float* x, int64_t n, const RowArgs& a, const int64_t* b
 // logits [B, V] float32 or bfloat16 (each row widened to float32 as it is sampled: exact, and the whole [B, V]
 // float32 copy a separate .float() wrote and this pass read back is never made); temperature, top_p, log_min_p [B] float32; top_k, seeds, positions [B] int64;
 // ban_offsets [B + 1] and ban_ids int64 (tokens row b may not sample: ban_ids[ban_offsets[b]:ban_offsets[b+1]]);
-// want_logprobs [B] bool. Returns (tokens [B] int64, logprobs [B] float32, NaN where not asked).
+// want_logprobs [B] bool; allow_rows [B] int64 and allow [M, ceil(V / 32)] int32: row b may sample only the tokens
+// whose bits are set in allow[allow_rows[b]] (a grammar's mask), or any token where allow_rows[b] < 0.
+// Returns (tokens [B] int64, logprobs [B] float32, NaN where not asked).
 std::vector<torch::Tensor> sample(torch::Tensor logits, torch::Tensor temperature, torch::Tensor top_k,
                                   torch::Tensor top_p, torch::Tensor log_min_p, torch::Tensor seeds,
                                   torch::Tensor positions, torch::Tensor ban_offsets, torch::Tensor ban_ids,
-                                  torch::Tensor want_logprobs) {
+                                  torch::Tensor want_logprobs, torch::Tensor allow_rows, torch::Tensor allow) {
   const bool wide = logits.scalar_type() == torch::kBFloat16;
   TORCH_CHECK(logits.dim() == 2 && (logits.scalar_type() == torch::kFloat32 || wide) && logits.is_contiguous(),
               "logits must be a contiguous float32 or bfloat16 [B, V] tensor");
-  const int64_t B = logits.size(0), V = logits.size(1);
+  const int64_t B = logits.size(0), V = logits.size(1), W = (V + 31) / 32;
+  TORCH_CHECK(allow_rows.numel() == B && allow.scalar_type() == torch::kInt32 && allow.dim() == 2 &&
+              allow.is_contiguous() && (allow.size(0) == 0 || allow.size(1) == W),
+              "allow must be a contiguous int32 [M, ceil(V / 32)] bitmask and allow_rows [B] int64");
+  const int64_t* ar = allow_rows.data_ptr<int64_t>();
+  const int32_t* al = allow.data_ptr<int32_t>();
+  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(ar[b] < allow.size(0), "allow_rows[", b, "] is out of range");
   auto tokens = torch::empty({B}, torch::kInt64);
   auto logprobs = torch::full({B}, std::numeric_limits<float>::quiet_NaN(), torch::kFloat32);
   const float* lp = wide ? nullptr : logits.data_ptr<float>();
@@ -321,7 +333,8 @@ std::vector<torch::Tensor> sample(torch::Tensor logits, torch::Tensor temperatur
         for (int64_t i = 0; i < V; ++i) w[i] = static_cast<uint32_t>(h[i]) << 16;
         x = widened.data();
       }
-      out[b] = sample_row(x, V, a, bi + bo[b], bo[b + 1] - bo[b], xs, work, scratch, pass, buckets);
+      const int32_t* allowed = ar[b] >= 0 ? al + ar[b] * W : nullptr;
+      out[b] = sample_row(x, V, a, bi + bo[b], bo[b + 1] - bo[b], allowed, xs, work, scratch, pass, buckets);
       if (wl[b]) out_lp[b] = log_softmax_at(x, V, out[b]);
     }
   });
@@ -329,5 +342,5 @@ std::vector<torch::Tensor> sample(torch::Tensor logits, torch::Tensor temperatur
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("sample", &sample, "fused Gumbel-max sampler with min-p / top-k / top-p (CPU, float32 or bfloat16 logits)");
+  m.def("sample", &sample, "fused Gumbel-max sampler with grammar masks, min-p / top-k / top-p (CPU, float32 or bfloat16 logits)");
 }
