@@ -38,11 +38,11 @@ class ChatTemplate:
             return None
         return ChatTemplate(source, _token(cfg.get("bos_token")), _token(cfg.get("eos_token")))
 
-    def render(self, messages: list) -> str:
+    def render(self, messages: list, add_generation_prompt: bool = True) -> str:
         from jinja2.exceptions import TemplateError
 
         try:
-            return self.template.render(messages=normalize(messages), add_generation_prompt=True,
+            return self.template.render(messages=normalize(messages), add_generation_prompt=add_generation_prompt,
                                         bos_token=self.bos_token, eos_token=self.eos_token)
         except TemplateError as e:
             raise InvalidRequest(f"messages: the model's chat template refused them: {e}") from None

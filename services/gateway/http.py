@@ -5,14 +5,18 @@ GatewayServicer.generate(), the same tenant, admission, routing and streaming pa
 
 - POST /v1/completions, POST /v1/chat/completions: stream (Server-Sent Events ending with
   `data: [DONE]`) or not; usage with prompt_tokens_details.cached_tokens; stream_options.include_usage.
-  A list of prompts gives one choice per prompt.
+  A list of prompts gives n choices per prompt (index = prompt * n + j); each of the n is its own
+  request (seed + j when a seed is given), and they share the prompt's prefix in the KV cache.
+  Structured outputs: response_format json_object / json_schema, vLLM's structured_outputs and
+  guided_json / guided_regex / guided_choice / guided_grammar. Top logprobs (chat top_logprobs,
+  completions logprobs: k), echo (completions).
+- POST /tokenize, POST /detokenize as vLLM's server names them.
 - GET /v1/models, GET /health, GET /metrics (the gateway's metrics as Prometheus text).
 - Extensions load generators send are honoured: ignore_eos, min_tokens, top_k, min_p,
   repetition_penalty (1.0 only); meshserve's own: priority, deadline_ms, criticality, slo_ttft_ms,
   slo_tpot_ms (also as headers x-criticality, x-slo-ttft-ms, x-slo-tpot-ms). null means absent.
-- A field that would change the result and that we cannot honour (n > 1, best_of > 1, echo,
-  suffix, tools, response_format other than text, a non-zero penalty, logit_bias, logprobs > 1)
-  is a 400 in the OpenAI error shape naming the field.
+- A field that would change the result and that we cannot honour (best_of > 1, suffix, tools, a
+  non-zero penalty, logit_bias, prompt logprobs) is a 400 in the OpenAI error shape naming the field.
 - Authorization: Bearer KEY is the same tenant key as gRPC's. Errors map as in INTERFACES.md
   (429 and 503 carry Retry-After when the mesh can tell when to try again). A client that
   disconnects aborts its request everywhere.
@@ -29,6 +33,7 @@ import math
 import socket
 import time
 import uuid
+from dataclasses import dataclass
 
 import h11
 import uvicorn
@@ -85,6 +90,8 @@ class HttpFront:
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
             Route("/v1/load_lora_adapter", self.load_lora_adapter, methods=["POST"]),
             Route("/v1/unload_lora_adapter", self.unload_lora_adapter, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
@@ -103,6 +110,62 @@ class HttpFront:
             {"id": name, "object": "model", "created": 0, "owned_by": "meshserve", "max_model_len": m.max_model_len,
              "parent": parent or None}
             for name, parent in await self.servicer.model_names()]})
+
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's /tokenize: {"prompt"} or {"messages"} (the chat template; add_generation_prompt as given) ->
+        {"count", "max_model_len", "tokens", "token_strs"} (token_strs when return_token_strs)."""
+        try:
+            self.servicer.auth.authenticate(_bearer(request))
+            body = await _json(request, self.servicer.bounds.max_body_bytes)
+            self._check_model(body.get("model"))
+            special = body.get("add_special_tokens")
+            if special is not None and not isinstance(special, bool):
+                raise bad("add_special_tokens", "add_special_tokens must be a boolean")
+            if "messages" in body:
+                generation = body.get("add_generation_prompt", True)
+                if not isinstance(generation, bool):
+                    raise bad("add_generation_prompt", "add_generation_prompt must be a boolean")
+                ids = self._chat_prompt(body["messages"], generation, bool(special))
+            elif isinstance(body.get("prompt"), str):
+                ids = self._encode(body["prompt"], "prompt", add_special_tokens=special is not False)
+            else:
+                raise bad("prompt", "give prompt (a string) or messages (a list)")
+            out = {"count": len(ids), "max_model_len": self.model.max_model_len, "tokens": ids, "token_strs": None}
+            if body.get("return_token_strs"):
+                out["token_strs"] = [self._token_text(t) for t in ids]
+            return JSONResponse(out)
+        except OpenAIError as e:
+            return e.response()
+        except MeshError as e:
+            return OpenAIError.of(e).response()
+
+    async def detokenize(self, request: Request) -> Response:
+        """vLLM's /detokenize: {"tokens": [ids]} -> {"prompt": text} (special tokens skipped)."""
+        try:
+            self.servicer.auth.authenticate(_bearer(request))
+            body = await _json(request, self.servicer.bounds.max_body_bytes)
+            self._check_model(body.get("model"))
+            ids = body.get("tokens")
+            vocab = self.model.vocab_size
+            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                                                    for t in ids):
+                raise bad("tokens", f"tokens must be a list of token ids in [0, {vocab})")
+            return JSONResponse({"prompt": self.servicer.tokenizer.decode(ids)})
+        except OpenAIError as e:
+            return e.response()
+        except MeshError as e:
+            return OpenAIError.of(e).response()
+
+    def _check_model(self, model) -> None:
+        if model is None or model in self.servicer.adapters.known:
+            return
+        try:
+            self.model.check(model if isinstance(model, str) else str(model))
+        except NotFound as e:
+            raise OpenAIError(404, str(e), param="model", code="model_not_found") from None
+
+    def _token_text(self, token: int) -> str:
+        return self.servicer.tokenizer.decode([token])
 
     # ---- LoRA adapters at run time, as vLLM's server takes them (an admin key) ---------------------
 
@@ -153,7 +216,7 @@ class HttpFront:
             if isinstance(body.get("user"), str):
                 span.set_attribute("enduser.id", body["user"])
             await self._learn_adapter(body.get("model"))
-            reqs, stream, include_usage, want_logprobs = self._requests(body, chat)
+            reqs, opts = self._requests(body, chat)
             try:
                 reqs = [with_headers(r, request.headers) for r in reqs]
             except InvalidRequest as e:
@@ -169,10 +232,10 @@ class HttpFront:
             return first.response()
         meta = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "created": int(time.time()),
                 "model": reqs[0].model or self.model.name}
-        if stream:
-            return StreamingResponse(self._sse(call, meta, chat, include_usage, want_logprobs),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await self._collect(request, call, meta, chat, want_logprobs)
+        if opts.stream:
+            return StreamingResponse(self._sse(call, meta, chat, opts), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return await self._collect(request, call, meta, chat, opts)
 
     async def _learn_adapter(self, model) -> None:
         """A model that is not the base model may be an adapter the gateway has not heard of yet: ask the mesh."""
@@ -180,42 +243,46 @@ class HttpFront:
             with contextlib.suppress(MeshError):
                 await self.servicer.adapters.check(model)
 
-    def _requests(self, body: dict, chat: bool):
-        """The ClientRequests of one HTTP body (one per prompt), and the response options."""
+    def _requests(self, body: dict, chat: bool) -> tuple[list, _Options]:
+        """The ClientRequests of one HTTP body (n per prompt, prompt-major: choice index = prompt * n + j), and the
+        response options."""
         try:
             b = parse_body(body, chat)
             adapter = b.model if b.model and b.model in self.servicer.adapters.known else ""
-            try:
-                if not adapter:
-                    self.model.check(b.model)
-            except NotFound as e:
-                raise OpenAIError(404, str(e), param="model", code="model_not_found") from None
+            if not adapter:
+                self._check_model(b.model)
             prompts = [self._chat_prompt(b.messages)] if chat else b.prompts()
             max_tokens = b.max_completion_tokens if chat and b.max_completion_tokens is not None else b.max_tokens
-            out = []
+            out, echoes, n = [], [], b.choices_per_prompt
             for p in prompts:
                 mt = max_tokens
                 if mt is None:
                     length = len(p) if isinstance(p, list) else len(self._encode(p, "prompt"))
                     mt = 16 if not chat else max(self.model.max_model_len - length, 1)
-                out.append(ClientRequest(
-                    client_id=uuid.uuid4().hex, sampling=b.sampling(mt, b.want_logprobs),
-                    text=p if isinstance(p, str) else None, token_ids=tuple(p) if isinstance(p, list) else None,
-                    priority=b.priority or 0, deadline_ms=b.deadline_ms or 0, model=adapter,
-                    criticality=b.criticality or "", slo_ttft_ms=b.slo_ttft_ms or 0, slo_tpot_ms=b.slo_tpot_ms or 0))
+                for j in range(n):
+                    out.append(ClientRequest(
+                        client_id=uuid.uuid4().hex,
+                        sampling=b.sampling(mt, b.want_logprobs, b.num_top_logprobs, b.choice_seed(j)),
+                        text=p if isinstance(p, str) else None, token_ids=tuple(p) if isinstance(p, list) else None,
+                        priority=b.priority or 0, deadline_ms=b.deadline_ms or 0, model=adapter,
+                        criticality=b.criticality or "", slo_ttft_ms=b.slo_ttft_ms or 0,
+                        slo_tpot_ms=b.slo_tpot_ms or 0))
+                    if not chat and b.echo:
+                        echoes.append(p if isinstance(p, str) else self.servicer.tokenizer.decode(p))
         except OpenAIBodyError as e:
             raise bad(e.param, str(e)) from None
-        return out, bool(b.stream), b.include_usage, b.want_logprobs
+        return out, _Options(bool(b.stream), b.include_usage, b.want_logprobs, echoes)
 
-    def _chat_prompt(self, messages: list) -> list:
+    def _chat_prompt(self, messages: list, add_generation_prompt: bool = True, add_special_tokens: bool = False
+                     ) -> list:
         if self.chat_template is None:
             raise bad("messages", f"model {self.model.name!r} has no chat template (chat_template.jinja or "
                                   "tokenizer_config.json chat_template); use /v1/completions")
         try:
-            text = self.chat_template.render(messages)
+            text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
         except InvalidRequest as e:
             raise bad("messages", str(e)) from None
-        return self._encode(text, "messages", add_special_tokens=False)
+        return self._encode(text, "messages", add_special_tokens=add_special_tokens)
 
     def _encode(self, text: str, param: str, **kwargs) -> list:
         """The servicer's bounded tokenization (over the prompt limit or invalid Unicode: 400 naming param)."""
@@ -225,13 +292,20 @@ class HttpFront:
             raise bad(param, str(e)) from None
 
     def _logprobs(self, r, chat: bool) -> dict:
-        """The sampled tokens' logprobs (the engine reports no alternatives)."""
-        tokens = [self.servicer.tokenizer.decode([t]) for t in r.token_ids]
+        """The sampled tokens' logprobs, and the most likely alternatives at each when asked (top_logprobs)."""
+        text = self._token_text
+        tokens = [text(t) for t in r.token_ids]
+        tops = [list(zip(top.token_ids, top.logprobs)) for top in r.top_logprobs] or [None] * len(tokens)
         if chat:
-            return {"content": [{"token": t, "logprob": x, "top_logprobs": []} for t, x in zip(tokens, r.logprobs)]}
-        return {"tokens": tokens, "token_logprobs": list(r.logprobs), "top_logprobs": None, "text_offset": None}
+            def entry(t, x):
+                return {"token": t, "logprob": x, "bytes": list(t.encode())}
+            return {"content": [{**entry(t, x), "top_logprobs": [entry(text(i), v) for i, v in top or ()]}
+                                for t, x, top in zip(tokens, r.logprobs, tops)]}
+        top_logprobs = [_first_per_text((text(i), v) for i, v in top) for top in tops] if r.top_logprobs else None
+        return {"tokens": tokens, "token_logprobs": list(r.logprobs), "top_logprobs": top_logprobs,
+                "text_offset": None}
 
-    async def _sse(self, call: _Call, meta: dict, chat: bool, include_usage: bool, want_logprobs: bool):
+    async def _sse(self, call: _Call, meta: dict, chat: bool, opts: _Options):
         kind = "chat.completion.chunk" if chat else "text_completion"
         try:
             if chat:
@@ -239,29 +313,33 @@ class HttpFront:
                     yield _event({**meta, "object": kind, "choices": [
                         {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                          "finish_reason": None}]})
+            for i, echo in enumerate(opts.echoes):
+                yield _event({**meta, "object": kind, "choices": [
+                    {"index": i, "text": echo, "logprobs": None, "finish_reason": None}]})
             async for index, r in call.responses():
                 if isinstance(r, OpenAIError):
                     yield _event({"error": {"message": str(r), "code": r.code}})
                     break
-                choice = {"index": index, "logprobs": self._logprobs(r, chat) if want_logprobs else None,
+                choice = {"index": index, "logprobs": self._logprobs(r, chat) if opts.want_logprobs else None,
                           "finish_reason": r.finish_reason or None}
                 if chat:
                     choice["delta"] = {"content": r.text} if r.text or not r.finish_reason else {}
                 else:
                     choice["text"] = r.text
                 chunk = {**meta, "object": kind, "choices": [choice]}
-                if include_usage:
+                if opts.include_usage:
                     chunk["usage"] = None
                 yield _event(chunk)
             else:
-                if include_usage:
+                if opts.include_usage:
                     yield _event({**meta, "object": kind, "choices": [], "usage": call.usage()})
             yield "data: [DONE]\n\n"
         finally:
             call.cancel()  # a client that went away: abort everywhere
 
-    async def _collect(self, request: Request, call: _Call, meta: dict, chat: bool, want_logprobs: bool) -> Response:
-        texts = [[] for _ in call.reqs]
+    async def _collect(self, request: Request, call: _Call, meta: dict, chat: bool, opts: _Options) -> Response:
+        want_logprobs = opts.want_logprobs
+        texts = [[echo] for echo in opts.echoes] or [[] for _ in call.reqs]
         finish = [None] * len(call.reqs)
         lps = [[] for _ in call.reqs]
 
@@ -298,6 +376,16 @@ class HttpFront:
                 choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": finish[i]})
         return JSONResponse({**meta, "object": "chat.completion" if chat else "text_completion", "choices": choices,
                              "usage": call.usage()})
+
+
+@dataclass(frozen=True)
+class _Options:
+    """How one HTTP request's response is written."""
+
+    stream: bool
+    include_usage: bool  # stream_options.include_usage: a last chunk with the usage
+    want_logprobs: bool
+    echoes: list  # completions echo: each choice's text starts with its prompt's (empty: no echo)
 
 
 class _Call:
@@ -399,6 +487,7 @@ def _merged(items: list) -> list:
             m = last[1]
             m.token_ids.extend(r.token_ids)
             m.logprobs.extend(r.logprobs)
+            m.top_logprobs.extend(r.top_logprobs)
             m.text += r.text
             m.finish_reason = r.finish_reason
         else:
@@ -413,9 +502,20 @@ def _event(obj: dict) -> str:
 def _merge_logprobs(parts: list, chat: bool) -> dict:
     if chat:
         return {"content": [c for p in parts for c in p["content"]]}
+    tops = [p["top_logprobs"] for p in parts]
     return {"tokens": [t for p in parts for t in p["tokens"]],
-            "token_logprobs": [x for p in parts for x in p["token_logprobs"]], "top_logprobs": None,
+            "token_logprobs": [x for p in parts for x in p["token_logprobs"]],
+            "top_logprobs": [x for t in tops for x in t] if all(t is not None for t in tops) and tops else None,
             "text_offset": None}
+
+
+def _first_per_text(pairs) -> dict:
+    """{token text: logprob}, best first; two ids with one text (parts of one UTF-8 character decode alike) keep
+    the better logprob."""
+    out = {}
+    for text, value in pairs:
+        out.setdefault(text, value)
+    return out
 
 
 def _bearer(request: Request) -> str | None:

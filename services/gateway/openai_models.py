@@ -2,13 +2,14 @@
 
 Types are strict where a client's mistake would otherwise pass silently (a string for a boolean,
 a boolean for a number). Fields that would change the result and that this server cannot honour
-(n > 1, penalties, tools, guided decoding, ...) are accepted only at their neutral value. Fields a
+(penalties, logit_bias, tools, ...) are accepted only at their neutral value. Fields a
 client may send and that change nothing here (user, ...) are allowed and ignored. A 400 names the
 field from the validation error's location (OpenAIBodyError.param), never from message text.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -24,24 +25,26 @@ from pydantic import (
     field_validator,
 )
 
-from services.common.sampling import SamplingParams
+from services.common.errors import InvalidRequest
+from services.common.sampling import MAX_TOP_LOGPROBS, Guided, SamplingParams
 
 Number = StrictInt | StrictFloat  # an int is a fine float; a bool is not
 INT64 = 2**63  # every integer travels as a protobuf int64 (JSON allows any size: 400, not a 500 further on)
+MAX_N = 16  # choices per prompt (n)
 NonNegInt = Annotated[StrictInt, Field(ge=0, lt=INT64)]
 PositiveInt = Annotated[StrictInt, Field(gt=0, lt=INT64)]
 
 # Fields that change the result, and the values we can honour (anything else: 400 naming the field).
 HONOURED_ONLY = {
-    "n": lambda v: v == 1, "best_of": lambda v: v == 1, "echo": lambda v: v is False, "suffix": lambda v: v == "",
+    "best_of": lambda v: v == 1, "suffix": lambda v: v == "",
     "presence_penalty": lambda v: v == 0, "frequency_penalty": lambda v: v == 0, "repetition_penalty": lambda v: v == 1,
     "logit_bias": lambda v: v == {}, "tools": lambda v: v == [], "functions": lambda v: v == [],
     "tool_choice": lambda v: v == "none", "function_call": lambda v: v == "none",
-    "response_format": lambda v: isinstance(v, dict) and v.get("type") == "text",
-    "top_logprobs": lambda v: v in (0, 1), "guided_json": lambda v: False,
-    "guided_regex": lambda v: False, "guided_choice": lambda v: False, "guided_grammar": lambda v: False,
     "use_beam_search": lambda v: v is False, "prompt_logprobs": lambda v: False,
 }
+# The constraint fields (structured outputs), as OpenAI and vLLM name them: at most one per request.
+GUIDED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                 "guided_grammar")
 
 
 class OpenAIBodyError(ValueError):
@@ -58,6 +61,33 @@ class OpenAIBodyError(ValueError):
         where = ".".join(str(p) for p in err["loc"])
         msg = err["msg"].removeprefix("Value error, ")
         return OpenAIBodyError(param, f"{where}: {msg}" if where else msg)
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: StrictStr | None = None
+    description: StrictStr | None = None
+    schema_: dict | StrictBool = Field(alias="schema", default=True)
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text, json_object (any JSON object) or json_schema (the output validates)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's structured_outputs object: exactly one of json, regex, choice, grammar, json_object."""
+
+    model_config = ConfigDict(extra="allow")
+    json_: dict | StrictBool | StrictStr | None = Field(alias="json", default=None)
+    regex: Annotated[StrictStr, Field(min_length=1)] | None = None
+    choice: Annotated[list[Annotated[StrictStr, Field(min_length=1)]], Field(min_length=1)] | None = None
+    grammar: Annotated[StrictStr, Field(min_length=1)] | None = None
+    json_object: StrictBool | None = None
 
 
 class StreamOptions(BaseModel):
@@ -90,9 +120,8 @@ class _Body(BaseModel):
     slo_ttft_ms: NonNegInt | None = None  # meshserve's, as llm-d's x-slo-ttft-ms header: time to first token target
     slo_tpot_ms: NonNegInt | None = None  # ... and time per output token
     user: StrictStr | None = None
-    n: Any = None
+    n: Annotated[StrictInt, Field(ge=1, le=MAX_N)] | None = None
     best_of: Any = None
-    echo: Any = None
     suffix: Any = None
     presence_penalty: Any = None
     frequency_penalty: Any = None
@@ -102,12 +131,12 @@ class _Body(BaseModel):
     functions: Any = None
     tool_choice: Any = None
     function_call: Any = None
-    response_format: Any = None
-    top_logprobs: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict | StrictBool | StrictStr | None = None
+    guided_regex: Annotated[StrictStr, Field(min_length=1)] | None = None
+    guided_choice: Annotated[list[Annotated[StrictStr, Field(min_length=1)]], Field(min_length=1)] | None = None
+    guided_grammar: Annotated[StrictStr, Field(min_length=1)] | None = None
     use_beam_search: Any = None
     prompt_logprobs: Any = None
 
@@ -130,16 +159,69 @@ class _Body(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
-    def sampling(self, max_tokens: int, logprobs: bool) -> SamplingParams:
-        """The validated body's sampling parameters (max_tokens resolved by the caller)."""
+    @property
+    def choices_per_prompt(self) -> int:
+        return self.n or 1
+
+    def guided(self) -> Guided | None:
+        """The one constraint the body sets (structured outputs), checked, or None; two at once is a 400."""
+        given = [name for name in GUIDED_FIELDS if getattr(self, name) is not None
+                 and not (name == "response_format" and self.response_format.type == "text")]
+        if len(given) > 1:
+            raise OpenAIBodyError(given[1], f"{given[0]} and {given[1]} both constrain the output: give one")
+        if not given:
+            return None
+        guided = self._guided(given[0])
+        try:
+            guided.validate()
+        except InvalidRequest as e:
+            raise OpenAIBodyError(given[0], f"{given[0]}: {e}") from None
+        return guided
+
+    def _guided(self, name: str) -> Guided:
+        value = getattr(self, name)
+        if name == "response_format":
+            if value.type == "json_object":
+                return Guided("json_object")
+            if value.json_schema is None:
+                raise OpenAIBodyError(name, "response_format json_schema needs its json_schema object")
+            return Guided("json", _schema_text(value.json_schema.schema_, name))
+        if name == "structured_outputs":
+            kinds = {k: v for k, v in (("json", value.json_), ("regex", value.regex), ("choice", value.choice),
+                                       ("grammar", value.grammar)) if v is not None}
+            if value.json_object:
+                kinds["json_object"] = True
+            if len(kinds) != 1:
+                raise OpenAIBodyError(name, "structured_outputs must set exactly one of json, regex, choice, "
+                                            f"grammar, json_object (got {sorted(kinds) or 'none'})")
+            (kind, value), = kinds.items()
+        else:
+            kind = name.removeprefix("guided_")
+        if kind == "json_object":
+            return Guided("json_object")
+        if kind == "json":
+            return Guided("json", _schema_text(value, name))
+        if kind == "choice":
+            return Guided("choice", json.dumps(value))
+        return Guided(kind, value)
+
+    def sampling(self, max_tokens: int, logprobs: bool, top_logprobs: int = 0, seed: int | None = None
+                 ) -> SamplingParams:
+        """The validated body's sampling parameters (max_tokens resolved by the caller; seed: this choice's)."""
         if self.min_tokens is not None and self.min_tokens > max_tokens:
             raise OpenAIBodyError("min_tokens", f"min_tokens ({self.min_tokens}) must be at most the {max_tokens} "
                                                 "tokens this request may generate")
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
-        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, stop=tuple(stop),
-                             stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=bool(self.ignore_eos),
-                             **{k: v for k in ("temperature", "top_p", "top_k", "min_p", "seed", "min_tokens")
-                                if (v := getattr(self, k)) is not None})
+        params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, stop=tuple(stop),
+                                stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=bool(self.ignore_eos),
+                                top_logprobs=top_logprobs, guided=self.guided(), seed=seed,
+                                **{k: v for k in ("temperature", "top_p", "top_k", "min_p", "min_tokens")
+                                   if (v := getattr(self, k)) is not None})
+        return params
+
+    def choice_seed(self, index: int) -> int | None:
+        """The seed of choice index (n > 1): seed + index, as vLLM's (None: each draws its own)."""
+        return None if self.seed is None else (self.seed + index) % INT64
 
 
 TokenIds = list[NonNegInt]
@@ -147,7 +229,15 @@ TokenIds = list[NonNegInt]
 
 class CompletionBody(_Body):
     prompt: StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
-    logprobs: Annotated[StrictInt, Field(ge=0, le=1)] | None = None  # the sampled token's only
+    logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None  # the sampled token's and k more
+    echo: StrictBool | None = None
+
+    @field_validator("echo")
+    @classmethod
+    def _echo(cls, v, info: ValidationInfo):
+        if v and info.data.get("logprobs") is not None:
+            raise ValueError("echo with logprobs needs the prompt's logprobs, which this server does not compute")
+        return v
 
     @field_validator("prompt")
     @classmethod
@@ -166,19 +256,49 @@ class CompletionBody(_Body):
     def want_logprobs(self) -> bool:
         return self.logprobs is not None
 
+    @property
+    def num_top_logprobs(self) -> int:
+        return self.logprobs or 0
+
 
 class ChatBody(_Body):
     messages: list
     logprobs: StrictBool | None = None
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     max_completion_tokens: PositiveInt | None = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, v, info: ValidationInfo):
+        if v and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return v
 
     @property
     def want_logprobs(self) -> bool:
         return bool(self.logprobs)
 
+    @property
+    def num_top_logprobs(self) -> int:
+        return self.top_logprobs or 0
+
+
+def _schema_text(schema, field: str) -> str:
+    """A schema given as an object, a boolean, or JSON text, as JSON text (a 400 naming field when it is none)."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise OpenAIBodyError(field, f"{field}: the schema is not valid JSON ({e})") from None
+    if not isinstance(schema, (dict, bool)):
+        raise OpenAIBodyError(field, f"{field}: a JSON Schema must be an object")
+    return json.dumps(schema)
+
 
 def parse_body(body: dict, chat: bool) -> CompletionBody | ChatBody:
     try:
-        return (ChatBody if chat else CompletionBody).model_validate(body)
+        parsed = (ChatBody if chat else CompletionBody).model_validate(body)
     except ValidationError as e:
         raise OpenAIBodyError.of(e) from None
+    parsed.guided()  # a constraint that is malformed (not one that does not compile: the engine says that)
+    return parsed

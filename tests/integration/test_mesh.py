@@ -29,7 +29,7 @@ def expected(tiny_model, prompts):
 
 
 def generate_request(ids, max_tokens=NEW, **sampling):
-    s = pb.Sampling(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **sampling)
+    s = pb.Sampling(**{"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, **sampling})
     return pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), sampling=s)
 
 
@@ -152,6 +152,13 @@ BAD = [
      grpc.StatusCode.INVALID_ARGUMENT),
     ("empty text prompt", pb.GenerateRequest(text=b"", sampling=pb.Sampling(max_tokens=2)),
      grpc.StatusCode.INVALID_ARGUMENT),
+    ("guided regex that does not compile", generate_request([1, 2], guided=pb.Guided(kind="regex", spec=b"a[")),
+     grpc.StatusCode.INVALID_ARGUMENT),
+    ("unknown guided kind", generate_request([1, 2], guided=pb.Guided(kind="xml", spec=b"<a/>")),
+     grpc.StatusCode.INVALID_ARGUMENT),
+    ("invalid UTF-8 guided spec", generate_request([1, 2], guided=pb.Guided(kind="regex", spec=b"\xff")),
+     grpc.StatusCode.INVALID_ARGUMENT),
+    ("top_logprobs over 20", generate_request([1, 2], top_logprobs=21), grpc.StatusCode.INVALID_ARGUMENT),
 ]
 
 
@@ -162,6 +169,45 @@ def test_bad_input_gets_its_status(disaggregated, name, req, code):
             list(pb_grpc.GenerationStub(ch).Generate(req, timeout=30))
     assert exc.value.code() == code, exc.value.details()
     assert exc.value.details()
+
+
+@pytest.mark.parametrize("mode", ["disaggregated", "unified"])
+def test_constrained_outputs_over_grpc(mode, request):
+    """Structured outputs over gRPC, split across prefill and decode workers too (the decode worker's grammar picks
+    up the token the prefill worker sampled): each output matches its constraint; top logprobs come with each token."""
+    import json
+    import re
+
+    import jsonschema
+
+    from tests.support.schemas import random_schemas
+
+    mesh = request.getfixturevalue(mode)
+    schemas = random_schemas(12, seed=5)
+    reqs = [generate_request([5 + i, 6, 7], max_tokens=600, temperature=1.0, seed=i, ignore_eos=False,
+                             guided=pb.Guided(kind="json", spec=json.dumps(s).encode()))
+            for i, s in enumerate(schemas)]
+    reqs.append(generate_request([9, 9], max_tokens=40, temperature=1.0, seed=3, ignore_eos=False, top_logprobs=2,
+                                 guided=pb.Guided(kind="regex", spec=rb"[a-f]{4}-\d{3}")))
+
+    async def run():
+        async with grpc.aio.insecure_channel(mesh.gateway) as ch:
+            stub = pb_grpc.GenerationStub(ch)
+
+            async def one(req):
+                rs = [r async for r in stub.Generate(req, timeout=120)]
+                return "".join(r.text for r in rs), rs[-1].finish_reason, [t for r in rs for t in r.top_logprobs]
+
+            return await asyncio.gather(*(one(r) for r in reqs))
+
+    outs = asyncio.run(run())
+    for schema, (text, reason, _) in zip(schemas, outs):
+        assert reason == "stop", (schema, text)
+        jsonschema.validate(json.loads(text), schema)
+    text, reason, tops = outs[-1]
+    assert reason == "stop" and re.fullmatch(r"[a-f]{4}-\d{3}", text), text
+    assert tops and all(len(t.token_ids) == 2 and t.logprobs[0] >= t.logprobs[1] for t in tops)
+    assert_idle(mesh, ["prefill", "decode"] if mode == "disaggregated" else ["unified"])
 
 
 def test_invalid_utf8_in_a_string_field_is_invalid_argument(disaggregated):

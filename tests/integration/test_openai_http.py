@@ -115,12 +115,15 @@ def test_error_statuses(mesh, client):
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-5", prompt="x", max_tokens=1)
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model="tiny", prompt="x", max_tokens=1, n=2)
+        client.completions.create(model="tiny", prompt="x", max_tokens=1, n=17)
     assert e.value.body["param"] == "n"
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=1,
-                                       response_format={"type": "json_object"})
+                                       response_format={"type": "json_schema"})
     assert e.value.body["param"] == "response_format"
+    with pytest.raises(openai.BadRequestError) as e:  # well formed, but the engine's compiler refuses it
+        client.completions.create(model="tiny", prompt="x", max_tokens=4, extra_body={"guided_regex": "a["})
+    assert "does not compile" in e.value.body["message"]
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="tiny", prompt="x", max_tokens=5000)  # beyond the context
     with pytest.raises(openai.APIStatusError) as e:
@@ -301,3 +304,123 @@ def test_bodies_an_outside_probe_found_get_a_clear_4xx(mesh):
     assert post(mesh, b'{"model": "tiny", "prompt": "x", "max_tokens": 2}')[0] == 200  # and it serves on
     log = (mesh.log_dir / "gateway.log").read_text()
     assert "Traceback" not in log, log[-3000:]
+
+
+def test_json_schema_responses_validate_for_60_schemas(client):
+    """response_format json_schema through the mesh, 60 generated schemas (bounded instances) sent 12 at a time:
+    every response parses and validates against its schema."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import jsonschema
+
+    from tests.support.schemas import random_schemas
+
+    schemas = random_schemas(60, seed=41)
+
+    def ask(i):
+        fmt = {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schemas[i], "strict": True}}
+        return client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": f"item {i}"}],
+                                              max_tokens=600, temperature=1.0, seed=i, response_format=fmt)
+
+    with ThreadPoolExecutor(12) as pool:
+        outs = list(pool.map(ask, range(len(schemas))))
+    for schema, out in zip(schemas, outs):
+        text = out.choices[0].message.content
+        assert out.choices[0].finish_reason == "stop", (schema, text)
+        jsonschema.validate(json.loads(text), schema)
+
+
+def test_guided_choice_regex_and_json_object_streamed(client):
+    kw = dict(model="tiny", max_tokens=200, temperature=1.0)
+    choice = client.completions.create(prompt="pick", seed=1, extra_body={"guided_choice": ["alpha", "beta"]}, **kw)
+    assert choice.choices[0].text in ("alpha", "beta")
+    chunks = list(client.completions.create(prompt="code", seed=2, stream=True,
+                                            extra_body={"structured_outputs": {"regex": "[A-Z]{2}[0-9]{4}"}}, **kw))
+    import re
+
+    assert re.fullmatch("[A-Z]{2}[0-9]{4}", "".join(c.choices[0].text for c in chunks if c.choices))
+
+
+def test_n_choices_are_reproducible_with_a_seed_and_distinct(client):
+    kw = dict(model="tiny", prompt=PROMPT, max_tokens=8, temperature=1.0, n=4, seed=123,
+              extra_body={"ignore_eos": True})
+    first, again = client.completions.create(**kw), client.completions.create(**kw)
+    texts = [c.text for c in sorted(first.choices, key=lambda c: c.index)]
+    assert [c.index for c in first.choices] == [0, 1, 2, 3]
+    assert texts == [c.text for c in sorted(again.choices, key=lambda c: c.index)]
+    assert len(set(texts)) > 1
+    assert first.usage.completion_tokens == 32
+    # choice j is seed + j: the same as a single request with that seed
+    one = client.completions.create(**{**kw, "n": 1, "seed": 125})
+    assert one.choices[0].text == texts[2]
+    streamed = list(client.completions.create(**{**kw, "stream": True}))
+    joined = ["".join(c.choices[0].text for c in streamed if c.choices and c.choices[0].index == j) for j in range(4)]
+    assert joined == texts
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                          temperature=1.0, n=2, seed=7)
+    assert sorted(c.index for c in chat.choices) == [0, 1]
+
+
+def test_top_logprobs_agree_with_the_engines_logprobs(mesh, client, tiny_model):
+    """Chat top_logprobs: k alternatives per token, best first, and the sampled token's logprob among them is the
+    same number; greedy: the sampled token is the first; completions logprobs: k the same, as a dict per token;
+    the logprobs equal what the gRPC path reports for the same request."""
+    out = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": PROMPT}], max_tokens=6,
+                                         temperature=0, logprobs=True, top_logprobs=5,
+                                         extra_body={"ignore_eos": True})
+    content = out.choices[0].logprobs.content
+    assert len(content) == 6
+    for c in content:
+        assert len(c.top_logprobs) == 5
+        values = [t.logprob for t in c.top_logprobs]
+        assert values == sorted(values, reverse=True)
+        assert c.top_logprobs[0].token == c.token and c.top_logprobs[0].logprob == c.logprob
+        assert c.bytes == list(c.token.encode())
+    ids = Tokenizer(tiny_model).encode(PROMPT)
+    req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), sampling=pb.Sampling(
+        max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=3))
+    with grpc.insecure_channel(mesh.gateway) as ch:
+        rs = list(pb_grpc.GenerationStub(ch).Generate(req, metadata=(("x-api-key", KEY),), timeout=60))
+    grpc_lps = [x for r in rs for x in r.logprobs]
+    comp = client.completions.create(model="tiny", prompt=ids, max_tokens=6, temperature=0, logprobs=3,
+                                     extra_body={"ignore_eos": True})
+    lp = comp.choices[0].logprobs
+    assert lp.token_logprobs == grpc_lps
+    assert len(lp.top_logprobs) == 6 and all(1 <= len(t) <= 3 for t in lp.top_logprobs)  # 3 ids; some decode alike
+    for tok, x, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert top[tok] == x
+
+
+def test_echo_tokenize_and_detokenize(mesh, client, tiny_model):
+    tk = Tokenizer(tiny_model)
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0, echo=True,
+                                    extra_body={"ignore_eos": True})
+    plain = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert out.choices[0].text == PROMPT + plain.choices[0].text
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0, echo=True,
+                                            stream=True, extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == out.choices[0].text
+
+    def post(path, body, key=KEY):
+        req = urllib.request.Request(mesh.http + path, data=json.dumps(body).encode(),
+                                     headers={"authorization": f"Bearer {key}", "content-type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    status, body = post("/tokenize", {"model": "tiny", "prompt": PROMPT, "return_token_strs": True})
+    assert status == 200 and body["tokens"] == tk.encode(PROMPT) and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] > 0 and len(body["token_strs"]) == body["count"]
+    status, chat = post("/tokenize", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
+    rendered = ChatTemplate.from_model_dir(tiny_model).render([{"role": "user", "content": "hi"}])
+    assert status == 200 and chat["tokens"] == tk.encode(rendered, add_special_tokens=False)
+    status, back = post("/detokenize", {"model": "tiny", "tokens": body["tokens"]})
+    assert status == 200 and back["prompt"] == tk.decode(body["tokens"])
+    assert post("/detokenize", {"tokens": [1, -2]})[0] == 400
+    assert post("/detokenize", {"tokens": "abc"})[0] == 400
+    assert post("/tokenize", {"prompt": 5})[0] == 400
+    assert post("/tokenize", {"model": "gpt-9", "prompt": "x"})[0] == 404
+    assert post("/tokenize", {"prompt": "x"}, key="wrong")[0] == 401

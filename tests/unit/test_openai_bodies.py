@@ -28,10 +28,25 @@ OK = {"model": "tiny", "prompt": "hi", "max_tokens": 4}
     ({"slo_ttft_ms": -1}, "slo_ttft_ms"),
     ({"slo_tpot_ms": "fast"}, "slo_tpot_ms"),
     ({"deadline_ms": 1.5}, "deadline_ms"),
-    ({"n": 2}, "n"),
+    ({"n": 0}, "n"),
+    ({"n": 17}, "n"),
+    ({"n": True}, "n"),
     ({"logit_bias": {"5": 1}}, "logit_bias"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"logprobs": 5}, "logprobs"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}}, "response_format"),
+    ({"guided_json": "{not json"}, "guided_json"),
+    ({"guided_regex": ""}, "guided_regex"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_choice": ["a", ""]}, "guided_choice"),
+    ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ({"structured_outputs": {}}, "structured_outputs"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"echo": True, "logprobs": 1}, "echo"),
+    ({"echo": "yes"}, "echo"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"prompt": []}, "prompt"),
     ({"prompt": [[1], []]}, "prompt"),
     ({"prompt": {"text": "hi"}}, "prompt"),
@@ -50,6 +65,40 @@ def test_neutral_values_and_unknown_harmless_fields_pass():
     assert b.prompts() == ["hi"]
     assert parse_body({**OK, "prompt": [[1, 2], [3]]}, chat=False).prompts() == [[1, 2], [3]]
     assert parse_body({**OK, "prompt": [1, 2]}, chat=False).prompts() == [[1, 2]]
+
+
+def test_guided_fields_become_one_constraint():
+    cases = [
+        ({"response_format": {"type": "json_object"}}, ("json_object", "")),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "strict": True,
+                                                                     "schema": {"type": "integer"}}}},
+         ("json", '{"type": "integer"}')),
+        ({"guided_json": {"type": "string"}}, ("json", '{"type": "string"}')),
+        ({"guided_json": '{"type": "string"}'}, ("json", '{"type": "string"}')),
+        ({"guided_regex": "[0-9]+"}, ("regex", "[0-9]+")),
+        ({"guided_choice": ["a", "b"]}, ("choice", '["a", "b"]')),
+        ({"guided_grammar": 'root ::= "x"'}, ("grammar", 'root ::= "x"')),
+        ({"structured_outputs": {"choice": ["y"]}}, ("choice", '["y"]')),
+        ({"structured_outputs": {"json_object": True}}, ("json_object", "")),
+        ({"response_format": {"type": "text"}}, None),
+    ]
+    for extra, want in cases:
+        b = parse_body({**OK, **extra}, chat=False)
+        g = b.sampling(4, False).guided
+        assert (g.kind, g.spec) == want if want else g is None, extra
+
+
+def test_n_choices_take_consecutive_seeds_and_top_logprobs():
+    b = parse_body({**OK, "n": 3, "seed": 10, "logprobs": 4, "echo": False}, chat=False)
+    assert b.choices_per_prompt == 3 and [b.choice_seed(j) for j in range(3)] == [10, 11, 12]
+    assert b.sampling(4, b.want_logprobs, b.num_top_logprobs, b.choice_seed(1)).top_logprobs == 4
+    assert parse_body({**OK, "n": 2}, chat=False).choice_seed(1) is None
+    chat = parse_body({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 3},
+                      chat=True)
+    assert chat.num_top_logprobs == 3
+    with pytest.raises(OpenAIBodyError) as e:
+        parse_body({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, chat=True)
+    assert e.value.param == "top_logprobs"
 
 
 def test_chat_body():
