@@ -50,6 +50,7 @@ from services.common.request import ClientRequest, with_headers
 from services.common.telemetry import PROMETHEUS_CONTENT_TYPE, prometheus_text
 from services.gateway.chat import ChatTemplate
 from services.gateway.openai_models import OpenAIBodyError, parse_body
+from services.gateway.tools import ToolOutput, ToolPlan
 
 log = logging.getLogger("meshserve.gateway.http")
 tracer = trace.get_tracer("meshserve.gateway.http")
@@ -251,7 +252,8 @@ class HttpFront:
             adapter = b.model if b.model and b.model in self.servicer.adapters.known else ""
             if not adapter:
                 self._check_model(b.model)
-            prompts = [self._chat_prompt(b.messages)] if chat else b.prompts()
+            tools = b.tool_plan() if chat else None
+            prompts = [self._chat_prompt(b.messages, tools=tools and tools.prompt_tools)] if chat else b.prompts()
             max_tokens = b.max_completion_tokens if chat and b.max_completion_tokens is not None else b.max_tokens
             out, echoes, n = [], [], b.choices_per_prompt
             for p in prompts:
@@ -271,15 +273,15 @@ class HttpFront:
                         echoes.append(p if isinstance(p, str) else self.servicer.tokenizer.decode(p))
         except OpenAIBodyError as e:
             raise bad(e.param, str(e)) from None
-        return out, _Options(bool(b.stream), b.include_usage, b.want_logprobs, echoes)
+        return out, _Options(bool(b.stream), b.include_usage, b.want_logprobs, echoes, tools)
 
-    def _chat_prompt(self, messages: list, add_generation_prompt: bool = True, add_special_tokens: bool = False
-                     ) -> list:
+    def _chat_prompt(self, messages: list, add_generation_prompt: bool = True, add_special_tokens: bool = False,
+                     tools: list | None = None) -> list:
         if self.chat_template is None:
             raise bad("messages", f"model {self.model.name!r} has no chat template (chat_template.jinja or "
                                   "tokenizer_config.json chat_template); use /v1/completions")
         try:
-            text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
+            text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools)
         except InvalidRequest as e:
             raise bad("messages", str(e)) from None
         return self._encode(text, "messages", add_special_tokens=add_special_tokens)
@@ -316,13 +318,17 @@ class HttpFront:
             for i, echo in enumerate(opts.echoes):
                 yield _event({**meta, "object": kind, "choices": [
                     {"index": i, "text": echo, "logprobs": None, "finish_reason": None}]})
+            follow = opts.tool_outputs(len(call.reqs))
             async for index, r in call.responses():
                 if isinstance(r, OpenAIError):
                     yield _event({"error": {"message": str(r), "code": r.code}})
                     break
                 choice = {"index": index, "logprobs": self._logprobs(r, chat) if opts.want_logprobs else None,
                           "finish_reason": r.finish_reason or None}
-                if chat:
+                if chat and follow[index] is not None:
+                    choice["delta"] = _tool_delta(follow[index], r)
+                    choice["finish_reason"] = r.finish_reason and (follow[index].finish_reason or r.finish_reason)
+                elif chat:
                     choice["delta"] = {"content": r.text} if r.text or not r.finish_reason else {}
                 else:
                     choice["text"] = r.text
@@ -366,10 +372,18 @@ class HttpFront:
         if error is not None:
             return error.response()
         choices = []
-        for i in range(len(call.reqs)):
+        for i, follow in enumerate(opts.tool_outputs(len(call.reqs))):
             text = "".join(texts[i])
             lp = _merge_logprobs(lps[i], chat) if want_logprobs else None
-            if chat:
+            if chat and follow is not None:
+                content = follow.push(text)
+                rest, calls = follow.finish()
+                message = {"role": "assistant", "content": (content + rest) or None if calls else content + rest}
+                if calls:
+                    message["tool_calls"] = calls
+                choices.append({"index": i, "message": message, "logprobs": lp,
+                                "finish_reason": follow.finish_reason or finish[i]})
+            elif chat:
                 choices.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp,
                                 "finish_reason": finish[i]})
             else:
@@ -386,6 +400,11 @@ class _Options:
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage
     want_logprobs: bool
     echoes: list  # completions echo: each choice's text starts with its prompt's (empty: no echo)
+    tools: ToolPlan | None = None  # chat with tools: each choice's output is followed for tool calls
+
+    def tool_outputs(self, choices: int) -> list:
+        """One ToolOutput per choice (None each where the output is plain text)."""
+        return [self.tools.output() if self.tools else None for _ in range(choices)]
 
 
 class _Call:
@@ -507,6 +526,20 @@ def _merge_logprobs(parts: list, chat: bool) -> dict:
             "token_logprobs": [x for p in parts for x in p["token_logprobs"]],
             "top_logprobs": [x for t in tops for x in t] if all(t is not None for t in tops) and tops else None,
             "text_offset": None}
+
+
+def _tool_delta(follow: ToolOutput, r) -> dict:
+    """A chat stream's delta under tools: content as it becomes safe to send; at the end, the rest and the calls."""
+    delta = {}
+    content = follow.push(r.text)
+    if r.finish_reason:
+        rest, calls = follow.finish()
+        content += rest
+        if calls:
+            delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
+    if content:
+        delta["content"] = content
+    return delta
 
 
 def _first_per_text(pairs) -> dict:

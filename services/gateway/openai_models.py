@@ -27,6 +27,7 @@ from pydantic import (
 
 from services.common.errors import InvalidRequest
 from services.common.sampling import MAX_TOP_LOGPROBS, Guided, SamplingParams
+from services.gateway.tools import ToolError, ToolPlan, plan_tools
 
 Number = StrictInt | StrictFloat  # an int is a fine float; a bool is not
 INT64 = 2**63  # every integer travels as a protobuf int64 (JSON allows any size: 400, not a 500 further on)
@@ -38,8 +39,7 @@ PositiveInt = Annotated[StrictInt, Field(gt=0, lt=INT64)]
 HONOURED_ONLY = {
     "best_of": lambda v: v == 1, "suffix": lambda v: v == "",
     "presence_penalty": lambda v: v == 0, "frequency_penalty": lambda v: v == 0, "repetition_penalty": lambda v: v == 1,
-    "logit_bias": lambda v: v == {}, "tools": lambda v: v == [], "functions": lambda v: v == [],
-    "tool_choice": lambda v: v == "none", "function_call": lambda v: v == "none",
+    "logit_bias": lambda v: v == {}, "functions": lambda v: v == [], "function_call": lambda v: v == "none",
     "use_beam_search": lambda v: v is False, "prompt_logprobs": lambda v: False,
 }
 # The constraint fields (structured outputs), as OpenAI and vLLM name them: at most one per request.
@@ -127,9 +127,7 @@ class _Body(BaseModel):
     frequency_penalty: Any = None
     repetition_penalty: Any = None
     logit_bias: Any = None
-    tools: Any = None
     functions: Any = None
-    tool_choice: Any = None
     function_call: Any = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -162,6 +160,10 @@ class _Body(BaseModel):
     @property
     def choices_per_prompt(self) -> int:
         return self.n or 1
+
+    def constraint(self) -> Guided | None:
+        """What the output must follow: the body's structured-output field (chat: or its tool choice)."""
+        return self.guided()
 
     def guided(self) -> Guided | None:
         """The one constraint the body sets (structured outputs), checked, or None; two at once is a 400."""
@@ -214,7 +216,7 @@ class _Body(BaseModel):
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, stop=tuple(stop),
                                 stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=bool(self.ignore_eos),
-                                top_logprobs=top_logprobs, guided=self.guided(), seed=seed,
+                                top_logprobs=top_logprobs, guided=self.constraint(), seed=seed,
                                 **{k: v for k in ("temperature", "top_p", "top_k", "min_p", "min_tokens")
                                    if (v := getattr(self, k)) is not None})
         return params
@@ -231,6 +233,15 @@ class CompletionBody(_Body):
     prompt: StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
     logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None  # the sampled token's and k more
     echo: StrictBool | None = None
+    tools: Any = None
+    tool_choice: Any = None
+
+    @field_validator("tools", "tool_choice")
+    @classmethod
+    def _chat_only(cls, v, info: ValidationInfo):
+        if v is not None:
+            raise ValueError(f"{info.field_name} is for /v1/chat/completions")
+        return v
 
     @field_validator("echo")
     @classmethod
@@ -266,6 +277,24 @@ class ChatBody(_Body):
     logprobs: StrictBool | None = None
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     max_completion_tokens: PositiveInt | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: StrictBool | None = None  # several calls may come in one response either way
+
+    def tool_plan(self) -> ToolPlan | None:
+        """tools and tool_choice, checked (a 400 naming the field)."""
+        try:
+            return plan_tools(self.tools, self.tool_choice)
+        except ToolError as e:
+            raise OpenAIBodyError(e.param, f"{e.param}: {e}") from None
+
+    def constraint(self) -> Guided | None:
+        guided, plan = self.guided(), self.tool_plan()
+        forced = plan.guided() if plan else None
+        if forced and guided:
+            raise OpenAIBodyError("tool_choice", f"tool_choice {plan.mode} constrains the output, and so does a "
+                                                 "structured-output field: give one")
+        return forced or guided
 
     @field_validator("top_logprobs")
     @classmethod
@@ -300,5 +329,5 @@ def parse_body(body: dict, chat: bool) -> CompletionBody | ChatBody:
         parsed = (ChatBody if chat else CompletionBody).model_validate(body)
     except ValidationError as e:
         raise OpenAIBodyError.of(e) from None
-    parsed.guided()  # a constraint that is malformed (not one that does not compile: the engine says that)
+    parsed.constraint()  # a constraint that is malformed (not one that does not compile: the engine says that)
     return parsed

@@ -10,6 +10,7 @@ import urllib.error
 import urllib.request
 
 import grpc
+import jsonschema
 import openai
 import pytest
 import yaml
@@ -311,8 +312,6 @@ def test_json_schema_responses_validate_for_60_schemas(client):
     every response parses and validates against its schema."""
     from concurrent.futures import ThreadPoolExecutor
 
-    import jsonschema
-
     from tests.support.schemas import random_schemas
 
     schemas = random_schemas(60, seed=41)
@@ -424,3 +423,49 @@ def test_echo_tokenize_and_detokenize(mesh, client, tiny_model):
     assert post("/tokenize", {"prompt": 5})[0] == 400
     assert post("/tokenize", {"model": "gpt-9", "prompt": "x"})[0] == 404
     assert post("/tokenize", {"prompt": "x"}, key="wrong")[0] == 401
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                    "unit": {"enum": ["c", "f"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET", "PST"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+
+
+def test_tool_calls_from_a_chat_with_two_tools(client):
+    """tool_choice required (enforced by the grammar): the response's tool_calls name one of the two tools with
+    arguments that validate against its schema, finish_reason tool_calls, streamed or not; a named function gets
+    a call to that function; auto on the random model answers in text (it calls nothing), without error."""
+    messages = [{"role": "user", "content": "What is the weather in Paris, and the time in UTC?"}]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    kw = dict(model="tiny", messages=messages, tools=[WEATHER, TIME], max_tokens=300, temperature=1.0)
+    for seed in range(3):
+        out = client.chat.completions.create(tool_choice="required", seed=seed, **kw)
+        choice = out.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        assert choice.message.tool_calls
+        for call in choice.message.tool_calls:
+            assert call.type == "function" and call.id.startswith("call_")
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    named = client.chat.completions.create(tool_choice={"type": "function", "function": {"name": "get_time"}},
+                                           seed=4, **kw)
+    [call] = named.choices[0].message.tool_calls
+    assert call.function.name == "get_time" and json.loads(call.function.arguments)["zone"] in ("UTC", "CET", "PST")
+    assert named.choices[0].finish_reason == "stop"
+    chunks = list(client.chat.completions.create(tool_choice="required", seed=0, stream=True, **kw))
+    deltas = [c.choices[0].delta for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    streamed = [(t.function.name, t.function.arguments) for d in deltas for t in d.tool_calls]
+    first = client.chat.completions.create(tool_choice="required", seed=0, **kw).choices[0].message.tool_calls
+    assert streamed == [(c.function.name, c.function.arguments) for c in first]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    auto = client.chat.completions.create(seed=5, **{**kw, "max_tokens": 8})
+    assert auto.choices[0].finish_reason in ("stop", "length") and auto.choices[0].message.tool_calls is None
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(tool_choice={"type": "function", "function": {"name": "nope"}}, **kw)
+    assert e.value.body["param"] == "tool_choice"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(tool_choice="required", response_format={"type": "json_object"}, **kw)
+    assert e.value.body["param"] == "tool_choice"
