@@ -19,6 +19,7 @@ from bench import (
     sim_validate,
     skewed_costs,
     soak,
+    structured,
     sweep,
     tenants_overload,
 )
@@ -27,7 +28,7 @@ WORKLOADS = {"engine-mixed": engine_mixed, "mesh-mixed": mesh_mixed, "prefix-sha
              "skewed-costs": skewed_costs, "router-latency": router_latency, "tenants-overload": tenants_overload,
              "sampler": sampler, "soak": soak, "lora-zipf": lora_zipf,
              "burst-autoscale": burst_autoscale, "sim-validate": sim_validate, "scale-from-zero": scale_from_zero,
-             "priority-overload": priority_overload}
+             "priority-overload": priority_overload, "structured": structured}
 
 
 def add_bench_parser(sub, func) -> None:

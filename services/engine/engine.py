@@ -71,6 +71,7 @@ class StepStats:
     kv_slots_filled: int  # of which hold computed tokens
     context_tokens: int = 0  # tokens already in the KV cache of the batch's sequences (attention reads them)
     prefill_context: int = 0  # over prompt chunks: chunk tokens x the tokens before the chunk (their attention)
+    grammar_s: float = 0.0  # structured outputs: masks filled and tokens fed to the grammars this step
 
 
 @dataclass(frozen=True)
@@ -255,7 +256,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One iteration; returns a delta for every request that sampled or finished."""
-        t0 = time.perf_counter()
+        t0, grammar_s = time.perf_counter(), self.grammars.spent_s
         failed = self._end_failed_adapters() if self.lora is not None else []
         out = self.scheduler.schedule()
         if out.empty:
@@ -273,7 +274,7 @@ class LLMEngine:
         results = self._postprocess(sampling, sampled) if sampled else []
         if self.lora is not None and self.lora.retired:
             self.lora.sweep()  # unloaded adapters whose last request just finished
-        self._record(out, forward_s, time.perf_counter() - t0)
+        self._record(out, forward_s, time.perf_counter() - t0, self.grammars.spent_s - grammar_s)
         return failed + results
 
     def _build_batch(self, out: SchedulerOutput):
@@ -336,7 +337,7 @@ class LLMEngine:
             return "length"
         return None
 
-    def _record(self, out: SchedulerOutput, forward_s: float, step_s: float) -> None:
+    def _record(self, out: SchedulerOutput, forward_s: float, step_s: float, grammar_s: float) -> None:
         bs = self.kv.block_size
         running = self.scheduler.running
         self.last_step = StepStats(
@@ -344,7 +345,7 @@ class LLMEngine:
             kv_slots_allocated=sum(len(self.kv.block_table(r)) for r in running) * bs,
             kv_slots_filled=sum(r.num_computed for r in running),
             context_tokens=sum(s.num_computed for s in out.seqs),
-            prefill_context=sum(s.num_new * s.num_computed for s in out.seqs if s.num_new > 1))
+            prefill_context=sum(s.num_new * s.num_computed for s in out.seqs if s.num_new > 1), grammar_s=grammar_s)
         self.step_cost.update(len(out.seqs), out.num_tokens, step_s)
 
     def _admit_pooled(self, req: Request) -> None:

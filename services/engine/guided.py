@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections import OrderedDict
 from pathlib import Path
 
@@ -75,6 +76,7 @@ class Grammars:
         self._tokenizer = None
         self._executor = None
         self._compiled: OrderedDict = OrderedDict()
+        self.spent_s = 0.0  # time in masks() and accept() with constrained rows, since start (StepStats.grammar_s)
 
     def _lltokenizer(self):
         if self._tokenizer is None:
@@ -112,6 +114,7 @@ class Grammars:
         rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
         if not rows:
             return None
+        t0 = time.perf_counter()
         allow = np.zeros((len(rows), self.words), dtype=np.int32)
         bits = allow.view(np.uint32)
         live = []
@@ -131,6 +134,7 @@ class Grammars:
             fill_next_token_bitmask_par(self._executor, live, allow)
         allow_rows = torch.full((len(reqs),), -1, dtype=torch.int64)
         allow_rows[rows] = torch.arange(len(rows))
+        self.spent_s += time.perf_counter() - t0
         return allow_rows, torch.from_numpy(allow)
 
     @staticmethod
@@ -145,10 +149,12 @@ class Grammars:
     def accept(self, req: Request, token: int) -> str | None:
         """Feed the sampled token (already appended to req.tokens): "stop" when the grammar is complete, "abort"
         when the matcher is in error, else None."""
+        t0 = time.perf_counter()
         matcher = req.grammar
         if not matcher.is_error() and not matcher.is_stopped():
             matcher.consume_token(token)
             req.grammar_fed += 1
+        self.spent_s += time.perf_counter() - t0
         if matcher.is_error():
             log.error("request %s: its constraint rejected its output: %s", req.req_id, matcher.get_error())
             return "abort"

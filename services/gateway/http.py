@@ -378,7 +378,8 @@ class HttpFront:
             if chat and follow is not None:
                 content = follow.push(text)
                 rest, calls = follow.finish()
-                message = {"role": "assistant", "content": (content + rest) or None if calls else content + rest}
+                text = content + rest
+                message = {"role": "assistant", "content": (text if text.strip() else None) if calls else text}
                 if calls:
                     message["tool_calls"] = calls
                 choices.append({"index": i, "message": message, "logprobs": lp,

@@ -120,8 +120,8 @@ def tool_call(name: str, arguments) -> dict:
 
 
 def parse_hermes(text: str) -> tuple[str, list]:
-    """(content, calls) of a model's output: calls from its <tool_call> blocks; an output whose blocks do not parse
-    is all content."""
+    """(content, calls) of a model's output: calls from its <tool_call> blocks, content the text before the first
+    (as it is: a stream sent it so); an output whose blocks do not parse is all content."""
     first = text.find(OPEN)
     if first < 0:
         return text, []
@@ -135,7 +135,7 @@ def parse_hermes(text: str) -> tuple[str, list]:
             if not isinstance(call, dict) or not isinstance(call.get("name"), str):
                 return text, []
             calls.append(tool_call(call["name"], call.get("arguments", call.get("parameters", {}))))
-    return text[:first].rstrip(), calls
+    return text[:first], calls
 
 
 PARSERS = {"hermes": parse_hermes}

@@ -4,6 +4,7 @@ status for its cause; a client disconnect frees the request's KV blocks."""
 
 import http.client
 import json
+import re
 import socket
 import time
 import urllib.error
@@ -335,8 +336,6 @@ def test_guided_choice_regex_and_json_object_streamed(client):
     assert choice.choices[0].text in ("alpha", "beta")
     chunks = list(client.completions.create(prompt="code", seed=2, stream=True,
                                             extra_body={"structured_outputs": {"regex": "[A-Z]{2}[0-9]{4}"}}, **kw))
-    import re
-
     assert re.fullmatch("[A-Z]{2}[0-9]{4}", "".join(c.choices[0].text for c in chunks if c.choices))
 
 
@@ -469,3 +468,23 @@ def test_tool_calls_from_a_chat_with_two_tools(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(tool_choice="required", response_format={"type": "json_object"}, **kw)
     assert e.value.body["param"] == "tool_choice"
+
+
+def test_auto_tool_choice_parses_the_models_tool_call_blocks(client):
+    """tool_choice auto: the output is parsed for <tool_call> blocks. The random model never writes one by itself,
+    so a regex makes it write text and then a call in Qwen2's format: content keeps the text, the call is parsed,
+    streamed or not."""
+    call = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+    regex = "(Checking|One moment)\\. " + re.escape(call).replace("\\\n", "\\n")
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "time?"}], tools=[WEATHER, TIME], max_tokens=200,
+              temperature=1.0, seed=1, extra_body={"guided_regex": regex})
+    out = client.chat.completions.create(**kw).choices[0]
+    assert out.finish_reason == "tool_calls" and out.message.content in ("Checking. ", "One moment. ")
+    [tc] = out.message.tool_calls
+    assert (tc.function.name, json.loads(tc.function.arguments)) == ("get_time", {"zone": "UTC"})
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    calls = [t for c in chunks if c.choices and c.choices[0].delta.tool_calls for t in c.choices[0].delta.tool_calls]
+    assert content == out.message.content and [(t.function.name, t.function.arguments) for t in calls] == [
+        (tc.function.name, tc.function.arguments)]
+    assert "<tool_call>" not in content and chunks[-1].choices[0].finish_reason == "tool_calls"
