@@ -317,6 +317,8 @@ class LLMEngine:
                 lp = [sampled.logprobs[i]]
                 req.logprobs.append(sampled.logprobs[i])
             top = [sampled.top[i]] if req.params.top_logprobs else None
+            if top:
+                req.top_logprobs.append(top[0])
             reason = self.grammars.accept(req, tok) if req.grammar is not None else None
             reason = reason or self._finish_reason(req, tok)
             if reason:

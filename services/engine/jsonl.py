@@ -20,7 +20,7 @@ from services.engine.engine import LLMEngine
 from services.engine.request import Request
 
 _LINE_FIELDS = {"id", "prompt", "prompt_token_ids", "stop", "stop_token_ids", "priority", "deadline_ms", "adapter",
-                *PARAM_FIELDS}
+                "guided", *PARAM_FIELDS}
 
 
 @dataclass
@@ -72,8 +72,10 @@ def result_of(engine: LLMEngine, req: Request) -> dict:
     out = {"id": req.req_id, "token_ids": req.output_token_ids, "text": engine.output_text(req),
            "finish_reason": req.finish_reason, "prompt_tokens": req.num_prompt,
            "cached_prompt_tokens": req.num_cached_prompt}
-    if req.params.logprobs:
+    if req.params.wants_logprobs:
         out["logprobs"] = req.logprobs
+    if req.params.top_logprobs:
+        out["top_logprobs"] = [{"token_ids": ids, "logprobs": lps} for ids, lps in req.top_logprobs]
     return out
 
 

@@ -37,6 +37,7 @@ class Request:
     finish_reason: str | None = None  # stop | length | abort
     sample_seed: int | None = None  # keys the sampling noise: params.seed, else drawn at admission
     logprobs: list = field(default_factory=list)  # per output token, when asked
+    top_logprobs: list = field(default_factory=list)  # per output token: (token ids, logprobs), when asked
     num_preemptions: int = 0
     resumed_outputs: int = 0  # the prompt ends with this many outputs of an earlier attempt (a resume)
     lora_slot: int | None = None  # the adapter slot it pins while in the batch (or receiving)

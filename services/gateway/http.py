@@ -227,7 +227,7 @@ class HttpFront:
             span.end()
             return e.response()
         key = _bearer(request)
-        call = _Call(self.servicer, reqs, key, span)
+        call = _Call(self.servicer, reqs, key, span, group=opts.n)
         first = await call.start()  # errors before the first token (auth, limits, queue) are HTTP statuses
         if isinstance(first, OpenAIError):
             return first.response()
@@ -273,7 +273,7 @@ class HttpFront:
                         echoes.append(p if isinstance(p, str) else self.servicer.tokenizer.decode(p))
         except OpenAIBodyError as e:
             raise bad(e.param, str(e)) from None
-        return out, _Options(bool(b.stream), b.include_usage, b.want_logprobs, echoes, tools)
+        return out, _Options(bool(b.stream), b.include_usage, b.want_logprobs, echoes, tools, n)
 
     def _chat_prompt(self, messages: list, add_generation_prompt: bool = True, add_special_tokens: bool = False,
                      tools: list | None = None) -> list:
@@ -402,6 +402,7 @@ class _Options:
     want_logprobs: bool
     echoes: list  # completions echo: each choice's text starts with its prompt's (empty: no echo)
     tools: ToolPlan | None = None  # chat with tools: each choice's output is followed for tool calls
+    n: int = 1  # choices per prompt
 
     def tool_outputs(self, choices: int) -> list:
         """One ToolOutput per choice (None each where the output is plain text)."""
@@ -412,10 +413,14 @@ class _Call:
     """The mesh calls of one HTTP request, run in one task under the request's span.
 
     Each prompt's stream is pumped into a queue; start() waits for the first response of every
-    prompt, so that errors before any token can still be HTTP statuses."""
+    prompt, so that errors before any token can still be HTTP statuses. With n choices per prompt
+    (group), the first choice of each prompt goes alone and the others follow at its first token:
+    by then its prompt's KV blocks are in the prefix cache (and the router's index), so the other
+    n - 1 read the prompt instead of computing it n times over in one step."""
 
-    def __init__(self, servicer, reqs: list, key: str | None, span):
+    def __init__(self, servicer, reqs: list, key: str | None, span, group: int = 1):
         self.servicer, self.reqs, self.key, self.span = servicer, reqs, key, span
+        self.group = group
         self.queue: asyncio.Queue = asyncio.Queue()
         self.pending: list = []
         self.prompt_tokens = [0] * len(reqs)
@@ -443,12 +448,19 @@ class _Call:
         return None
 
     async def _run(self) -> None:
+        prefilled = [asyncio.Event() for _ in range(0, len(self.reqs), self.group)]
+
         async def one(index, req):
+            leader = index % self.group == 0
             try:
+                if not leader:
+                    await prefilled[index // self.group].wait()
                 async with contextlib.aclosing(self.servicer.generate(req, self.key)) as responses:
                     async for r in responses:
                         self._account(index, r)
                         await self.queue.put((index, r))
+                        if leader:
+                            prefilled[index // self.group].set()
             except MeshError as e:
                 await self.queue.put((index, OpenAIError.of(e)))
             except asyncio.CancelledError:
@@ -457,6 +469,8 @@ class _Call:
                 log.exception("HTTP generation failed")
                 await self.queue.put((index, OpenAIError(500, "internal error", code="internal")))
             finally:
+                if leader:
+                    prefilled[index // self.group].set()  # it ended before a token: the others go anyway
                 await self.queue.put((index, None))
 
         try:

@@ -23,6 +23,10 @@ def test_generate_jsonl(tiny_model, tmp_path):
         json.dumps({"id": "long", "prompt_token_ids": [5] * 10, "max_tokens": 5000}),
         json.dumps({"id": "lora", "prompt_token_ids": [5], "max_tokens": 2, "adapter": "nope"}),
         json.dumps({"id": "typo", "prompt_token_ids": [5], "max_tokens": 2, "temprature": 1.0}),
+        json.dumps({"id": "pick", "prompt_token_ids": [5, 6], "max_tokens": 20, "temperature": 1.0, "seed": 1,
+                    "top_logprobs": 2, "guided": {"kind": "choice", "spec": ["red", "green", "blue"]}}),
+        json.dumps({"id": "badre", "prompt_token_ids": [5], "max_tokens": 2, "guided": {"kind": "regex",
+                                                                                          "spec": "a["}}),
     ]
     inp = tmp_path / "in.jsonl"
     inp.write_bytes(("\n".join(lines) + "\n").encode() + b'{"id": "utf", "prompt": "\xff\xfe"}\n')
@@ -30,11 +34,17 @@ def test_generate_jsonl(tiny_model, tmp_path):
     proc = run_cli("generate", "--model", tiny_model, "--input", inp, "--output", out, "--max-num-batched-tokens", 32)
     assert proc.returncode == 0, proc.stderr
     results = [json.loads(ln) for ln in out.read_text().splitlines()]
-    assert [r["id"] for r in results] == ["a", "b", "oov", "line-4", "neg", "long", "lora", "typo", "line-9"]
+    assert [r["id"] for r in results] == ["a", "b", "oov", "line-4", "neg", "long", "lora", "typo", "pick", "badre",
+                                          "line-11"]
     codes = [r.get("error", {}).get("code") for r in results]
     assert codes == [None, None, "INVALID_ARGUMENT", "INVALID_ARGUMENT", "INVALID_ARGUMENT", "OUT_OF_RANGE",
-                     "NOT_FOUND", "INVALID_ARGUMENT", "INVALID_ARGUMENT"]
-    assert "UTF-8" in results[8]["error"]["message"]
+                     "NOT_FOUND", "INVALID_ARGUMENT", None, "INVALID_ARGUMENT", "INVALID_ARGUMENT"]
+    assert "UTF-8" in results[10]["error"]["message"]
+    pick = results[8]
+    assert pick["text"] in ("red", "green", "blue") and pick["finish_reason"] == "stop"
+    assert len(pick["top_logprobs"]) == len(pick["token_ids"]) == len(pick["logprobs"])
+    assert all(len(t["token_ids"]) == 2 for t in pick["top_logprobs"])
+    assert "does not compile" in results[9]["error"]["message"]
     assert "temprature" in results[7]["error"]["message"]
     a = results[0]
     assert a["finish_reason"] == "length" and a["prompt_tokens"] == 3 and len(a["token_ids"]) == 8

@@ -357,6 +357,11 @@ def test_n_choices_are_reproducible_with_a_seed_and_distinct(client):
     chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
                                           temperature=1.0, n=2, seed=7)
     assert sorted(c.index for c in chat.choices) == [0, 1]
+    # the first choice computes the prompt; the other three follow at its first token and read it from the cache
+    long = " ".join(f"sample{i}" for i in range(70))  # a prompt no other test sends (a cached prefix would count)
+    shared = client.completions.create(**{**kw, "prompt": long})
+    blocks = shared.usage.prompt_tokens // 4 // 16
+    assert blocks >= 3 and shared.usage.prompt_tokens_details.cached_tokens == 3 * blocks * 16
 
 
 def test_top_logprobs_agree_with_the_engines_logprobs(mesh, client, tiny_model):
