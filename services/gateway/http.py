@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -82,6 +83,19 @@ def bad(param: str, message: str) -> OpenAIError:
     return OpenAIError(400, message, param=param, code="invalid_value")
 
 
+def _answered(endpoint):
+    """An endpoint whose OpenAIError or MeshError becomes its error response (OpenAI's shape)."""
+    @functools.wraps(endpoint)
+    async def answer(self, request: Request) -> Response:
+        try:
+            return await endpoint(self, request)
+        except OpenAIError as e:
+            return e.response()
+        except MeshError as e:
+            return OpenAIError.of(e).response()
+    return answer
+
+
 class HttpFront:
     def __init__(self, servicer, model_dir: str):
         self.servicer = servicer
@@ -101,61 +115,51 @@ class HttpFront:
 
     # ---- simple endpoints ----------------------------------------------------------------------
 
+    @_answered
     async def models(self, request: Request) -> Response:
-        try:
-            self.servicer.auth.authenticate(_bearer(request))
-        except MeshError as e:
-            return OpenAIError.of(e).response()
+        self.servicer.auth.authenticate(_bearer(request))
         m = self.model
         return JSONResponse({"object": "list", "data": [
             {"id": name, "object": "model", "created": 0, "owned_by": "meshserve", "max_model_len": m.max_model_len,
              "parent": parent or None}
             for name, parent in await self.servicer.model_names()]})
 
+    @_answered
     async def tokenize(self, request: Request) -> Response:
         """vLLM's /tokenize: {"prompt"} or {"messages"} (the chat template; add_generation_prompt as given) ->
         {"count", "max_model_len", "tokens", "token_strs"} (token_strs when return_token_strs)."""
-        try:
-            self.servicer.auth.authenticate(_bearer(request))
-            body = await _json(request, self.servicer.bounds.max_body_bytes)
-            self._check_model(body.get("model"))
-            special = body.get("add_special_tokens")
-            if special is not None and not isinstance(special, bool):
-                raise bad("add_special_tokens", "add_special_tokens must be a boolean")
-            if "messages" in body:
-                generation = body.get("add_generation_prompt", True)
-                if not isinstance(generation, bool):
-                    raise bad("add_generation_prompt", "add_generation_prompt must be a boolean")
-                ids = self._chat_prompt(body["messages"], generation, bool(special))
-            elif isinstance(body.get("prompt"), str):
-                ids = self._encode(body["prompt"], "prompt", add_special_tokens=special is not False)
-            else:
-                raise bad("prompt", "give prompt (a string) or messages (a list)")
-            out = {"count": len(ids), "max_model_len": self.model.max_model_len, "tokens": ids, "token_strs": None}
-            if body.get("return_token_strs"):
-                out["token_strs"] = [self._token_text(t) for t in ids]
-            return JSONResponse(out)
-        except OpenAIError as e:
-            return e.response()
-        except MeshError as e:
-            return OpenAIError.of(e).response()
+        self.servicer.auth.authenticate(_bearer(request))
+        body = await _json(request, self.servicer.bounds.max_body_bytes)
+        self._check_model(body.get("model"))
+        special = body.get("add_special_tokens")
+        if special is not None and not isinstance(special, bool):
+            raise bad("add_special_tokens", "add_special_tokens must be a boolean")
+        if "messages" in body:
+            generation = body.get("add_generation_prompt", True)
+            if not isinstance(generation, bool):
+                raise bad("add_generation_prompt", "add_generation_prompt must be a boolean")
+            ids = self._chat_prompt(body["messages"], generation, bool(special))
+        elif isinstance(body.get("prompt"), str):
+            ids = self._encode(body["prompt"], "prompt", add_special_tokens=special is not False)
+        else:
+            raise bad("prompt", "give prompt (a string) or messages (a list)")
+        out = {"count": len(ids), "max_model_len": self.model.max_model_len, "tokens": ids, "token_strs": None}
+        if body.get("return_token_strs"):
+            out["token_strs"] = [self._token_text(t) for t in ids]
+        return JSONResponse(out)
 
+    @_answered
     async def detokenize(self, request: Request) -> Response:
         """vLLM's /detokenize: {"tokens": [ids]} -> {"prompt": text} (special tokens skipped)."""
-        try:
-            self.servicer.auth.authenticate(_bearer(request))
-            body = await _json(request, self.servicer.bounds.max_body_bytes)
-            self._check_model(body.get("model"))
-            ids = body.get("tokens")
-            vocab = self.model.vocab_size
-            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
-                                                    for t in ids):
-                raise bad("tokens", f"tokens must be a list of token ids in [0, {vocab})")
-            return JSONResponse({"prompt": self.servicer.tokenizer.decode(ids)})
-        except OpenAIError as e:
-            return e.response()
-        except MeshError as e:
-            return OpenAIError.of(e).response()
+        self.servicer.auth.authenticate(_bearer(request))
+        body = await _json(request, self.servicer.bounds.max_body_bytes)
+        self._check_model(body.get("model"))
+        ids = body.get("tokens")
+        vocab = self.model.vocab_size
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                                                for t in ids):
+            raise bad("tokens", f"tokens must be a list of token ids in [0, {vocab})")
+        return JSONResponse({"prompt": self.servicer.tokenizer.decode(ids)})
 
     def _check_model(self, model) -> None:
         if model is None or model in self.servicer.adapters.known:
@@ -170,30 +174,28 @@ class HttpFront:
 
     # ---- LoRA adapters at run time, as vLLM's server takes them (an admin key) ---------------------
 
+    @_answered
     async def load_lora_adapter(self, request: Request) -> Response:
-        return await self._adapter_admin(request, load=True)
+        name, path = await self._adapter_admin(request, load=True)
+        await self.servicer.adapters.load(name, path)
+        return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
 
+    @_answered
     async def unload_lora_adapter(self, request: Request) -> Response:
-        return await self._adapter_admin(request, load=False)
+        name, _ = await self._adapter_admin(request, load=False)
+        await self.servicer.adapters.unload(name)
+        return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain")
 
-    async def _adapter_admin(self, request: Request, load: bool) -> Response:
-        try:
-            self.servicer.auth.authenticate(_bearer(request)).check_admin()
-            body = await _json(request, 64 * 1024)
-            name, path = body.get("lora_name"), body.get("lora_path")
-            if not isinstance(name, str) or not name:
-                raise bad("lora_name", "lora_name is required (a string)")
-            if load and (not isinstance(path, str) or not path):
-                raise bad("lora_path", "lora_path is required (a string)")
-            if load:
-                await self.servicer.adapters.load(name, path)
-                return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
-            await self.servicer.adapters.unload(name)
-            return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain")
-        except OpenAIError as e:
-            return e.response()
-        except MeshError as e:
-            return OpenAIError.of(e).response()
+    async def _adapter_admin(self, request: Request, load: bool) -> tuple[str, str | None]:
+        """The admin's checked (lora_name, lora_path)."""
+        self.servicer.auth.authenticate(_bearer(request)).check_admin()
+        body = await _json(request, 64 * 1024)
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not isinstance(name, str) or not name:
+            raise bad("lora_name", "lora_name is required (a string)")
+        if load and (not isinstance(path, str) or not path):
+            raise bad("lora_path", "lora_path is required (a string)")
+        return name, path
 
     async def health(self, request: Request) -> Response:
         return Response(status_code=200)
