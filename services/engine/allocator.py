@@ -25,8 +25,8 @@ TRIM_THRESHOLD = 256 * 1024**2  # free heap kept before memory goes back to the 
 
 
 def keep_large_buffers() -> bool:
-    """Set the thresholds above (once per process; MESHSERVE_MALLOPT=0 leaves glibc's defaults). False where the
-    C library is not glibc or refuses."""
+    """Set the thresholds above (each engine calls it at construction; setting them again changes nothing;
+    MESHSERVE_MALLOPT=0 leaves glibc's defaults). False where the C library is not glibc or refuses."""
     if os.environ.get("MESHSERVE_MALLOPT", "1") == "0":
         return False
     try:

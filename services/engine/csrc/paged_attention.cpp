@@ -407,6 +407,17 @@ struct Chunk {
   int64_t padded() const { return (keys() + 31) / 32 * 32; }
 };
 
+// A block's 16 query rows of head h (64 elements each) into qb, rows past the chunk's end zero.
+template <typename T>
+static void fill_queries(const T* q, int64_t q_row, const Chunk& c, int64_t h, int64_t q0, int64_t rows, T* qb) {
+  for (int64_t r = 0; r < 16; ++r) {
+    if (r < rows)
+      std::memcpy(qb + r * 64, q + (c.start + q0 + r) * q_row + h * 64, 64 * sizeof(T));
+    else
+      std::memset(qb + r * 64, 0, 64 * sizeof(T));
+  }
+}
+
 // K rows of one KV head into B tiles of 16 keys: two tiles per 16 keys (pairs of elements 0-31, 32-63), each row
 // of a tile one pair-index, 16 keys x 2 elements (64 bytes). V rows into B tiles of 32 keys: four per 32 keys
 // (elements 16 at a time), each row a pair of consecutive keys, 16 elements x 2 keys. Keys past the end are zero.
@@ -416,8 +427,10 @@ static void pack_kv(const bf16* k_pool, const bf16* v_pool, const Chunk& c, int6
   const int64_t L = c.keys(), Lp = c.padded();
   std::memset(kp + L / 16 * 1024, 0, (Lp * 64 - L / 16 * 1024) * sizeof(bf16));  // the blocks keys past L fall in
   std::memset(vp + L / 32 * 2048, 0, (Lp * 64 - L / 32 * 2048) * sizeof(bf16));
-  // key j's row in the pool, block by block (no division per key)
-  std::vector<const bf16*> krow(L + 1), vrow(L + 1);
+  // key j's row in the pool, block by block (no division per key); the vectors are kept per thread
+  thread_local std::vector<const bf16*> krow, vrow;
+  krow.resize(L + 1);
+  vrow.resize(L + 1);
   for (int64_t b = 0, j = 0; j < L; ++b)
     for (int64_t i = 0, base = c.table[b] * block_size; i < block_size && j < L; ++i, ++j)
       krow[j] = k_pool + (base + i) * row + g * 64, vrow[j] = v_pool + (base + i) * row + g * 64;
@@ -502,12 +515,7 @@ static void prefill_block(const bf16* q, int64_t q_row, const Chunk& c, int64_t 
   const int64_t rows = std::min<int64_t>(16, c.n - q0);
   const int64_t limit = c.computed + q0 + rows;  // keys the block's last query sees
   const int64_t chunks = (limit + 31) / 32, width = chunks * 32;  // keys scored, in 32s
-  for (int64_t r = 0; r < 16; ++r) {
-    if (r < rows)
-      std::memcpy(qb + r * 64, q + (c.start + q0 + r) * q_row + h * 64, 64 * sizeof(bf16));
-    else
-      std::memset(qb + r * 64, 0, 64 * sizeof(bf16));
-  }
+  fill_queries(q, q_row, c, h, q0, rows, qb);
   _tile_loadd(0, qb, 128);       // queries, elements 0-31
   _tile_loadd(1, qb + 32, 128);  // queries, elements 32-63
   for (int64_t kb = 0; kb < 2 * chunks; ++kb) {
@@ -573,12 +581,7 @@ static void prefill_block_f32(const float* q, int64_t q_row, const Chunk& c, int
   const int64_t rows = std::min<int64_t>(16, c.n - q0);
   const int64_t limit = c.computed + q0 + rows;
   const int64_t blocks = (limit + 15) / 16, width = blocks * 16;
-  for (int64_t r = 0; r < 16; ++r) {
-    if (r < rows)
-      std::memcpy(qb + r * 64, q + (c.start + q0 + r) * q_row + h * 64, 64 * sizeof(float));
-    else
-      std::memset(qb + r * 64, 0, 64 * sizeof(float));
-  }
+  fill_queries(q, q_row, c, h, q0, rows, qb);
   for (int64_t kb = 0; kb < blocks; ++kb) {
     const float* k = kt + kb * 1024;
     __m512 acc[16];
