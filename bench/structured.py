@@ -8,7 +8,8 @@ Two measurements, one process on every core, the engine alone (no mesh):
    beside the step's own time.
 2. Throughput of a mixed batch: 128 requests (prompts uniform 32-512 random tokens, outputs uniform 16-256,
    greedy, seed 0) with every fourth one constrained by SCHEMA, against the same requests all free, run
-   alternately three times each (free, mixed, free, ...), the median of each kept (every run reported).
+   alternately three times each (free, mixed, free, ...), the median of each kept (every run reported). Every
+   run starts with an empty prefix cache (the runs repeat the same prompts).
    SCHEMA's array needs more items than any output holds, so a constrained request runs to its max_tokens like
    a free one (EOS ignored) and both runs make the same tokens (the grammar's work per token is that of any
    array of objects).
@@ -83,6 +84,7 @@ def _run(engine, reqs: list, every: int, tag: str) -> dict:
     from services.common.sampling import Guided, SamplingParams
 
     guided = Guided("json", json.dumps(SCHEMA))
+    engine.kv.pool.reset_prefix_cache()  # each run starts cold: no run reads prompts an earlier one left cached
     for i, r in enumerate(reqs):
         constrained = every and i % every == 0
         engine.add_request(tag + r["id"], r["prompt_token_ids"], SamplingParams(
