@@ -22,13 +22,15 @@ from bench import (
     structured,
     sweep,
     tenants_overload,
+    tensor_parallel,
 )
 
 WORKLOADS = {"engine-mixed": engine_mixed, "mesh-mixed": mesh_mixed, "prefix-shared": prefix_shared,
              "skewed-costs": skewed_costs, "router-latency": router_latency, "tenants-overload": tenants_overload,
              "sampler": sampler, "soak": soak, "lora-zipf": lora_zipf,
              "burst-autoscale": burst_autoscale, "sim-validate": sim_validate, "scale-from-zero": scale_from_zero,
-             "priority-overload": priority_overload, "structured": structured}
+             "priority-overload": priority_overload, "structured": structured,
+             "tensor-parallel": tensor_parallel}
 
 
 def add_bench_parser(sub, func) -> None:

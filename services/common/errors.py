@@ -82,6 +82,10 @@ class Unavailable(MeshError):
         self.retry_after_ms = retry_after_ms
 
 
+class RankDied(Unavailable):
+    """A rank of a tensor-parallel group is gone (or out of step): the replica cannot go on and goes down whole."""
+
+
 class NoWorker(Unavailable):
     """No live worker can take the request right now (none registered for its role, or none passing the routing
     filters): a state that passes, unlike a failed worker. The gateway holds the request and routes it again

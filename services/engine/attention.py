@@ -47,6 +47,16 @@ class KVCache:
         self.k = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
 
+    @classmethod
+    def over(cls, storage: torch.Tensor, block_size: int) -> KVCache:
+        """A pool in given memory: storage [layers, 2, slots, kv_heads, head_dim] (a tensor-parallel rank's shard
+        of shared memory)."""
+        cache = cls.__new__(cls)
+        cache.block_size = block_size
+        cache.k = [storage[layer, 0] for layer in range(storage.shape[0])]
+        cache.v = [storage[layer, 1] for layer in range(storage.shape[0])]
+        return cache
+
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * block_size * kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
@@ -71,6 +81,40 @@ class KVCache:
         for layer, (k, v) in enumerate(zip(self.k, self.v)):
             k[s].copy_(data[layer, 0])
             v[s].copy_(data[layer, 1])
+
+
+class ShardedKVCache(KVCache):
+    """The pool of a tensor-parallel group as rank 0 sees it (services.engine.parallel): k and v are its own heads,
+    which its forward writes and reads; whole blocks (every rank's heads, in head order: the layout of an engine
+    without tensor parallelism) are read and written across all the shards, for KV export, import and the pool."""
+
+    def __init__(self, shards: list, block_size: int):
+        own = KVCache.over(shards[0], block_size)
+        self.block_size, self.k, self.v = block_size, own.k, own.v
+        self.shards = shards  # per rank: [layers, 2, slots, its KV heads, head_dim]
+        bounds, lo = [], 0
+        for s in shards:
+            bounds.append((lo, lo + s.shape[3]))
+            lo += s.shape[3]
+        self.bounds, self.kv_heads = bounds, lo
+
+    def read_block(self, block: int) -> torch.Tensor:
+        s = slice(block * self.block_size, (block + 1) * self.block_size)
+        return torch.cat([shard[:, :, s] for shard in self.shards], dim=3)
+
+    def read_block_into(self, block: int, out: torch.Tensor) -> None:
+        first = self.shards[0]
+        dest = out.view(first.dtype).view(first.shape[0], 2, self.block_size, self.kv_heads, first.shape[4])
+        s = slice(block * self.block_size, (block + 1) * self.block_size)
+        for shard, (lo, hi) in zip(self.shards, self.bounds):
+            dest[:, :, :, lo:hi].copy_(shard[:, :, s])
+
+    def write_block(self, block: int, data: torch.Tensor) -> None:
+        first = self.shards[0]
+        data = data.view(first.shape[0], 2, self.block_size, self.kv_heads, first.shape[4])
+        s = slice(block * self.block_size, (block + 1) * self.block_size)
+        for shard, (lo, hi) in zip(self.shards, self.bounds):
+            shard[:, :, s].copy_(data[:, :, :, lo:hi])
 
 
 @dataclass(frozen=True)

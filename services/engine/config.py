@@ -85,8 +85,10 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
-    num_threads: int | None = None  # torch intra-op threads; None = torch's default
+    num_threads: int | None = None  # torch intra-op threads (per tensor-parallel rank); None = torch's default
     seed: int = 0  # seeds the sampling seeds drawn for requests that bring none
+    tensor_parallel_size: int = 1  # ranks (processes) the model is split over (services.engine.parallel)
+    tensor_parallel_backend: str = "shm"  # their all-reduce: shm (one host) or gloo (TCP)
 
 
 class EngineSection(BaseModel):
@@ -110,7 +112,13 @@ class EngineSection(BaseModel):
     deadline_min_batch: PositiveInt = Field(
         4, description="deadline-aware batching (deadline-aware slot policies): the fewest sequences a step carries "
                        "when it caps the batch for requests with deadlines; the throughput floor of the others")
-    threads: PositiveInt | None = Field(None, description="torch threads (default: torch's choice)")
+    threads: PositiveInt | None = Field(None, description="torch threads, per tensor-parallel rank (default: torch's "
+                                                          "choice)")
+    tensor_parallel_size: PositiveInt = Field(
+        1, description="split the model over this many ranks, one process each (heads by KV head, MLP by columns; "
+                       "at most the model's KV heads); the worker is one replica of N ranks")
+    tensor_parallel_backend: Literal["shm", "gloo"] = Field(
+        "shm", description="the ranks' all-reduce: shm (shared memory, one host) or gloo (torch.distributed over TCP)")
     omp_wait_policy: Literal["spin", "passive", "active"] = Field(
         "spin", description="a worker's engine core: OpenMP threads spin briefly then sleep between parallel regions "
                             "(spin: GOMP_SPINCOUNT 20000, unless set), sleep at once (passive) or spin (active). On 2 "
@@ -130,7 +138,8 @@ class EngineSection(BaseModel):
     def to_engine_config(self, model_dir: str) -> EngineConfig:
         return EngineConfig(
             model_dir=str(model_dir), dtype=self.dtype, quantization=self.quantization, num_threads=self.threads,
-            seed=self.seed,
+            seed=self.seed, tensor_parallel_size=self.tensor_parallel_size,
+            tensor_parallel_backend=self.tensor_parallel_backend,
             cache=CacheConfig(block_size=self.block_size, num_blocks=self.num_blocks,
                               kv_cache_bytes=int(self.kv_cache_gb * 1024**3),
                               enable_prefix_caching=self.prefix_caching),

@@ -18,15 +18,16 @@ import logging
 import random
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
 
-from services.common.errors import InvalidRequest, NotFound, OutOfRange
+from services.common.errors import InvalidRequest, NotFound, OutOfRange, RankDied
 from services.common.request import RequestSpec
 from services.common.tokenizer import Tokenizer, cut_at_stop
 from services.engine.allocator import keep_large_buffers
-from services.engine.attention import KVCache, SeqLayout, TorchAttention
+from services.engine.attention import KVCache, SeqLayout, ShardedKVCache, TorchAttention
 from services.engine.block_pool import BlockPool
 from services.engine.config import EngineConfig
 from services.engine.guided import Grammars
@@ -35,9 +36,10 @@ from services.engine.kernels import paged_attention, sampler
 from services.engine.kv_manager import KVCacheManager
 from services.engine.kv_transfer import KVExport
 from services.engine.loader import load_model
-from services.engine.lora import AdapterResidency, LoRABatch, LoRASnapshot
+from services.engine.lora import AdapterResidency, LoRABatch, LoRASlots, LoRASnapshot
 from services.engine.lora_adapters import LoRAAdapters, configured
 from services.engine.model import LlamaModel
+from services.engine.parallel import TensorParallelGroup, local_config, shard_adapter, shard_weights
 from services.engine.quant import resolve as resolve_quantization
 from services.engine.request import Request, SamplingParams, Status
 from services.engine.sampler import Sampler
@@ -119,35 +121,47 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         keep_large_buffers()
         self.config, self.clock = config, clock
-        self.weights_form = resolve_quantization(config.quantization, config.model_dir, config.dtype)
+        self.weights_form = resolve_quantization(config.quantization, config.model_dir, config.dtype,
+                                                 config.tensor_parallel_size)
         loaded = load_model(config.model_dir, config.dtype, self.weights_form)
         mc = self.model_config = loaded.config
-        self.model = LlamaModel(mc, loaded.weights)
+        cc, sc = config.cache, config.scheduler
+        block_bytes = KVCache.bytes_per_block(mc.num_layers, cc.block_size, mc.num_kv_heads, mc.head_dim,
+                                              getattr(torch, config.dtype))
+        num_blocks = cc.num_blocks or max(1, cc.kv_cache_bytes // block_bytes)
+        # tensor parallelism (parallel.py): the other ranks start loading beside this one; this engine is rank 0
+        self.group = TensorParallelGroup(config, mc, num_blocks) if config.tensor_parallel_size > 1 else None
+        local = local_config(mc, self.group.shard) if self.group else mc
+        weights = shard_weights(loaded.weights, mc, self.group.shard) if self.group else loaded.weights
+        self.model = LlamaModel(local, weights)
+        if self.group:
+            self.group.await_ready()
+            self.model.tp = self.group.collectives
         log.info("weights: %s", self.describe_weights())
         tokenizer_json = Path(config.model_dir) / "tokenizer.json"
         self.tokenizer = Tokenizer(config.model_dir) if tokenizer_json.exists() else None
         self.grammars = Grammars(tokenizer_json if self.tokenizer else None, mc.vocab_size, loaded.eos_token_ids,
                                  threads=torch.get_num_threads())  # structured outputs (guided.py)
-        cc, sc = config.cache, config.scheduler
-        block_bytes = KVCache.bytes_per_block(mc.num_layers, cc.block_size, mc.num_kv_heads, mc.head_dim,
-                                              self.model.dtype)
-        num_blocks = cc.num_blocks or max(1, cc.kv_cache_bytes // block_bytes)
         self.info = RuntimeInfo(num_blocks, loaded.eos_token_ids, mc.vocab_size,
                                 min(mc.max_positions, num_blocks * cc.block_size))
-        self.kv_cache = KVCache(mc.num_layers, num_blocks, cc.block_size, mc.num_kv_heads, mc.head_dim,
-                                self.model.dtype)
+        self.kv_cache = (ShardedKVCache(self.group.kv_shards, cc.block_size) if self.group else
+                         KVCache(mc.num_layers, num_blocks, cc.block_size, mc.num_kv_heads, mc.head_dim,
+                                 self.model.dtype))
         self.kv = KVCacheManager(BlockPool(num_blocks), cc.block_size, cc.enable_prefix_caching)
         lc = config.lora
+        slots = LoRASlots(local, lc.max_loras, self.model.dtype, shard=partial(shard_adapter, mc=mc,
+                                                                               shard=self.group.shard),
+                          mirror=self.group.mirror_lora) if self.group and lc.max_loras else None
         self.lora = AdapterResidency(mc, self.model.dtype, lc.max_loras, lc.max_cpu_loras, lc.max_lora_rank,
-                                     in_use=self._adapter_in_use, clock=clock) if lc.max_loras else None
+                                     in_use=self._adapter_in_use, clock=clock, slots=slots) if lc.max_loras else None
         self._lora_kernel = None
         self.step_cost = StepCostFit()  # what its steps take: heartbeats report it, the scheduler caps batches by it
         self.scheduler = Scheduler(self.kv, make_policy(sc.policy), sc.max_num_seqs, sc.max_num_batched_tokens,
                                    clock=clock, lora=self.lora, step_cost=self.step_cost,
                                    deadline_min_batch=sc.deadline_min_batch, before_admit=self._admit_pooled)
         kernel = paged_attention() if self.model.dtype in (torch.float32, torch.bfloat16) else None
-        self.attention = TorchAttention(mc.num_heads, mc.num_kv_heads, mc.head_dim, cc.block_size, kernel=kernel,
-                                        dtype=self.model.dtype)
+        self.attention = TorchAttention(local.num_heads, local.num_kv_heads, mc.head_dim, cc.block_size,
+                                        kernel=kernel, dtype=self.model.dtype)
         log.info("attention: decode %s, prompts %s", "compiled kernel" if kernel else "PyTorch",
                  "compiled kernel" if self.attention.prompt_kernel else "torch's SDPA")
         self.sampler = Sampler(loaded.eos_token_ids, kernel=sampler())
@@ -166,7 +180,8 @@ class LLMEngine:
         weights = self.model.weights()
         mb = sum(w.nbytes for w in weights) / 1e6
         if self.weights_form == "none":
-            return f"{self.config.dtype} ({mb:.0f} MB)"
+            of = f" on rank 0 of {self.group.world}" if self.group else ""
+            return f"{self.config.dtype} ({mb:.0f} MB{of})"
         kinds = collections.Counter(getattr(w, "kind", None) for w in weights)
         kinds = ", ".join(f"{k} x{n}" for k, n in sorted((k, n) for k, n in kinds.items() if k))
         return f"gguf ({kinds}; {mb:.0f} MB)"
@@ -263,11 +278,19 @@ class LLMEngine:
             if self.lora is not None and not failed:
                 self.lora.wait(0.01)  # nothing to run but an adapter being read: wait for it, do not spin
             return failed
-        ids, positions, layouts, logits_index, sampling, lora = self._build_batch(out)
+        ids, positions, layouts, logits_index, sampling, lora = self._build_batch(out)  # (sends it to the ranks)
         meta = self.attention.build_metadata(layouts)
         allow = self.grammars.masks(sampling)  # structured outputs: what each constrained row may sample
         t1 = time.perf_counter()
-        logits = self.model.forward(ids, positions, self.attention, meta, self.kv_cache, logits_index, lora)
+        try:
+            logits = self.model.forward(ids, positions, self.attention, meta, self.kv_cache, logits_index, lora)
+        except RankDied:
+            raise
+        except Exception as e:
+            if self.group:  # the other ranks are inside this step's collectives: the group cannot go on
+                raise RankDied(f"the forward failed on rank 0 ({type(e).__name__}: {e}); the tensor-parallel group "
+                               f"is out of step") from e
+            raise
         forward_s = time.perf_counter() - t1
         sampled = self.sampler(logits, sampling, allow) if sampling else None
         self.scheduler.update(out)
@@ -298,6 +321,8 @@ class LLMEngine:
                     segments[-1][1] = len(ids)
                 else:
                     segments.append([first, len(ids), req.lora_slot])
+        if self.group:
+            self.group.step(ids, positions, layouts, logits_index, segments if adapted else None)
         lora = LoRABatch(self.lora.slots, segments, self._kernel()) if adapted else None
         return (torch.tensor(ids), torch.tensor(positions), layouts, torch.tensor(logits_index, dtype=torch.long),
                 sampling, lora)
@@ -352,6 +377,11 @@ class LLMEngine:
 
     def _admit_pooled(self, req: Request) -> None:
         self.transfer.admit_pooled(req)  # the scheduler is built before the transfer part it calls
+
+    def close(self) -> None:
+        """Stop the engine's other processes (tensor-parallel ranks) now; they also die with this one."""
+        if self.group:
+            self.group.close()
 
     # ---- introspection ------------------------------------------------------------------------
 

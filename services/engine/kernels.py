@@ -203,7 +203,16 @@ def quant_linear(isa: str | None = None):
                   f"quantized linear ({isa})")
 
 
-KERNELS = (paged_attention, sampler, layer_ops, lora, quant_linear)
+@cache
+def allreduce(isa: str | None = None):
+    """The shared-memory all-reduce of a tensor-parallel group on one host (csrc/allreduce.cpp), or None. No
+    -ffast-math: every rank must add in the same order, to the same bits."""
+    isa = isa or host_isa()
+    return _build(f"meshserve_allreduce_{isa}", "allreduce.cpp", ["-O3", "-ffp-contract=off", *ISA_CFLAGS[isa]],
+                  f"all-reduce ({isa})")
+
+
+KERNELS = (paged_attention, sampler, layer_ops, lora, quant_linear, allreduce)
 
 
 def build_all(isa: str | None = None) -> dict[str, bool]:

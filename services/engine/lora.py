@@ -159,10 +159,14 @@ def read_adapter(info: AdapterInfo, dtype: torch.dtype) -> dict:
 class LoRASlots:
     """The compute slots: per layer and target, A [slots, R, in] and B [slots, R, out], R the largest rank
     registered (grown when a larger one registers; a slot's rows past its rank are zero), and its rank
-    per (layer, target) in ranks [layers, targets, slots] (0 = that slot does not adapt it)."""
+    per (layer, target) in ranks [layers, targets, slots] (0 = that slot does not adapt it).
 
-    def __init__(self, mc: ModelConfig, num_slots: int, dtype: torch.dtype):
+    Under tensor parallelism (services.engine.parallel) mc is one rank's shard, `shard` cuts an adapter's whole
+    weights to it, and on rank 0 `mirror(op, *args)` repeats every change on the other ranks."""
+
+    def __init__(self, mc: ModelConfig, num_slots: int, dtype: torch.dtype, shard=None, mirror=None):
         self.num_layers, self.num_slots, self.dtype = mc.num_layers, num_slots, dtype
+        self.shard, self.mirror = shard, mirror
         self.shapes = target_shapes(mc)
         self.width = 0
         self.A: list[list[torch.Tensor]] = []
@@ -180,6 +184,8 @@ class LoRASlots:
         """Make room for rank (between steps: the stacks are replaced)."""
         if rank <= self.width:
             return
+        if self.mirror:
+            self.mirror("ensure", rank)
         new_a, new_b = [], []
         for layer in range(self.num_layers):
             row_a, row_b = [], []
@@ -197,14 +203,22 @@ class LoRASlots:
         self.A, self.B, self.width = new_a, new_b, rank
 
     def write(self, slot: int, weights: dict) -> None:
-        self.clear(slot)
-        for (layer, target), (a, b) in weights.items():
+        """weights: {(layer, target): (A [r, in], B [r, out])}, the whole adapter's."""
+        if self.mirror:
+            self.mirror("write", slot, weights)
+        self._clear(slot)
+        for (layer, target), (a, b) in (self.shard(weights) if self.shard else weights).items():
             ti, r = TARGETS.index(target), a.shape[0]
             self.A[layer][ti][slot, :r].copy_(a)
             self.B[layer][ti][slot, :r].copy_(b)
             self.ranks[layer, ti, slot] = r
 
     def clear(self, slot: int) -> None:
+        if self.mirror:
+            self.mirror("clear", slot)
+        self._clear(slot)
+
+    def _clear(self, slot: int) -> None:
         for layer in range(self.num_layers):
             for ti in range(len(TARGETS)):
                 r = int(self.ranks[layer, ti, slot])
@@ -274,14 +288,14 @@ class AdapterResidency:
     RETIRE_GRACE_S = 30.0  # an unloaded adapter still serves requests already in the mesh for this long
 
     def __init__(self, mc: ModelConfig, dtype: torch.dtype, max_loras: int, max_cpu_loras: int, max_rank: int,
-                 in_use=lambda name: False, reader=read_adapter, clock=time.monotonic):
+                 in_use=lambda name: False, reader=read_adapter, clock=time.monotonic, slots=None):
         self.mc, self.dtype, self.max_rank, self.reader, self.clock = mc, dtype, max_rank, reader, clock
         self.max_loras, self.max_cpu_loras = max_loras, max(max_cpu_loras, max_loras)
         self.in_use = in_use  # name -> whether a live request still uses it (unregistered ones linger until not)
         self.known: dict[str, AdapterInfo] = {}
         self.retired: dict[str, tuple] = {}  # unregistered: (info, when), kept while requests use it or for the grace
         self.host: OrderedDict[str, dict] = OrderedDict()  # LRU: oldest first
-        self.slots = LoRASlots(mc, max_loras, dtype)
+        self.slots = slots or LoRASlots(mc, max_loras, dtype)  # given: a tensor-parallel rank 0's (sharded) slots
         self.slot_names: list[str | None] = [None] * max_loras
         self.slot_tick = [0] * max_loras
         self.pins = [0] * max_loras

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from services.common.errors import ModelLoadError
 from services.engine.config import ModelConfig
 from services.engine.kernels import layer_ops
+from services.engine.parallel import LM_HEAD_SHARD
 from services.engine.quant import QuantizedWeight, concat, fusable
 from services.engine.rope import RotaryEmbedding, apply_rotary
 
@@ -151,11 +152,14 @@ class LlamaModel:
         get = _Getter(weights)
         self.embed = get("model.embed_tokens.weight")
         self.norm = get("model.norm.weight")
-        self.lm_head = _pack(self.embed if config.tie_embeddings else get("lm_head.weight"))
+        head = weights.get(LM_HEAD_SHARD)  # a tensor-parallel rank's rows of it
+        self.lm_head = _pack(head if head is not None else self.embed if config.tie_embeddings else
+                             get("lm_head.weight"))
         self.layers = [self._layer(get, i) for i in range(config.num_layers)]
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_positions)
         self.dtype = self.embed.dtype
         self.ops = _pick_layer_ops()
+        self.tp = None  # tensor parallelism: the group's collectives (services.engine.parallel)
 
     def _layer(self, get, i: int) -> LayerWeights:
         p, c = f"model.layers.{i}.", self.config
@@ -185,8 +189,9 @@ class LlamaModel:
                 logits_index: torch.Tensor, lora=None) -> torch.Tensor:
         """Logits [len(logits_index), vocab] for the selected rows of the flat batch, in the model's dtype (the
         sampler widens bfloat16 exactly, row by row); lora (LoRABatch): the rows' adapters, None when no row has
-        one."""
-        c, ops = self.config, self.ops
+        one. Under tensor parallelism the model is one rank's shard: self.tp sums the partial outputs of o and down
+        over the ranks and gathers the logits' vocabulary slices to rank 0 (services.engine.parallel)."""
+        c, ops, tp = self.config, self.ops, self.tp
         quantized = isinstance(self.embed, QuantizedWeight)
         h = self.embed.rows(input_ids) if quantized else F.embedding(input_ids, self.embed)
         cos, sin = (t[:, 0].contiguous() for t in self.rotary.tables(positions, self.dtype))
@@ -199,12 +204,16 @@ class LlamaModel:
             q, k, v = (t.view(-1, n, c.head_dim) for t, n in zip(
                 qkv.split((q_width, kv_width, kv_width), dim=-1), (c.num_heads, c.num_kv_heads, c.num_kv_heads)))
             a = attention.forward(q, k, v, kv_cache.k[i], kv_cache.v[i], meta)
-            x = ops.add_rms_norm_(h, _proj(a, w.o, w.o_bias, lora, i, "o"), w.post_norm, c.rms_norm_eps)
+            o = _proj(a, w.o, w.o_bias, lora, i, "o")
+            x = ops.add_rms_norm_(h, tp.all_reduce(o) if tp else o, w.post_norm, c.rms_norm_eps)
             pending = _proj(ops.silu_mul(_proj(x, w.gate_up, w.gate_up_bias, lora, i, "gate_up")), w.down, w.down_bias,
                             lora, i, "down")
+            if tp:
+                tp.all_reduce(pending)
         last = h[logits_index]
         h = ops.add_rms_norm_(last, pending[logits_index], self.norm, c.rms_norm_eps)
-        return _linear(h, self.lm_head, None)
+        logits = _linear(h, self.lm_head, None)
+        return tp.gather_logits(logits) if tp else logits  # tensor parallel: rank 0 gets them whole, others None
 
 
 class _Getter:

@@ -120,9 +120,10 @@ def available(model_dir: str | Path) -> bool:
     return (Path(model_dir) / QUANTIZED_FILE).is_file()
 
 
-def resolve(quantization: str, model_dir: str | Path, dtype: str) -> str:
+def resolve(quantization: str, model_dir: str | Path, dtype: str, tensor_parallel_size: int = 1) -> str:
     """The weights' form a worker runs: none (float tensors of dtype) or gguf. auto takes gguf where the folder has
-    quantized weights, the dtype is float32 and the kernel builds; an explicit gguf that cannot run is an error."""
+    quantized weights, the dtype is float32, the kernel builds and the model is not split over ranks (tensor
+    parallelism shards float weights); an explicit gguf that cannot run is an error."""
     if quantization not in QUANTIZATIONS:
         raise ModelLoadError(f"unknown quantization {quantization!r} (choose from {', '.join(QUANTIZATIONS)})")
     if quantization == "none":
@@ -130,6 +131,8 @@ def resolve(quantization: str, model_dir: str | Path, dtype: str) -> str:
     why_not = ("the folder has no quantized weights (import a GGUF file with `meshserve model import-gguf`)"
                if not available(model_dir) else
                f"quantized weights compute in float32, not {dtype}" if dtype != "float32" else
+               f"tensor parallelism ({tensor_parallel_size} ranks) shards float weights only"
+               if tensor_parallel_size > 1 else
                "the quant_linear kernel did not build" if quant_linear() is None else "")
     if quantization == "gguf" and why_not:
         raise ModelLoadError(f"{model_dir}: quantization gguf: {why_not}")

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.common.errors import MeshError
+from services.common.errors import MeshError, RankDied
 from services.worker.protocol import Abort, Add, EndImport, Stop, command, message
 
 log = logging.getLogger("meshserve.core")
@@ -355,6 +355,8 @@ class EngineCore:
             outputs = engine.step()
             if self.step_floor_s:
                 time.sleep(max(self.step_floor_s - (time.monotonic() - t0), 0))
+        except RankDied:
+            raise  # a tensor-parallel rank is gone: the core exits and the worker (the whole replica) goes down
         except Exception as e:
             log.exception("engine step failed; aborting its requests")
             failed = sorted(self.live)
@@ -469,7 +471,10 @@ def core_main(conn, engine_config, parent_pid: int, threads: int | None) -> None
     conn.send(message("ready", engine.load()))
     t0 = time.monotonic()
     core = EngineCore(engine, conn.send)
-    core.run(conn)
+    try:
+        core.run(conn)
+    finally:
+        engine.close()  # its tensor-parallel ranks, at once (they would also die with this process)
     if core.step_log is not None:
         core.step_log.close()
     log.info("engine core stopping after %.0f s", time.monotonic() - t0)

@@ -461,6 +461,8 @@ async def heartbeat_loop(runner: EngineRunner, router: str, worker_id: str, addr
                 max_num_seqs=load.max_num_seqs,
                 prefill_s_per_token=runner.cost.prefill_s_per_token,
                 decode_s_per_step=runner.cost.decode_s_per_step, decode_s_floor=runner.cost.floor_step_s,
+                tensor_parallel_size=runner.config.tensor_parallel_size,
+                cores=runner.config.tensor_parallel_size * (runner.config.num_threads or 1),
                 **lora_fields(load)), timeout=2.0)
             interval = max(reply.interval_ms, 50) / 1000
             if first and on_first:

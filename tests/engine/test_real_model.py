@@ -110,6 +110,28 @@ def test_bfloat16_greedy_equals_transformers_in_bfloat16(smollm2_dir):
     assert agreement(outputs, refs) >= 0.6, f"near-ties everywhere: {ties}"
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_tensor_parallel_greedy_equals_transformers(smollm2_dir, greedy_refs, dtype):
+    """SmolLM2 split over two ranks (3 KV heads as 2 + 1, the MLP balanced against them, the vocabulary halved), one
+    thread each: float32 against transformers in float32 (every difference at a near-tie, as TP=1); bfloat16
+    against transformers in bfloat16 under the bfloat16 rule (each rank rounds its partial sums to bfloat16 before
+    the all-reduce adds them, one rounding more than TP=1, so differences come at other near-ties than TP=1's)."""
+    prompts, refs = greedy_refs
+    if dtype == "bfloat16":
+        prompts = chat_prompts(smollm2_dir)
+        refs = hf_greedy(smollm2_dir, prompts, NEW_TOKENS, dtype=torch.bfloat16)
+    engine = make_engine(smollm2_dir, num_blocks=512, budget=512, dtype=dtype, tensor_parallel_size=2, threads=1)
+    try:
+        outputs = run_all(engine, prompts, greedy(NEW_TOKENS))
+    finally:
+        engine.close()
+    ties = assert_matches(outputs, refs)
+    if dtype == "float32":
+        assert len(ties) <= 2, f"too many near-ties: {ties}"
+    else:
+        assert agreement(outputs, refs) >= 0.6, f"near-ties everywhere: {ties}"
+
+
 def test_quantized_greedy_equals_transformers_on_the_dequantized_weights(smollm2_dir, greedy_refs):
     """The registry's Q4_1 (and Q8_0 embedding) blocks as the engine runs them, against transformers in float32 on
     the folder's weights, which are those blocks dequantized: every difference at a float32 near-tie. The weights

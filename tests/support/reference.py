@@ -87,8 +87,11 @@ def random_prompts(n: int, seed: int = 0, lo: int = 1, hi: int = 80, vocab: int 
 
 
 def make_engine(model_dir, *, num_blocks=256, block_size=16, budget=64, max_seqs=64, prefix_caching=True,
-                policy="fcfs", dtype="float32", quantization="none") -> LLMEngine:
-    return LLMEngine(EngineConfig(str(model_dir), dtype=dtype, quantization=quantization,
+                policy="fcfs", dtype="float32", quantization="none", tensor_parallel_size=1,
+                tensor_parallel_backend="shm", threads=None) -> LLMEngine:
+    return LLMEngine(EngineConfig(str(model_dir), dtype=dtype, quantization=quantization, num_threads=threads,
+                                  tensor_parallel_size=tensor_parallel_size,
+                                  tensor_parallel_backend=tensor_parallel_backend,
                                   cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
                                                                    enable_prefix_caching=prefix_caching),
                                   scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,

@@ -49,6 +49,8 @@ class WorkerView:
     host: str = ""  # its host identity (the kvstore pool of that host serves it)
     kv_pool: bool = False  # it takes prompts' blocks from the pool
     topology: str = ""  # rack/node/domain (services.common.host.topology; "" = unknown)
+    tensor_parallel_size: int = 1  # ranks of its engine (one replica, one group)
+    cores: int = 0  # cores its ranks use (0 = not reported)
 
     @property
     def tokens(self) -> int:
