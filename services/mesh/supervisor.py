@@ -18,6 +18,7 @@ import grpc
 from services.common import rpc
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
+from services.mesh.launcher import NoRoom
 
 MAX_REPLICAS = 64  # per pool: a typo (1000) must not fork a thousand engines on one machine
 DEFAULT_PORT = 50055
@@ -44,7 +45,11 @@ class SupervisorServicer(pb_grpc.SupervisorServicer):
             context.abort(grpc.StatusCode.OUT_OF_RANGE, f"replicas must be in [0, {MAX_REPLICAS}], got "
                                                         f"{request.replicas}")
         with self.lock:
-            self.mesh.scale(request.pool, request.replicas, request.reason, say=self.say)
+            try:
+                self.mesh.scale(request.pool, request.replicas, request.reason, say=self.say)
+            except NoRoom as e:  # the replicas that fit were started; the rest have no host with the cores
+                self.say(f"scale {request.pool}: {e}")
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
             return pb.PoolState(**self.mesh.pool_state(request.pool))
 
     def Pools(self, request, context):

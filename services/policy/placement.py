@@ -1,170 +1,113 @@
-"""Replica placement under topology constraints: a pure policy (no I/O). Not called by the running mesh yet (it
-has no tensor-parallel groups to place; issue 40 wires it in with them, or replaces it): tested on its own.
+"""Where replicas go: a pure policy (no I/O). The mesh's launcher asks it for every worker it starts on a mesh of
+several hosts (services/mesh/launcher.py: MeshSpec.hosts), whether `meshserve up`, the Supervisor's Scale (the
+autoscaler's local actuator) or a supervisor restart asked for the worker.
 
-The inventory is a set of devices, each in a topology path rack / node (host) / domain (an NVLink island
-or a NUMA domain within the node). A replica of a pool is a tensor-parallel group of k devices that must
-share one domain; it is placed, upgraded and removed as a unit.
+A host has cores (or devices); a replica is one tensor-parallel group (services/engine/parallel.py): `size` cores
+(ranks x threads per rank), all on one host: its ranks share memory (the KV pool, the all-reduce), so a group is
+never split. place() puts n groups of one pool, each on the host that is, in order:
+1. able to take it whole: free cores >= size;
+2. beside its partner: a host already running a group of the partner role (decode for a prefill group, prefill for
+   a decode group) where KV moves between workers by shared memory (Host.shm_kv), so the handoff never crosses the
+   network;
+3. packed: a host already in use before an empty one, and then the one left with the fewest free cores (best fit),
+   so whole hosts stay free for large groups (and can be given back when the mesh scales down);
+4. first by name (deterministic).
+Groups that fit nowhere are reported as unplaced, never split.
 
-place(inventory, used, pool, k, n) places n replicas of size k:
-- stranded devices: free devices left in a domain with fewer than k free (no further replica of this size
-  fits there). A domain that can take q = free // k replicas strands nothing while it takes at most q - 1 of
-  them; taking all q strands free % k. So the replicas go first where they strand nothing, and only beyond
-  that capacity fill domains completely, those with the smallest remainder first: optimal for one size
-  (an exchange argument; tests check it against exhaustive search);
-- anti-affinity: among equally good domains, the node (then rack) holding the fewest replicas of this pool
-  first, so one node's failure takes as few of the pool's replicas as possible;
-- pairs: among domains still equal, the closest to the partner pool's replicas (`near`: decode replicas
-  near the prefill ones, whose KV they receive).
-Fewer than n fit: as many as fit, and the rest reported as unplaced.
+Each pass keeps the hosts in four sorted lists ((partner here?) x (in use?), by free cores), so a group is placed
+by a binary search: 10,000 devices in 300-odd hosts of mixed sizes are filled with 2,000-odd groups in well under a
+second (tests/unit/test_autoscaler_placement.py).
 
-upgrade_plan() replaces a pool's replicas group by group with at most `surge` extra replicas at a time;
-distance() ranks how close two replicas are (same domain 0, same node 1, same rack 2, else 3; the same ranks
-as services.common.host.distance on the "rack/node/domain" paths workers report): the router breaks ties
-between decode workers by it.
+The router's topology context comes from the same Host data: a worker the launcher starts on a host reports
+Host.topology ("rack/host/") as its place (MESHSERVE_TOPOLOGY), which the router's tie-break between decode workers
+ranks by services.common.host.distance.
 """
 
 from __future__ import annotations
 
-import heapq
-from collections import Counter, defaultdict
+import bisect
+from collections import Counter
 from dataclasses import dataclass
 
-from services.common import host
+PARTNER = {"prefill": "decode", "decode": "prefill"}  # unified workers have none
 
 
 @dataclass(frozen=True)
-class Device:
-    id: str
-    rack: str
-    node: str
-    domain: str  # NVLink island or NUMA domain, unique within its node
-
-
-@dataclass(frozen=True)
-class Replica:
-    pool: str
-    devices: tuple  # Device ids, all in one domain
-    rack: str
-    node: str
-    domain: str
+class Host:
+    name: str
+    cores: int  # cores (or devices) its groups may use
+    rack: str = ""
+    shm_kv: bool = True  # KV moves between workers on this host through shared memory
 
     @property
     def topology(self) -> str:
         """Its place as the "rack/node/domain" path its workers report (MESHSERVE_TOPOLOGY)."""
-        return f"{self.rack}/{self.node}/{self.domain}"
+        return f"{self.rack}/{self.name}/"
+
+
+@dataclass(frozen=True)
+class Group:
+    """A placed replica: one worker and its tensor-parallel ranks."""
+
+    pool: str
+    role: str  # prefill | decode | unified
+    host: str
+    size: int  # cores
 
 
 @dataclass
 class Placement:
-    replicas: list  # Replica, placed now
-    unplaced: int  # replicas that did not fit
-    stranded: int  # free devices left in domains that cannot take another replica of this size
+    groups: list  # Group, placed now
+    unplaced: int  # groups that fit on no host
 
 
-def domains_of(inventory: list[Device], used: set) -> dict:
-    """(rack, node, domain) -> free device ids, in inventory order."""
-    out: dict = defaultdict(list)
-    for d in inventory:
-        out[(d.rack, d.node, d.domain)]
-        if d.id not in used:
-            out[(d.rack, d.node, d.domain)].append(d.id)
-    return out
+def free_cores(hosts: list[Host], placed: list[Group]) -> dict[str, int]:
+    """Host name -> cores not taken by placed groups (ValueError for a group on an unknown host)."""
+    free = {h.name: h.cores for h in hosts}
+    for g in placed:
+        if g.host not in free:
+            raise ValueError(f"group of pool {g.pool!r} is on unknown host {g.host!r}")
+        free[g.host] -= g.size
+    return free
 
 
-def stranded(free_by_domain: dict, k: int) -> int:
-    return sum(len(f) for f in free_by_domain.values() if len(f) < k)
+def place(hosts: list[Host], placed: list[Group], pool: str, role: str, size: int, n: int) -> Placement:
+    """n groups of `size` cores for `pool` (workers of `role`) beside the groups already placed (module doc)."""
+    if size < 1 or n < 0:
+        raise ValueError(f"group size must be >= 1 and count >= 0, got size={size} n={n}")
+    if len({h.name for h in hosts}) != len(hosts):
+        raise ValueError("host names must be unique")
+    free = free_cores(hosts, placed)
+    used = Counter(g.host for g in placed)
+    partner = PARTNER.get(role)
+    paired = {g.host for g in placed if g.role == partner}
+    shm = {h.name for h in hosts if h.shm_kv}
+    # preference classes, best first: (beside a partner, in use) ... (alone, empty); each sorted by (free, name)
+    classes = [[], [], [], []]
 
+    def klass(name: str) -> int:
+        return (0 if name in paired and name in shm else 2) + (0 if used[name] else 1)
 
-def place(inventory: list[Device], used: set, pool: str, k: int, n: int, existing: list | None = None,
-          near: list | None = None) -> Placement:
-    """n replicas of k devices for `pool` on the free devices (see module doc). existing: the pool's replicas
-    already placed (anti-affinity counts them). near: the partner pool's replicas (decode for prefill, or the
-    reverse): among domains equally good by stranding and anti-affinity, the closest to one of them first."""
-    if k < 1 or n < 0:
-        raise ValueError(f"replica size must be >= 1 and count >= 0, got k={k} n={n}")
-    free = domains_of(inventory, used)
-    per_node = Counter(r.node for r in existing or [])
-    per_rack = Counter(r.rack for r in existing or [])
-    taken = Counter()  # domain -> replicas placed there now
-    # Phase 1: replicas that strand nothing (at most q - 1 per domain); phase 2: fill domains completely,
-    # smallest remainder first.
-    spare = {key: max(len(f) // k - 1, 0) for key, f in free.items()}
-    replicas: list[Replica] = []
-
-    close = {key: min((host.distance("/".join(key), r.topology) for r in near or []), default=0) for key in free}
-
-    def rank(x):  # only ever grows as replicas are placed: a lazy heap stays exact
-        return per_node[x[1]], per_rack[x[0]], close[x], -(len(free[x]) - k * taken[x]), x
-
-    heap = [rank(key) for key in free if spare[key] > 0]
-    heapq.heapify(heap)
-    while len(replicas) < n and heap:
-        entry = heapq.heappop(heap)
-        key = entry[-1]
-        now = rank(key)
-        if now != entry:
-            heapq.heappush(heap, now)
-            continue
-        replicas.append(_take(free, key, k, taken, pool, per_node, per_rack))
-        if taken[key] < spare[key]:
-            heapq.heappush(heap, rank(key))
-    fill = sorted((key for key in free if len(free[key]) - k * taken[key] >= k),
-                  key=lambda x: ((len(free[x]) - k * taken[x]) % k, per_node[x[1]], per_rack[x[0]], close[x], x))
-    for key in fill:
-        if len(replicas) >= n:
+    for h in hosts:
+        if free[h.name] >= size:
+            classes[klass(h.name)].append((free[h.name], h.name))
+    for c in classes:
+        c.sort()
+    groups = []
+    while len(groups) < n:
+        best = None
+        for c in classes:
+            i = bisect.bisect_left(c, (size, ""))
+            if i < len(c):
+                best = (c, i)
+                break
+        if best is None:
             break
-        replicas.append(_take(free, key, k, taken, pool, per_node, per_rack))
-    left = {key: f[k * taken[key]:] for key, f in free.items()}
-    return Placement(replicas, n - len(replicas), stranded(left, k))
-
-
-def _take(free, key, k, taken, pool, per_node, per_rack) -> Replica:
-    start = k * taken[key]
-    taken[key] += 1
-    per_node[key[1]] += 1
-    per_rack[key[0]] += 1
-    return Replica(pool, tuple(free[key][start:start + k]), key[0], key[1], key[2])
-
-
-def optimum_stranded(inventory: list[Device], used: set, k: int, n: int) -> int | None:
-    """The fewest stranded devices over every way of placing n replicas of size k (exhaustive; small instances
-    only). None when n do not fit."""
-    caps = [len(f) for f in domains_of(inventory, used).values()]
-    best = None
-
-    def go(i: int, left: int, acc: list):
-        nonlocal best
-        if i == len(caps):
-            if left == 0:
-                s = sum(c - k * g for c, g in zip(caps, acc) if c - k * g < k)
-                best = s if best is None else min(best, s)
-            return
-        for g in range(min(caps[i] // k, left) + 1):
-            go(i + 1, left - g, acc + [g])
-
-    go(0, n, [])
-    return best
-
-
-def upgrade_plan(replicas: list[Replica], surge: int) -> list[list[tuple[str, Replica]]]:
-    """Rolling replacement, group by group: each wave adds up to `surge` new replicas ("add", the old one they
-    replace) and then removes those old ones ("remove"); a pool never has more than surge extra replicas."""
-    if surge < 1:
-        raise ValueError("surge must be >= 1")
-    waves = []
-    for i in range(0, len(replicas), surge):
-        batch = replicas[i:i + surge]
-        waves.append([("add", r) for r in batch] + [("remove", r) for r in batch])
-    return waves
-
-
-def distance(a: Replica, b: Replica) -> int:
-    """0 same domain, 1 same node, 2 same rack, 3 otherwise (the router's tie-break uses the same ranks)."""
-    return host.distance(a.topology, b.topology)
-
-
-def inventory(racks: int, nodes_per_rack: int, domains_per_node: int, devices_per_domain: int) -> list[Device]:
-    """A uniform inventory (for tests and benchmarks)."""
-    return [Device(f"r{r}n{n}d{d}g{g}", f"r{r}", f"r{r}n{n}", f"d{d}")
-            for r in range(racks) for n in range(nodes_per_rack) for d in range(domains_per_node)
-            for g in range(devices_per_domain)]
+        c, i = best
+        cores, name = c.pop(i)
+        groups.append(Group(pool, role, name, size))
+        used[name] += 1
+        left = cores - size
+        if left >= size:
+            bisect.insort(classes[klass(name)], (left, name))
+    return Placement(groups, n - len(groups))

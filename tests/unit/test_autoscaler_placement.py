@@ -1,96 +1,117 @@
-"""Replica placement: no constraint ever violated on random inventories; stranded devices equal the exhaustive
-optimum on small ones; anti-affinity spreads a pool over nodes; rolling upgrades keep within the surge."""
+"""Group placement (services/policy/placement.py): a group is never split and never overfills a host; it goes
+beside its partner role where KV moves by shared memory, then packs (in-use hosts first, best fit), leaving whole
+hosts free; a simulated cluster of 10,000 devices in mixed host sizes is filled in under a second; on small
+random clusters every choice equals a brute-force reading of the rules."""
 
 import random
+import time
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.policy.placement import Device, distance, inventory, optimum_stranded, place, upgrade_plan
+from services.policy.placement import PARTNER, Group, Host, free_cores, place
+
+SIZES = (4, 8, 16, 32, 64, 128)
 
 
-def random_inventory(rng: random.Random, max_domains: int = 5) -> list[Device]:
-    devices = []
-    for d in range(rng.randint(1, max_domains)):
-        node = f"n{rng.randint(0, 2)}"
-        rack = f"r{int(node[1:]) // 2}"
-        devices += [Device(f"{node}-d{d}-g{g}", rack, node, f"d{d}") for g in range(rng.randint(0, 8))]
-    return devices
+def cluster(devices: int, seed: int) -> list[Host]:
+    rng, hosts, total = random.Random(seed), [], 0
+    while total < devices:
+        cores = min(rng.choice(SIZES), devices - total)
+        hosts.append(Host(f"h{len(hosts):04d}", cores, rack=f"r{len(hosts) // 16}", shm_kv=rng.random() < 0.8))
+        total += cores
+    return hosts
+
+
+def check(hosts: list[Host], groups: list[Group]) -> None:
+    """No host overfilled; every group on one known host (a Group names exactly one host: never split)."""
+    free = free_cores(hosts, groups)
+    assert min(free.values()) >= 0, {h: f for h, f in free.items() if f < 0}
+
+
+def test_ten_thousand_devices_fill_in_under_a_second_without_splitting_a_group():
+    hosts = cluster(10_000, seed=1)
+    assert sum(h.cores for h in hosts) == 10_000 and set(SIZES) <= {h.cores for h in hosts}
+    rng = random.Random(2)
+    asks = [(f"pool{i % 6}", rng.choice(("prefill", "decode", "unified")), rng.choice((1, 2, 4, 8, 16)),
+             rng.randint(1, 40)) for i in range(200)]
+    placed, unplaced = [], 0
+    t0 = time.perf_counter()
+    for pool, role, size, n in asks:
+        got = place(hosts, placed, pool, role, size, n)
+        placed += got.groups
+        unplaced += got.unplaced
+    elapsed = time.perf_counter() - t0
+    check(hosts, placed)
+    assert len(placed) > 1500 and unplaced > 0  # the cluster was filled up
+    free = free_cores(hosts, placed)
+    for pool, role, size, n in asks[-20:]:  # what did not fit fits nowhere
+        if place(hosts, placed, pool, role, size, 1).unplaced:
+            assert max(free.values()) < size
+    assert elapsed < 1.0, f"placing {len(placed)} groups took {elapsed:.2f} s"
+
+
+def brute_force_choice(hosts: list[Host], placed: list[Group], role: str, size: int) -> str | None:
+    """The host the module doc's rules pick, read literally over every host."""
+    free = free_cores(hosts, placed)
+    partners = {g.host for g in placed if g.role == PARTNER.get(role)}
+    in_use = {g.host for g in placed}
+    fits = [h for h in hosts if free[h.name] >= size]
+    if not fits:
+        return None
+    return min(fits, key=lambda h: (not (h.name in partners and h.shm_kv), h.name not in in_use,
+                                    free[h.name] - size, h.name)).name
 
 
 @settings(max_examples=300, deadline=None, derandomize=True)
-@given(st.integers(0, 10**6), st.integers(1, 4), st.integers(0, 6))
-def test_constraints_hold_and_stranded_is_optimal(seed, k, n):
+@given(st.integers(0, 10**6), st.integers(1, 8), st.integers(0, 8), st.sampled_from(("prefill", "decode", "unified")))
+def test_every_choice_follows_the_rules(seed, size, n, role):
     rng = random.Random(seed)
-    inv = random_inventory(rng)
-    used = {d.id for d in inv if rng.random() < 0.2}
-    got = place(inv, used, "decode", k, n)
-    seen = set()
-    by_id = {d.id: d for d in inv}
-    for r in got.replicas:
-        assert len(r.devices) == k
-        assert {(by_id[i].node, by_id[i].domain) for i in r.devices} == {(r.node, r.domain)}  # one domain
-        assert not set(r.devices) & (used | seen)  # free devices, each once
-        seen |= set(r.devices)
-    best = optimum_stranded(inv, used, k, len(got.replicas))
-    assert got.stranded == best
+    hosts = [Host(f"h{i}", rng.choice((2, 4, 8, 16)), shm_kv=rng.random() < 0.7) for i in range(rng.randint(1, 6))]
+    placed = []
+    for _ in range(rng.randint(0, 6)):
+        placed += place(hosts, placed, "other", rng.choice(("prefill", "decode")), rng.randint(1, 4), 1).groups
+    before = list(placed)
+    got = place(hosts, placed, "p", role, size, n)
+    check(hosts, before + got.groups)
+    for g in got.groups:
+        assert g.host == brute_force_choice(hosts, before, role, size)
+        before.append(g)
+    assert got.unplaced == n - len(got.groups)
     if got.unplaced:
-        assert optimum_stranded(inv, used, k, n) is None  # n really do not fit
+        assert brute_force_choice(hosts, before, role, size) is None
 
 
-def test_a_pool_spreads_over_nodes_before_doubling_up():
-    inv = inventory(racks=2, nodes_per_rack=2, domains_per_node=2, devices_per_domain=8)
-    got = place(inv, set(), "decode", 4, 4)
-    assert len({r.node for r in got.replicas}) == 4 and got.stranded == 0
-    more = place(inv, {i for r in got.replicas for i in r.devices}, "decode", 4, 1, existing=got.replicas)
-    assert more.replicas and more.unplaced == 0
+def test_a_decode_group_lands_beside_its_prefill_group_and_whole_hosts_stay_free():
+    hosts = [Host("a", 8), Host("b", 8), Host("c", 4)]
+    prefill = place(hosts, [], "prefill", "prefill", 2, 1).groups
+    assert [g.host for g in prefill] == ["c"]  # best fit: the small host, leaving both large ones whole
+    decode = place(hosts, prefill, "decode", "decode", 2, 2).groups
+    assert [g.host for g in decode] == ["c", "a"]  # beside it until that host is full, then on one large host
+    everything = prefill + decode
+    assert sorted(free_cores(hosts, everything).values()) == [0, 6, 8]  # one large host still whole
 
 
-def test_replicas_go_where_they_strand_nothing_first():
-    inv = [Device(f"a{i}", "r", "n0", "a") for i in range(6)] + [Device(f"b{i}", "r", "n1", "b") for i in range(4)]
-    got = place(inv, set(), "p", 4, 1)  # into b (4: fills it exactly) or a (6: would strand 2)?
-    assert got.replicas[0].domain == "b" and got.stranded == 0  # a's 6 can still take one more
-    assert optimum_stranded(inv, set(), 4, 1) == 0
+def test_no_shared_memory_there_means_no_pull_toward_the_partner():
+    hosts = [Host("big", 16, shm_kv=False), Host("small", 4)]
+    placed = [Group("prefill", "prefill", "big", 2)]
+    assert place(hosts, placed, "decode", "decode", 2, 1).groups[0].host == "big"  # packing still prefers in use
+    hosts = [Host("big", 16, shm_kv=False), Host("small", 4), Host("mid", 6)]
+    placed = [Group("prefill", "prefill", "big", 2), Group("prefill", "prefill", "small", 2)]
+    assert place(hosts, placed, "decode", "decode", 2, 1).groups[0].host == "small"  # the partner with shared memory
 
 
-def test_too_many_replicas_place_what_fits():
-    inv = inventory(1, 1, 1, 8)
-    got = place(inv, set(), "p", 4, 3)
-    assert len(got.replicas) == 2 and got.unplaced == 1 and got.stranded == 0
+def test_a_group_larger_than_every_host_is_unplaced_not_split():
+    got = place([Host("a", 4), Host("b", 4)], [], "decode", "decode", 6, 1)
+    assert got.groups == [] and got.unplaced == 1
 
 
-def test_rolling_upgrade_never_exceeds_the_surge():
-    inv = inventory(1, 2, 2, 4)
-    reps = place(inv, set(), "decode", 4, 4).replicas
-    waves = upgrade_plan(reps, surge=1)
-    assert len(waves) == 4
-    extra = 0
-    for wave in waves:
-        extra += sum(1 for op, _ in wave if op == "add")
-        assert extra <= 1
-        extra -= sum(1 for op, _ in wave if op == "remove")
-    assert [r for w in waves for op, r in w if op == "remove"] == reps
-
-
-def test_distance_ranks_domain_node_rack():
-    inv = inventory(2, 2, 2, 2)
-    reps = place(inv, set(), "p", 2, 8).replicas
-    by = {(r.rack, r.node, r.domain): r for r in reps}
-    a = by[("r0", "r0n0", "d0")]
-    assert distance(a, a) == 0
-    assert distance(a, by[("r0", "r0n0", "d1")]) == 1
-    assert distance(a, by[("r0", "r0n1", "d0")]) == 2
-    assert distance(a, by[("r1", "r1n0", "d0")]) == 3
-
-
-def test_a_pools_replicas_go_near_the_partner_pool_when_that_costs_nothing():
-    inv = inventory(2, 2, 2, 8)
-    prefill = place(inv, set(), "prefill", 2, 1).replicas
-    used = {d for r in prefill for d in r.devices}
-    alone = place(inv, used, "decode", 2, 1).replicas[0]
-    paired = place(inv, used, "decode", 2, 1, near=prefill).replicas[0]
-    assert distance(alone, prefill[0]) > 0  # by free room alone it goes to an emptier domain
-    assert distance(paired, prefill[0]) == 0
-    spread = place(inv, used, "decode", 2, 4, near=prefill)  # anti-affinity still spreads them over the nodes
-    assert len({r.node for r in spread.replicas}) == 4 and spread.stranded == 0
-    assert min(distance(r, prefill[0]) for r in spread.replicas) == 0
+def test_bad_input_is_refused():
+    with pytest.raises(ValueError, match="size"):
+        place([Host("a", 4)], [], "p", "decode", 0, 1)
+    with pytest.raises(ValueError, match="unique"):
+        place([Host("a", 4), Host("a", 2)], [], "p", "decode", 1, 1)
+    with pytest.raises(ValueError, match="unknown host"):
+        place([Host("a", 4)], [Group("p", "decode", "zz", 1)], "p", "decode", 1, 1)
+    assert Host("a", 4, rack="r1").topology == "r1/a/"
