@@ -68,6 +68,17 @@ class WorkerPoolSection(Section):
                                                               "'{\"sql\": \"adapters/sql\"}']")
 
 
+class HostSection(Section):
+    """A host workers may be placed on (services.policy.placement): its cores, the address its workers bind and
+    advertise, and the network namespace they run in on this machine ("" = this machine's own network)."""
+
+    name: str = Field(description="its name: the workers' host identity and the node of their place")
+    cores: PositiveInt = Field(description="cores its workers' ranks may use (a worker takes ranks x threads)")
+    address: str = Field("127.0.0.1", description="the address its workers bind and advertise")
+    netns: str = Field("", description="run its workers in this network namespace (`ip netns exec`)")
+    rack: str = Field("", description="the rack of its place (rack/host/)")
+
+
 class MeshSection(Section):
     """Which processes `meshserve up` starts."""
 
@@ -93,6 +104,19 @@ class MeshSection(Section):
     worker_pools: dict[str, WorkerPoolSection] = Field(
         default_factory=dict, description="named groups of workers beside the role's own (name -> role, replicas, "
                                           "args), e.g. one per adapter group; `meshserve scale NAME N` scales one")
+    hosts: list[HostSection] = Field(
+        default_factory=list, description="hosts to place workers on (each replica whole on one with free cores, "
+                                          "beside its partner role, packed); empty: every worker on this machine")
+    control_address: str = Field("", description="with hosts in network namespaces: the address of this machine "
+                                                 "they reach the control plane at (it then listens on every "
+                                                 "interface)")
+
+    @model_validator(mode="after")
+    def _hosts_are_named_once(self):
+        names = [h.name for h in self.hosts]
+        if len(set(names)) != len(names):
+            raise ValueError(f"mesh.hosts: host names must be unique, got {names}")
+        return self
 
     @model_validator(mode="after")
     def _public_tls_needs_tls(self):

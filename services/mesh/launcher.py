@@ -130,7 +130,8 @@ class MeshSpec:
     routing: dict = field(default_factory=dict)  # the routing section: weights, guard thresholds
     worker_args: dict = field(default_factory=dict)  # extra flags for one worker by name, e.g. {"unified-1": [...]}
     redis_url: str | None = None  # use this Redis instead of an embedded one
-    threads: int = 1  # torch threads per worker
+    threads: int = 1  # torch threads per worker (per rank of a tensor-parallel worker)
+    tensor_parallel_size: int = 1  # ranks per worker unless its flags say otherwise (placement counts their cores)
     env: dict = field(default_factory=dict)  # extra environment for every service
     gateway_port: int = 0  # 0 = any free port
     router_port: int = 0  # 0 = any free port
@@ -321,7 +322,8 @@ class Mesh:
         name = f"{pool}-{n}"
         config = ["--config", s.config_file] if s.config_file else []
         args = [*s.engine_args, *extra, *s.worker_args.get(name, [])]
-        group = self._place(pool, role, flag_value(args, "--tensor-parallel-size", 1) * s.threads) if s.hosts else None
+        ranks = flag_value(args, "--tensor-parallel-size", s.tensor_parallel_size)
+        group = self._place(pool, role, ranks * s.threads) if s.hosts else None
         host = next((h for h in s.hosts if h.name == group.host), None) if group else None
         proc = self._service(name, "worker", "--role", role, "--model", s.model_dir, "--router", ",".join(self.routers),
                              "--worker-id", name, "--threads", s.threads, *config,

@@ -29,7 +29,7 @@ DEFAULT_PORTS = {**rpc.DEFAULT_PORTS, "http": 8000, "autoscaler": 50054,
 def mesh_spec(cfg: MeshConfig, model: Path, args):
     """The processes `meshserve up` starts, from the validated config and the command's ports. Every
     service also reads the config file itself; the flags here carry what `up` decides beyond it."""
-    from services.mesh.launcher import MeshSpec
+    from services.mesh.launcher import HostSpec, MeshSpec
 
     set_keys = cfg.engine.model_fields_set
     engine_args = [] if {"kv_cache_gb", "num_blocks"} & set_keys else ["--kv-cache-gb", str(default_kv_gb(model))]
@@ -42,7 +42,9 @@ def mesh_spec(cfg: MeshConfig, model: Path, args):
                     kvstore_port=args.kvstore_port, config_file=args.config, tls=m.tls, public_tls=m.public_tls,
                     gateway_args=["--served-model-name", *names] if names else [], kv_transport=cfg.kv.transport,
                     kv_pool=cfg.kv.pool, kvstore_budget_gb=cfg.kv.budget_gb,
-                    worker_pools={name: group.model_dump() for name, group in m.worker_pools.items()})
+                    worker_pools={name: group.model_dump() for name, group in m.worker_pools.items()},
+                    tensor_parallel_size=cfg.engine.tensor_parallel_size,
+                    hosts=[HostSpec(**h.model_dump()) for h in m.hosts], control_address=m.control_address)
 
 
 def default_kv_gb(model: Path) -> float:

@@ -208,6 +208,20 @@ def test_the_gpu_overlay_places_decode_as_tensor_parallel_groups():
     assert all(c["image"] == "meshserve:latest" for _, c in ours(built("cpu")))
 
 
+def test_the_cpu_overlay_runs_decode_as_one_pod_per_tensor_parallel_group():
+    """Each decode pod is a group of 2 ranks x 2 threads: it asks for exactly ranks x threads cores (the scheduler
+    places the group whole on one node) and the engine section validates the sizes."""
+    from services.engine.config import EngineSection
+
+    objects = built("cpu")
+    c = pod_spec(named(objects, "Deployment")["decode"])["containers"][0]
+    env = {e["name"]: e["value"] for e in c["env"] if "value" in e}
+    engine = EngineSection(tensor_parallel_size=int(env["MESHSERVE_ENGINE__TENSOR_PARALLEL_SIZE"]),
+                           threads=int(env["MESHSERVE_ENGINE__THREADS"]))
+    assert engine.tensor_parallel_size == 2
+    assert int(c["resources"]["requests"]["cpu"]) == engine.tensor_parallel_size * engine.threads
+
+
 def test_the_mesh_file_in_the_config_map_validates():
     import yaml
 

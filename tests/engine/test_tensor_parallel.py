@@ -34,20 +34,12 @@ SMOLLM2 = ModelConfig(vocab_size=49152, hidden_size=576, num_layers=30, num_head
                       intermediate_size=1536, max_positions=8192, tie_embeddings=True)
 
 
-def layer_params(mc: ModelConfig, shard) -> int:
-    heads, kv, cols = shard.heads[1] - shard.heads[0], shard.kv[1] - shard.kv[0], shard.inter[1] - shard.inter[0]
-    return (2 * heads + 2 * kv) * mc.head_dim * mc.hidden_size + 3 * cols * mc.hidden_size
-
-
-def test_shards_split_by_kv_head_and_balance_the_weights():
-    """SmolLM2's 3 KV heads over 2 ranks: 2 + 1, and the MLP columns make up the difference, so both ranks hold
-    about as many layer weights (the slower rank sets every all-reduce's pace)."""
+def test_shards_split_by_kv_head_the_mlp_and_the_vocabulary():
+    """SmolLM2's 3 KV heads over 2 ranks: 2 + 1 (9 query heads as 6 + 3); the MLP's columns and the vocabulary
+    evenly."""
     shards = plan_shards(SMOLLM2, 2)
     assert [s.kv for s in shards] == [(0, 2), (2, 3)] and [s.heads for s in shards] == [(0, 6), (6, 9)]
-    assert shards[0].inter[0] == 0 and shards[0].inter[1] == shards[1].inter[0] and shards[1].inter[1] == 1536
-    assert all((s.inter[1] - s.inter[0]) % 16 == 0 for s in shards)
-    sizes = [layer_params(SMOLLM2, s) for s in shards]
-    assert max(sizes) / min(sizes) < 1.02, sizes
+    assert [s.inter for s in shards] == [(0, 768), (768, 1536)]
     assert [s.vocab for s in shards] == [(0, 24576), (24576, 49152)]
     assert [s.kv for s in plan_shards(SMOLLM2, 3)] == [(0, 1), (1, 2), (2, 3)]
     with pytest.raises(ValueError, match="exceeds the model's 3 KV heads"):
@@ -76,6 +68,46 @@ def test_sharded_weights_add_up_to_the_whole_layer():
     q = "model.layers.0.self_attn.q_proj.weight"
     assert torch.equal(torch.cat([p[q] for p in parts]), weights[q])
     assert torch.equal(torch.cat([p["lm_head.shard"] for p in parts]), weights["lm_head.weight"])
+
+
+def _collective_peer(path: str, nbytes: int, cap: int, data: list, out) -> None:
+    from services.engine.parallel import SharedMemory, ShmCollectives
+
+    coll = ShmCollectives(SharedMemory(nbytes, "test", path), 1, 2, cap, [3, 5])
+    results = [coll.all_reduce(x.clone()) for x in data]
+    coll.gather_logits(torch.full((4, 5), 7.0))
+    out.put([r.view(torch.int16 if r.dtype == torch.bfloat16 else torch.int32).tolist() for r in results])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_shared_memory_collectives_equal_torch_on_every_rank(dtype):
+    """The all-reduce is one float32 sum per element, rounded once to the dtype (bfloat16: to nearest even), the
+    same bits on both ranks, for lengths off the vector width and tensors larger than the buffer (several rounds);
+    the gather lays each rank's columns side by side on rank 0."""
+    import multiprocessing
+
+    from services.engine.parallel import SharedMemory, ShmCollectives, allreduce_region_bytes
+
+    g = torch.Generator().manual_seed(0)
+    mine = [torch.randn(n, generator=g).to(dtype) * 100 for n in (1, 17, 1000, 5000)]
+    theirs = [torch.randn(n, generator=g).to(dtype) * 100 for n in (1, 17, 1000, 5000)]
+    cap = 4096
+    nbytes = allreduce_region_bytes(2, cap)
+    region = SharedMemory(nbytes, "test")
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    peer = ctx.Process(target=_collective_peer, args=(region.path, nbytes, cap, theirs, out), daemon=True)
+    peer.start()
+    coll = ShmCollectives(region, 0, 2, cap, [3, 5])
+    got = [coll.all_reduce(x.clone()) for x in mine]
+    logits = coll.gather_logits(torch.full((4, 3), 1.0))
+    peer_got = out.get(timeout=60)
+    peer.join(10)
+    for a, b, r, pr in zip(mine, theirs, got, peer_got):
+        want = (a.float() + b.float()).to(dtype)
+        assert torch.equal(r, want)
+        assert r.view(torch.int16 if dtype == torch.bfloat16 else torch.int32).tolist() == pr
+    assert torch.equal(logits, torch.cat([torch.full((4, 3), 1.0), torch.full((4, 5), 7.0)], dim=1))
 
 
 @pytest.fixture(scope="module")

@@ -8,15 +8,14 @@ transfer, and both routers see the same load."""
 import asyncio
 import os
 import signal
-import threading
 import time
 
 import pytest
 
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
-from services.mesh.launcher import Mesh, MeshSpec, client_channel, serving
-from tests.integration.conftest import ENGINE
+from services.mesh.launcher import MeshSpec, client_channel, serving
+from tests.integration.conftest import ENGINE, supervised
 from tests.support.reference import random_prompts
 from tests.support.streams import greedy_streams
 from tests.support.wait import wait_for as wait
@@ -27,15 +26,7 @@ STREAMS, NEW = 32, 40
 @pytest.fixture(scope="module")
 def mesh(tiny_model, tmp_path_factory):
     spec = MeshSpec(str(tiny_model), mode="disaggregated", decode=2, routers=2, tls=True, engine_args=ENGINE)
-    m = Mesh(spec, log_dir=str(tmp_path_factory.mktemp("faults"))).start()
-    stop = threading.Event()
-    supervisor = threading.Thread(target=lambda: [m.supervise(lambda line: None) for _ in iter(lambda: stop.wait(0.1),
-                                                                                               True)])
-    supervisor.start()
-    yield m
-    stop.set()
-    supervisor.join()
-    m.stop()
+    yield from supervised(spec, str(tmp_path_factory.mktemp("faults")))
 
 
 @pytest.fixture(scope="module")

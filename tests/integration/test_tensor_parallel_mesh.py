@@ -7,15 +7,14 @@ token-identical on the other decode worker or the restarted group."""
 import asyncio
 import os
 import signal
-import threading
 from pathlib import Path
 
 import pytest
 
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
-from services.mesh.launcher import Mesh, MeshSpec, client_channel, serving
-from tests.integration.conftest import ENGINE
+from services.mesh.launcher import MeshSpec, client_channel, serving
+from tests.integration.conftest import ENGINE, supervised
 from tests.support.reference import greedy, make_engine, random_prompts, run_all
 from tests.support.streams import greedy_streams
 from tests.support.wait import wait_for
@@ -28,15 +27,7 @@ TP2 = ["--tensor-parallel-size", "2"]
 def mesh(tiny_model, tmp_path_factory):
     spec = MeshSpec(str(tiny_model), mode="disaggregated", prefill=1, decode=2, engine_args=ENGINE,
                     worker_args={"prefill-0": TP2, "decode-0": TP2})
-    m = Mesh(spec, log_dir=str(tmp_path_factory.mktemp("tp-mesh"))).start()
-    stop = threading.Event()
-    supervisor = threading.Thread(target=lambda: [m.supervise(lambda line: None) for _ in iter(lambda: stop.wait(0.1),
-                                                                                               True)])
-    supervisor.start()
-    yield m
-    stop.set()
-    supervisor.join()
-    m.stop()
+    yield from supervised(spec, str(tmp_path_factory.mktemp("tp-mesh")))
 
 
 @pytest.fixture(scope="module")

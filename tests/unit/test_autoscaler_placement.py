@@ -46,7 +46,7 @@ def test_ten_thousand_devices_fill_in_under_a_second_without_splitting_a_group()
     check(hosts, placed)
     assert len(placed) > 1500 and unplaced > 0  # the cluster was filled up
     free = free_cores(hosts, placed)
-    for pool, role, size, n in asks[-20:]:  # what did not fit fits nowhere
+    for pool, role, size, _ in asks[-20:]:  # what did not fit fits nowhere
         if place(hosts, placed, pool, role, size, 1).unplaced:
             assert max(free.values()) < size
     assert elapsed < 1.0, f"placing {len(placed)} groups took {elapsed:.2f} s"
