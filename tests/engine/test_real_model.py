@@ -97,13 +97,18 @@ def test_greedy_equals_transformers_on_chat_and_raw_prompts(smollm2_dir, greedy_
     assert "Paris" in tokenizer.decode(refs[0].tokens)  # the model answers, it is not noise
 
 
-def test_bfloat16_greedy_equals_transformers_in_bfloat16(smollm2_dir):
+@pytest.fixture(scope="module")
+def bfloat16_refs(smollm2_dir):
+    prompts = chat_prompts(smollm2_dir)
+    return prompts, hf_greedy(smollm2_dir, prompts, NEW_TOKENS, dtype=torch.bfloat16)
+
+
+def test_bfloat16_greedy_equals_transformers_in_bfloat16(smollm2_dir, bfloat16_refs):
     """The chat prompts in bfloat16 against transformers in bfloat16: every difference at a bfloat16 near-tie.
     Logits of magnitude 16-32 are multiples of 0.125 in bfloat16, and transformers' own top two are exactly
     equal at 4 of these 384 steps: 7 to 9 of the 16 answers met a near-tie within 24 tokens when this was
     written, and 72-75% of the tokens came before any difference."""
-    prompts = chat_prompts(smollm2_dir)
-    refs = hf_greedy(smollm2_dir, prompts, NEW_TOKENS, dtype=torch.bfloat16)
+    prompts, refs = bfloat16_refs
     engine = make_engine(smollm2_dir, num_blocks=512, budget=512, dtype="bfloat16")
     outputs = run_all(engine, prompts, greedy(NEW_TOKENS))
     ties = assert_matches(outputs, refs)
@@ -111,15 +116,12 @@ def test_bfloat16_greedy_equals_transformers_in_bfloat16(smollm2_dir):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_tensor_parallel_greedy_equals_transformers(smollm2_dir, greedy_refs, dtype):
+def test_tensor_parallel_greedy_equals_transformers(smollm2_dir, greedy_refs, bfloat16_refs, dtype):
     """SmolLM2 split over two ranks (3 KV heads as 2 + 1, the MLP balanced against them, the vocabulary halved), one
     thread each: float32 against transformers in float32 (every difference at a near-tie, as TP=1); bfloat16
     against transformers in bfloat16 under the bfloat16 rule (each rank rounds its partial sums to bfloat16 before
     the all-reduce adds them, one rounding more than TP=1, so differences come at other near-ties than TP=1's)."""
-    prompts, refs = greedy_refs
-    if dtype == "bfloat16":
-        prompts = chat_prompts(smollm2_dir)
-        refs = hf_greedy(smollm2_dir, prompts, NEW_TOKENS, dtype=torch.bfloat16)
+    prompts, refs = bfloat16_refs if dtype == "bfloat16" else greedy_refs
     engine = make_engine(smollm2_dir, num_blocks=512, budget=512, dtype=dtype, tensor_parallel_size=2, threads=1)
     try:
         outputs = run_all(engine, prompts, greedy(NEW_TOKENS))
