@@ -22,9 +22,9 @@ to a TP=1 decode worker and back.
 
 The all-reduce on one host is shared memory (csrc/allreduce.cpp: each rank posts its partial sums and adds every
 rank's in rank order, so all ranks get the same bits); `gloo` (torch.distributed over TCP) is the alternative, the
-one that also spans hosts. A rank that dies is noticed by the others inside their next all-reduce, which raises;
-rank 0's engine then fails and the worker (one replica: one servicer, N ranks) goes down as one. The ranks die
-with rank 0 (parent-death signal).
+one that could span hosts (a worker starts its ranks as its own processes, so a group is on one host). A rank that
+dies is noticed by the others inside their next all-reduce, which raises; rank 0's engine then fails and the worker
+(one replica: one servicer, N ranks) goes down as one. The ranks die with rank 0 (parent-death signal).
 
 Each step rank 0 sends the batch's layout (token ids, positions, each sequence's block table, LoRA segments) down a
 pipe per rank before it builds its own metadata; each rank builds the same attention metadata from it.

@@ -468,7 +468,7 @@ def core_main(conn, engine_config, parent_pid: int, threads: int | None) -> None
     except Exception as e:
         conn.send(message("fatal", f"{type(e).__name__}: {e}"))
         return
-    conn.send(message("ready", engine.load()))
+    conn.send(message("ready", engine.load(), tuple(engine.group.pids[1:]) if engine.group else ()))
     t0 = time.monotonic()
     core = EngineCore(engine, conn.send)
     try:

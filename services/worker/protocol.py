@@ -13,7 +13,7 @@ explicit list of methods the servicer may call in the core.
                      Abort(req_id)
                      Stop()                             exit the loop (closing the pipe alone does not reach a core
                                                         whose reader thread is blocked on it)
-  core -> servicer   Ready(load)                        the engine is built (its EngineLoad, empty)
+  core -> servicer   Ready(load, rank_pids)             the engine is built (its EngineLoad, empty; TP ranks' pids)
                      Reply(seq, result, error)          a command's result or exception
                      Step(outputs, stats)               ONE message per step: every request's new tokens
                                                         (core.StepOutput), counters, load
@@ -66,6 +66,7 @@ class Stop(NamedTuple):
 class Ready(NamedTuple):
     kind: str
     load: Any
+    rank_pids: tuple = ()  # the engine's other tensor-parallel ranks (their CPU counts as the worker's)
 
 
 class Reply(NamedTuple):

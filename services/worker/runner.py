@@ -193,6 +193,10 @@ class EngineRunner:
             self.load = msg.load
             if self.metrics is not None:  # the gauges read 0 from the start, not nothing until the first step
                 self.metrics.load = msg.load
+                if msg.rank_pids:  # a tensor-parallel replica: its ranks' CPU and cores are the worker's too
+                    ranks = len(msg.rank_pids) + 1
+                    self.metrics.watch_cpu([os.getpid(), self.process.pid, *msg.rank_pids],
+                                           ranks * self.metrics.cpu_cores)
             if not self._ready.done():
                 self._ready.set_result(None)
         elif isinstance(msg, Fatal):
