@@ -89,7 +89,8 @@ class RestartLimit(RuntimeError):
 @dataclass(frozen=True)
 class HostSpec:
     """A host workers may be placed on (services.policy.placement decides which): its cores, the address its
-    workers bind and advertise, and the network namespace they run in ("" = this machine's own)."""
+    workers bind and advertise, and the network namespace they run in ("" = this machine's own: its workers keep
+    this machine's host identity, so the kvstore serves their KV through shared memory)."""
 
     name: str
     cores: int
@@ -98,8 +99,8 @@ class HostSpec:
     rack: str = ""
 
     def placement(self) -> Host:
-        # KV reaches the kvstore (on the control host) over gRPC from every placed host: no shared-memory pull
-        return Host(self.name, self.cores, self.rack, shm_kv=False)
+        # the kvstore runs on this machine: only its own network's workers reach it (and each other) by shared memory
+        return Host(self.name, self.cores, self.rack, shm_kv=not self.netns)
 
 
 def flag_value(args: list, flag: str, default: int) -> int:
@@ -182,8 +183,9 @@ class Mesh:
         identity = identity if self.tls_dir else ""
         tls_health = bool(identity) and (identity != "gateway" or self.spec.public_tls)
         if host is not None:  # a worker placed on one of the hosts: its address, identity and place are the host's
-            env = {"MESHSERVE_HOST": host.address, ADVERTISE_ENV: host.address, "MESHSERVE_HOST_ID": host.name,
-                   TOPOLOGY_ENV: host.placement().topology}
+            env = {"MESHSERVE_HOST": host.address, ADVERTISE_ENV: host.address, TOPOLOGY_ENV: host.placement().topology}
+            if host.netns:  # another host: its own identity (this machine's keeps the kvstore's, for shared memory)
+                env["MESHSERVE_HOST_ID"] = host.name
             prefix, address = (["ip", "netns", "exec", host.netns] if host.netns else []), host.address
         elif self.spec.control_address:
             env, prefix = {"MESHSERVE_HOST": "0.0.0.0", ADVERTISE_ENV: self.spec.control_address}, []
