@@ -25,7 +25,7 @@ def test_yaml_and_toml(tmp_path):
     ("autoscaler2: {}\n", "autoscaler2: unknown section"),
     ("mesh: {workers: 3}\n",
      "mesh.workers: unknown key (known: model, served_model_name, mode, prefill, decode, unified, router, tls, "
-     "public_tls, worker_pools)"),
+     "public_tls, worker_pools, hosts, control_address)"),
     ("engine: {blocksize: 8}\n", "engine.blocksize: unknown key"),
     ("routing: {guard: {absolute: 1}}\n", "routing.guard.absolute: unknown key (known: abs, rel)"),
     # wrong type
