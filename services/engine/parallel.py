@@ -47,7 +47,9 @@ from functools import cache
 import torch
 
 from services.common.errors import ModelLoadError, RankDied
+from services.engine.attention import SeqLayout
 from services.engine.config import EngineConfig, ModelConfig
+from services.engine.lora import LoRABatch
 
 log = logging.getLogger("meshserve.parallel")
 
@@ -101,13 +103,19 @@ def local_config(mc: ModelConfig, shard: Shard) -> ModelConfig:
                                intermediate_size=shard.inter[1] - shard.inter[0])
 
 
+def _ranges(mc: ModelConfig, shard: Shard) -> tuple[dict, dict]:
+    """The rank's [lo, hi) of each projection: by output features (column-parallel: q, k, v, gate, up) and by input
+    features (row-parallel: o, down)."""
+    d = mc.head_dim
+    heads, kv = (shard.heads[0] * d, shard.heads[1] * d), (shard.kv[0] * d, shard.kv[1] * d)
+    return ({"q_proj": heads, "k_proj": kv, "v_proj": kv, "gate_proj": shard.inter, "up_proj": shard.inter},
+            {"o_proj": heads, "down_proj": shard.inter})
+
+
 def shard_weights(weights: dict, mc: ModelConfig, shard: Shard) -> dict:
     """A rank's part of a Hugging Face Llama state dict (names unchanged). Row-parallel biases (o, down) stay on
     rank 0 only (zeros elsewhere), so the all-reduce adds each once."""
-    d = mc.head_dim
-    rows = {"q_proj": (shard.heads[0] * d, shard.heads[1] * d), "k_proj": (shard.kv[0] * d, shard.kv[1] * d),
-            "v_proj": (shard.kv[0] * d, shard.kv[1] * d), "gate_proj": shard.inter, "up_proj": shard.inter}
-    cols = {"o_proj": (shard.heads[0] * d, shard.heads[1] * d), "down_proj": shard.inter}
+    rows, cols = _ranges(mc, shard)
     out = {}
     for name, w in weights.items():
         parts = name.split(".")
@@ -137,10 +145,7 @@ def shard_adapter(weights: dict, mc: ModelConfig, shard: Shard) -> dict:
     """A rank's part of a LoRA adapter's weights {(layer, target): (A [r, in], B [r, out])}: column-parallel
     targets keep A and their columns of B; row-parallel ones (o, down) their columns of A and all of B, so each
     rank's delta is a partial sum the all-reduce completes with the base projection's."""
-    d = mc.head_dim
-    out_cols = {"q_proj": (shard.heads[0] * d, shard.heads[1] * d), "k_proj": (shard.kv[0] * d, shard.kv[1] * d),
-                "v_proj": (shard.kv[0] * d, shard.kv[1] * d), "gate_proj": shard.inter, "up_proj": shard.inter}
-    in_cols = {"o_proj": (shard.heads[0] * d, shard.heads[1] * d), "down_proj": shard.inter}
+    out_cols, in_cols = _ranges(mc, shard)
     out = {}
     for (layer, target), (a, b) in weights.items():
         if target in out_cols:
@@ -508,9 +513,6 @@ class _Rank:
         self.model.tp = self.collectives
 
     def handle(self, msg: tuple) -> None:
-        from services.engine.attention import SeqLayout
-        from services.engine.lora import LoRABatch
-
         if msg[0] == "step":
             _, ids, positions, layouts, logits_index, segments = msg
             meta = self.attention.build_metadata([SeqLayout(*s) for s in layouts])

@@ -338,9 +338,10 @@ class Mesh:
         """The host for one more replica of `pool` (services.policy.placement: whole, beside its partner role,
         packed), among the groups the live workers hold."""
         placed = [p.group for p in self.procs if p.group is not None and not p.draining]
-        got = place([h.placement() for h in self.spec.hosts], placed, pool, role, cores, 1)
+        hosts = [h.placement() for h in self.spec.hosts]
+        got = place(hosts, placed, pool, role, cores, 1)
         if got.unplaced:
-            free = free_cores([h.placement() for h in self.spec.hosts], placed)
+            free = free_cores(hosts, placed)
             raise NoRoom(f"no host has {cores} free cores for a replica of {pool} (free: "
                          f"{', '.join(f'{h} {c}' for h, c in free.items())})")
         return got.groups[0]

@@ -112,6 +112,20 @@ void reduce_into(T* out, uint8_t* base, int64_t world, int64_t parity, int64_t c
   }
 }
 
+// The checks both collectives make of their group.
+void check_group(const torch::Tensor& region, int64_t rank, int64_t world, int64_t cap, const char* what) {
+  TORCH_CHECK(world >= 1 && world <= 64 && rank >= 0 && rank < world, what, ": bad rank or world");
+  TORCH_CHECK(region.numel() >= HEADER + world * 2 * cap && world * LINE <= HEADER, what, ": region too small");
+}
+
+// One round's start on this rank: once every rank has read the round before the last (whose buffer this round
+// reuses), copy nbytes of src into this rank's buffer of the round's parity and publish the round.
+void post(uint8_t* base, int64_t rank, int64_t world, int64_t seq, int64_t cap, const uint8_t* src, int64_t nbytes) {
+  wait_for(base, rank, world, seq - 1);
+  if (nbytes > 0) std::memcpy(buffer_of(base, rank, seq & 1, cap), src, nbytes);
+  __atomic_store_n(&line_of(base, rank)->seq, seq, __ATOMIC_RELEASE);
+}
+
 }  // namespace
 
 // Register this rank's pid in the header (the others' liveness checks read it).
@@ -126,8 +140,7 @@ int64_t all_reduce_(torch::Tensor x, torch::Tensor region, int64_t rank, int64_t
   TORCH_CHECK(x.is_contiguous(), "all_reduce_: x must be contiguous");
   TORCH_CHECK(x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16,
               "all_reduce_: float32 or bfloat16 only");
-  TORCH_CHECK(world >= 1 && world <= 64 && rank >= 0 && rank < world, "all_reduce_: bad rank or world");
-  TORCH_CHECK(region.numel() >= HEADER + world * 2 * cap && world * LINE <= HEADER, "all_reduce_: region too small");
+  check_group(region, rank, world, cap, "all_reduce_");
   uint8_t* base = region.data_ptr<uint8_t>();
   const int64_t esize = x.element_size();
   const int64_t per_round = cap / esize;
@@ -139,9 +152,7 @@ int64_t all_reduce_(torch::Tensor x, torch::Tensor region, int64_t rank, int64_t
     ++seq;
     const int64_t n = std::min(per_round, total - done);
     const int64_t parity = seq & 1;
-    wait_for(base, rank, world, seq - 1);  // every rank has read round seq - 2, whose buffers these are
-    std::memcpy(buffer_of(base, rank, parity, cap), data + done * esize, n * esize);
-    __atomic_store_n(&line_of(base, rank)->seq, seq, __ATOMIC_RELEASE);
+    post(base, rank, world, seq, cap, data + done * esize, n * esize);
     wait_for(base, rank, world, seq);
     if (x.scalar_type() == torch::kFloat) {
       reduce_into(reinterpret_cast<float*>(data) + done, base, world, parity, cap, n);
@@ -159,6 +170,7 @@ int64_t all_reduce_(torch::Tensor x, torch::Tensor region, int64_t rank, int64_t
 int64_t gather_columns_(torch::Tensor x, torch::Tensor out, torch::Tensor region, int64_t rank, int64_t world,
                         int64_t seq, int64_t cap, std::vector<int64_t> widths) {
   TORCH_CHECK(x.is_contiguous() && x.dim() == 2, "gather_columns_: x must be a contiguous matrix");
+  check_group(region, rank, world, cap, "gather_columns_");
   TORCH_CHECK(static_cast<int64_t>(widths.size()) == world && x.size(1) == widths[rank],
               "gather_columns_: widths do not agree");
   uint8_t* base = region.data_ptr<uint8_t>();
@@ -182,11 +194,8 @@ int64_t gather_columns_(torch::Tensor x, torch::Tensor out, torch::Tensor region
     ++seq;
     const int64_t n = std::min(per_round, rows - done);
     const int64_t parity = seq & 1;
-    wait_for(base, rank, world, seq - 1);
-    if (rank != 0) {
-      std::memcpy(buffer_of(base, rank, parity, cap), src + done * widths[rank] * esize, n * widths[rank] * esize);
-    }
-    __atomic_store_n(&line_of(base, rank)->seq, seq, __ATOMIC_RELEASE);
+    const int64_t row_bytes = widths[rank] * esize;  // rank 0 reads its own rows in place: it posts no bytes
+    post(base, rank, world, seq, cap, src + done * row_bytes, rank == 0 ? 0 : n * row_bytes);
     if (rank == 0) {
       wait_for(base, rank, world, seq);
       int64_t col = 0;
