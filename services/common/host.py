@@ -58,3 +58,11 @@ def distance(a: str, b: str) -> int:
     if na != nb:
         return 2
     return 0 if da == db else 1
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on at this moment (the OS's pick; another process may still take it before its user
+    binds it: callers that start services retry, see services.mesh.launcher)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

@@ -38,7 +38,6 @@ import mmap
 import os
 import pickle
 import signal
-import socket
 import time
 import weakref
 from dataclasses import dataclass
@@ -47,6 +46,7 @@ from functools import cache
 import torch
 
 from services.common.errors import ModelLoadError, RankDied
+from services.common.host import free_port
 from services.engine.attention import SeqLayout
 from services.engine.config import EngineConfig, ModelConfig
 from services.engine.lora import LoRABatch
@@ -300,12 +300,6 @@ def make_collectives(shards: list[Shard], rank: int, gloo_address: str, region: 
     return ShmCollectives(region, rank, len(shards), cap, widths)
 
 
-def free_address(host: str = "127.0.0.1") -> str:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return f"{host}:{s.getsockname()[1]}"
-
-
 # ---- the group, from rank 0 -------------------------------------------------------------------------------------
 
 
@@ -346,7 +340,7 @@ class TensorParallelGroup:
         cap = min(sc.max_num_batched_tokens * mc.hidden_size * 4, 16 << 20)
         cap = -(-cap // 4096) * 4096
         self.region, self.cap = SharedMemory(allreduce_region_bytes(world, cap), "allreduce"), cap
-        self.gloo = gloo = free_address() if config.tensor_parallel_backend == "gloo" else ""
+        self.gloo = gloo = f"127.0.0.1:{free_port()}" if config.tensor_parallel_backend == "gloo" else ""
         ctx = multiprocessing.get_context("spawn")
         self.procs, self.conns = [], []
         for rank in range(1, world):

@@ -20,7 +20,6 @@ import os
 import re
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,7 +31,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.host import TOPOLOGY_ENV
+from services.common.host import TOPOLOGY_ENV, free_port
 from services.common.rpc import ADVERTISE_ENV, TLS_DIR_ENV, TLS_NAME_ENV, channel_credentials, read_tls
 from services.policy.placement import Group, Host, free_cores, place
 from services.policy.tenants import CACHE_SECRET_ENV
@@ -40,12 +39,6 @@ from services.policy.tenants import CACHE_SECRET_ENV
 PORT_TAKEN = "Address already in use"  # in a service's log when its port was taken before it could bind it
 REDIS_URL_ENV = "REDIS_URL"  # what the kvstore, router and workers read when --redis-url is not given
 METRICS_LINE = re.compile(r" metrics on (http://\S+/metrics)")  # what services.common.telemetry prints
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
