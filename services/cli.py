@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -69,6 +70,8 @@ def cmd_generate(args) -> int:
     from services.engine.engine import LLMEngine
     from services.engine.jsonl import generate_file
 
+    logging.basicConfig(format="%(message)s", stream=sys.stderr)  # warnings, and the engine's start-up lines:
+    logging.getLogger("meshserve.engine").setLevel(logging.INFO)  # weights, kernels, attention paths
     engine = LLMEngine(args.config_model.engine.to_engine_config(args.model))
     summary = generate_file(engine, args.input, args.output)
     print(json.dumps(summary), file=sys.stderr)

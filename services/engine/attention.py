@@ -30,11 +30,20 @@ import torch.nn.functional as F
 
 
 def prompt_kernel_runs(kernel, dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether prefill chunks go to the compiled prompt kernel: head size 64, float32 on an AVX-512 build, bfloat16
-    where AMX tiles are granted (Sapphire Rapids and later); elsewhere torch's flash SDPA, as before."""
-    return (kernel is not None and dtype in (torch.float32, torch.bfloat16) and head_dim == 64
-            and os.environ.get("MESHSERVE_PROMPT_KERNEL", "1") != "0"
-            and kernel.prefill_ready(dtype == torch.bfloat16))
+    """Whether prefill chunks go to the compiled prompt kernel: head size 64, float32 or bfloat16, a build from the
+    avx2 level up (its path per level: csrc/prompt_attention.h); elsewhere torch's flash SDPA."""
+    return not _why_no_prompt_kernel(kernel, dtype, head_dim)
+
+
+def _why_no_prompt_kernel(kernel, dtype: torch.dtype, head_dim: int) -> str:
+    """Why prefill chunks take torch's SDPA instead of the prompt kernel ("" where they do not)."""
+    if kernel is None:
+        return "no compiled kernel"
+    if dtype not in (torch.float32, torch.bfloat16) or head_dim != 64:
+        return f"the kernel takes float32 or bfloat16 with head size 64, not {str(dtype)[6:]} with {head_dim}"
+    if os.environ.get("MESHSERVE_PROMPT_KERNEL", "1") == "0":
+        return "MESHSERVE_PROMPT_KERNEL=0"
+    return "" if kernel.prefill_ready(dtype == torch.bfloat16) else "a generic build (no vector ISA)"
 
 
 class KVCache:
@@ -176,7 +185,16 @@ class TorchAttention:
         self.block_size, self.group_size = block_size, group_size
         self.scale = head_dim ** -0.5
         self.kernel = kernel  # services.engine.kernels.paged_attention() module, or None
+        self.dtype = dtype
         self.prompt_kernel = prompt_kernel_runs(kernel, dtype, head_dim)
+
+    def describe(self) -> str:
+        """The code decode tokens and prompts run here, for the start-up line."""
+        bf16 = self.dtype == torch.bfloat16
+        decode = f"compiled kernel, {self.kernel.decode_path(bf16)}" if self.kernel else "PyTorch (grouped SDPA)"
+        prompts = (f"compiled kernel, {self.kernel.prefill_path(bf16)}" if self.prompt_kernel else
+                   f"torch's SDPA ({_why_no_prompt_kernel(self.kernel, self.dtype, self.head_dim)})")
+        return f"decode {decode}; prompts {prompts}"
 
     def build_metadata(self, seqs: list[SeqLayout]) -> AttentionMetadata:
         bs = self.block_size

@@ -33,6 +33,7 @@ from services.engine.config import EngineConfig
 from services.engine.guided import Grammars
 from services.engine.kernels import lora as lora_kernel
 from services.engine.kernels import paged_attention, sampler
+from services.engine.kernels import summary as kernel_summary
 from services.engine.kv_manager import KVCacheManager
 from services.engine.kv_transfer import KVExport
 from services.engine.loader import load_model
@@ -162,8 +163,8 @@ class LLMEngine:
         kernel = paged_attention() if self.model.dtype in (torch.float32, torch.bfloat16) else None
         self.attention = TorchAttention(local.num_heads, local.num_kv_heads, mc.head_dim, cc.block_size,
                                         kernel=kernel, dtype=self.model.dtype)
-        log.info("attention: decode %s, prompts %s", "compiled kernel" if kernel else "PyTorch",
-                 "compiled kernel" if self.attention.prompt_kernel else "torch's SDPA")
+        log.info("%s", kernel_summary())
+        log.info("attention (%s): %s", self.model.dtype, self.attention.describe())
         self.sampler = Sampler(loaded.eos_token_ids, kernel=sampler())
         self._seeds = random.Random(config.seed)  # a sampling seed for each request that brings none
         self.requests: dict[str, Request] = {}

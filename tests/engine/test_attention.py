@@ -167,8 +167,10 @@ def prompt_case(seed: int, layout: list, bs: int = 16, kv_heads: int = 3, heads:
 
 def prompt_kernel(dtype: torch.dtype):
     kernel = paged_attention()
-    if kernel is None or not kernel.prefill_ready(dtype == torch.bfloat16):
-        pytest.skip("the prompt kernel needs AVX-512 (float32) or AMX granted by Linux (bfloat16)")
+    if kernel is None:
+        pytest.skip("kernels disabled or unavailable")
+    if not kernel.prefill_ready(dtype == torch.bfloat16):
+        pytest.skip("the prompt kernel needs a build from the avx2 level up (this one is generic)")
     return kernel
 
 
@@ -179,11 +181,15 @@ PROMPT_STEP = [(30, 1), (0, 1), (70, 1), (0, 37), (0, 2), (20, 50), (100, 17), (
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_the_prompt_kernel_matches_the_pytorch_path_on_fresh_and_continuing_chunks(dtype):
-    """Every prefill chunk of the step, new or continuing, read from the pool in place (float32 on AVX-512 FMAs,
-    bfloat16 on AMX tiles where this CPU grants them); the layer's output equals the PyTorch path's, to float32
-    rounding, or within bfloat16's precision (the weights are rounded to bfloat16 before the value product, as
-    torch's flash kernel does)."""
-    kernel = prompt_kernel(dtype)
+    check_prompt_kernel(prompt_kernel(dtype), dtype)
+
+
+def check_prompt_kernel(kernel, dtype: torch.dtype) -> None:
+    """Every prefill chunk of the step, new or continuing, read from the pool in place, on whichever path the
+    kernel's level takes (prefill_path): the layer's output equals the PyTorch path's, to float32 rounding, or within
+    bfloat16's precision (on the tiles and vdpbf16ps the weights are rounded to bfloat16 before the value product, as
+    torch's flash kernel does; widened, they stay float32); and equals a float32 softmax computed here from the same
+    values."""
     seqs, q, k, v, k_pool, v_pool = prompt_case(7, PROMPT_STEP, dtype=dtype)
     fast = TorchAttention(9, 3, 64, block_size=16, kernel=kernel, dtype=dtype)
     plain = TorchAttention(9, 3, 64, block_size=16)
@@ -197,7 +203,6 @@ def test_the_prompt_kernel_matches_the_pytorch_path_on_fresh_and_continuing_chun
     assert out_fast.dtype == dtype
     tol = 2e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out_fast.float(), out_plain.float(), rtol=tol, atol=tol)
-    # and against a float32 softmax computed here from the same bfloat16 values
     row, bs = 0, 16
     for s in seqs:
         slots = [s.block_table[p // bs] * bs + p % bs for p in range(s.num_computed + s.num_new)]
@@ -229,7 +234,7 @@ def test_the_prompt_kernel_refuses_chunks_and_blocks_out_of_range(dtype):
 
 
 class _PromptKernelStub:
-    """Stands for the compiled module where AMX is absent: says the prompt kernel runs, records what it is given."""
+    """Stands for the compiled module on any host: says the prompt kernel runs, records what it is given."""
 
     def __init__(self):
         self.calls = []

@@ -61,10 +61,10 @@ def test_model_init_command(tmp_path):
 def test_generate_starts_past_a_killed_kernel_build_and_compiles_nothing(tiny_model, tmp_path):
     """A build killed midway leaves torch's lock file in the kernel's folder; the next start used to wait on it
     forever. The kernels were built when the project was installed (scripts/setup.sh): a start builds none."""
-    from services.engine.kernels import KERNELS, build_directory, host_isa
+    from services.engine.kernels import SPECS, build_directory, host_isa
 
     isa = host_isa()
-    folders = [build_directory(f"meshserve_{k.__name__}_{isa}") for k in KERNELS]
+    folders = [build_directory(spec.module(isa)) for spec in SPECS.values()]
     built = [f for f in folders if (f / f"{f.name}.so").exists()]
     assert built == folders, f"not built at install: {sorted(set(map(str, folders)) - set(map(str, built)))}"
     stamps = {f: (f / f"{f.name}.so").stat().st_mtime_ns for f in folders}

@@ -2,6 +2,7 @@
 transformers' own GGUF loader, the same tokens from the tokenizer on 1,000 varied strings, the same chat
 prompts, and the same greedy output from our engine for 16 chat and 16 raw prompts."""
 
+import os
 import random
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 
 from services.common.tokenizer import Tokenizer
 from services.gateway.chat import ChatTemplate
+from tests.support.levels import force_level
 from tests.support.reference import agreement, assert_matches, greedy, hf_greedy, make_engine, run_all
 
 NEW_TOKENS = 24
@@ -103,13 +105,19 @@ def bfloat16_refs(smollm2_dir):
     return prompts, hf_greedy(smollm2_dir, prompts, NEW_TOKENS, dtype=torch.bfloat16)
 
 
-def test_bfloat16_greedy_equals_transformers_in_bfloat16(smollm2_dir, bfloat16_refs):
-    """The chat prompts in bfloat16 against transformers in bfloat16: every difference at a bfloat16 near-tie.
-    Logits of magnitude 16-32 are multiples of 0.125 in bfloat16, and transformers' own top two are exactly
-    equal at 4 of these 384 steps: 7 to 9 of the 16 answers met a near-tie within 24 tokens when this was
-    written, and 72-75% of the tokens came before any difference."""
+@pytest.mark.parametrize("level", ["amx", "avx512_bf16", "avx512"])
+def test_bfloat16_greedy_equals_transformers_in_bfloat16(smollm2_dir, bfloat16_refs, level, monkeypatch):
+    """The chat prompts in bfloat16 against transformers in bfloat16, the prompts through the compiled prompt kernel
+    on each of its bfloat16 paths (AMX tiles, vdpbf16ps, widened to float32: the level forced, skipped with the reason
+    where this CPU cannot run it): every difference at a bfloat16 near-tie. Logits of magnitude 16-32 are multiples
+    of 0.125 in bfloat16, and transformers' own top two are exactly equal at 4 of these 384 steps: 7 to 9 of the 16
+    answers met a near-tie within 24 tokens when this was written, and 72-75% of the tokens came before any
+    difference."""
+    force_level(level, monkeypatch)
     prompts, refs = bfloat16_refs
     engine = make_engine(smollm2_dir, num_blocks=512, budget=512, dtype="bfloat16")
+    if os.environ.get("MESHSERVE_KERNELS") != "0":
+        assert engine.attention.prompt_kernel, engine.attention.describe()
     outputs = run_all(engine, prompts, greedy(NEW_TOKENS))
     ties = assert_matches(outputs, refs)
     assert agreement(outputs, refs) >= 0.6, f"near-ties everywhere: {ties}"

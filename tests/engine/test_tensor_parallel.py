@@ -81,6 +81,10 @@ def _collective_peer(path: str, nbytes: int, cap: int, data: list, out) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_shared_memory_collectives_equal_torch_on_every_rank(dtype):
+    check_collectives(dtype)
+
+
+def check_collectives(dtype: torch.dtype) -> None:
     """The all-reduce is one float32 sum per element, rounded once to the dtype (bfloat16: to nearest even), the
     same bits on both ranks, for lengths off the vector width and tensors larger than the buffer (several rounds);
     the gather lays each rank's columns side by side on rank 0."""

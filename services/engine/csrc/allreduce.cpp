@@ -12,7 +12,7 @@
 // A rank that waits checks every few thousand spins that its peers' processes still run (/proc), and raises when one
 // is gone (the replica then dies as one); after a short spin it yields the core between checks (on a host with
 // fewer cores than ranks and servicer threads, a spinning rank would otherwise hold the core its peer needs).
-#include <torch/extension.h>
+#include "torch_lite.h"
 
 #include <cstdio>
 #include <cstring>

@@ -8,7 +8,7 @@
 // the exp inside SiLU (float32: glibc's vector expf, within 4 ulp: -ffast-math is what makes GCC call it; a
 // scalar expf per element made SiLU-and-mul slower than PyTorch's two passes; bfloat16: avx512_math.h's inline exp
 // (~2 ulp) and reciprocal, before the result is rounded to bfloat16).
-#include <torch/extension.h>
+#include "torch_lite.h"
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <cstring>

@@ -5,7 +5,7 @@
 // A segment of a few rows (decode tokens) runs in the loops below, whose every access is contiguous
 // (A holds lora_A as PEFT stores it, [rank, in]; B holds the scaled lora_B transposed, [rank, out]);
 // a longer one (a prefill chunk) runs as two GEMMs through ATen, where a blocked kernel pays off.
-#include <torch/extension.h>
+#include "torch_lite.h"
 
 constexpr int64_t SMALL_ROWS = 16;  // segments of at most this many rows run in the loops here
 constexpr int64_t MAX_RANK = 256;

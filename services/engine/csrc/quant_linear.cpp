@@ -18,7 +18,7 @@
 // rounded once instead of twice) and multiplied into the panel 8 rows at a time, 16 accumulators for 2 weight loads
 // and 8 broadcasts per input element: the loop runs at the FMA units' rate, as a float32 GEMM does. Groups are split
 // between torch's intra-op threads.
-#include <torch/extension.h>
+#include "torch_lite.h"
 #include <ATen/Parallel.h>
 #include <cstring>
 #include <vector>

@@ -13,7 +13,7 @@
 // log and exp are Cephes' float polynomials written as plain IEEE operations; this file is built
 // with -ffp-contract=off and without -ffast-math, so the PyTorch fallback in sampler.py computes
 // the same noise bit for bit, and both give the same tokens for the same seeds.
-#include <torch/extension.h>
+#include "torch_lite.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>
