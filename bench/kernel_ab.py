@@ -16,7 +16,7 @@ import tempfile
 import torch
 
 from bench.kernel_probe import seconds_per_call
-from services.engine.kernels import ISA_CFLAGS, host_isa, paged_attention
+from services.engine.kernels import CSRC, ISA_CFLAGS, host_isa, paged_attention
 
 
 def compare(old, new, seqs: int, context: int, dtype, heads=9, kv_heads=3, d=64, bs=16, repeats=5) -> str:
@@ -42,7 +42,7 @@ def main() -> None:
     source, rest = sys.argv[1], [int(a) for a in sys.argv[2:]] or [64, 400, 64, 100, 16, 800]
     isa = host_isa()
     flags = ["-O3", "-ffast-math", "-fopenmp", *ISA_CFLAGS[isa]]
-    old = load(name="paged_attention_ab_old", sources=[source], extra_cflags=flags,
+    old = load(name="paged_attention_ab_old", sources=[source], extra_cflags=flags, extra_include_paths=[str(CSRC)],
                build_directory=tempfile.mkdtemp(prefix="kernel-ab-"), verbose=False)
     new = paged_attention()
     print(f"kernel isa {isa}, torch threads {torch.get_num_threads()}")

@@ -1,6 +1,6 @@
 """The paged decode kernel alone against a plain read of the same pool: is it memory-bound?
 
-    python -m bench.kernel_probe [--isa avx512|avx2|generic]
+    python -m bench.kernel_probe [--isa amx|avx512_bf16|avx512|avx2|generic]
 
 Random block tables (blocks anywhere in the pool, as in a running engine), block size 16, every
 sequence the same length; prints the kernel's time per call, the KV bytes it reads per second, and

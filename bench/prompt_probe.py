@@ -1,7 +1,7 @@
 """The prompt kernel alone against what the engine ran before it: a step's worth of prompts, each attended by its
 own causal `scaled_dot_product_attention` (torch's flash kernel, GQA without a repeat).
 
-    python -m bench.prompt_probe [--dtype bfloat16|float32]
+    python -m bench.prompt_probe [--dtype bfloat16|float32] [--isa LEVEL]
 
 SmolLM2's heads (9 query, 3 KV, size 64), block size 16, blocks anywhere in the pool; each row is one step's
 prompts (up to 2,048 tokens), all starting their sequence. Prints ms per step for both and the ratio; each is
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.kernel_probe import seconds_per_call
-from services.engine.kernels import paged_attention
+from services.engine.kernels import ISA_LEVELS, host_isa, paged_attention
 
 STEPS = ((64, 32), (16, 128), (7, 272), (4, 512), (2, 1024), (1, 2048))  # prompts x tokens
 HEADS, KV_HEADS, D, BS = 9, 3, 64, 16
@@ -54,12 +54,15 @@ def probe(kernel, prompts: int, length: int, dtype: torch.dtype) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    ap.add_argument("--isa", choices=ISA_LEVELS, help="kernel level (default: what the dispatcher picks)")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
-    kernel = paged_attention()
+    isa = args.isa or host_isa()
+    kernel = paged_attention(isa)
     if kernel is None or not kernel.prefill_ready(dtype == torch.bfloat16):
-        raise SystemExit(f"the prompt kernel does not run here in {args.dtype} (AVX-512; AMX for bfloat16)")
-    print(f"{args.dtype}, {torch.get_num_threads()} threads, {HEADS} heads / {KV_HEADS} KV heads, D {D}")
+        raise SystemExit(f"the prompt kernel does not run here in {args.dtype} at {isa} (a build from avx2 up)")
+    print(f"{args.dtype}, level {isa}: {kernel.prefill_path(dtype == torch.bfloat16)}; {torch.get_num_threads()} "
+          f"threads, {HEADS} heads / {KV_HEADS} KV heads, D {D}")
     for prompts, length in STEPS:
         print(probe(kernel, prompts, length, dtype), flush=True)
 

@@ -12,7 +12,8 @@
    by the restart policy;
 6. `docker compose down -v`: nothing of the project is left;
 7. the image on CPUs of lower levels than this one: with MESHSERVE_ISA forcing each level below this CPU's, a
-   container generates with the kernels built into the image at that level, compiling nothing.
+   container generates from the model volume in bfloat16 with the kernels built into the image at that level (the
+   prompt kernel's path for the level), compiling nothing.
 
 --local adds deploy/docker-compose.local.yml (no image registry: docs/OPERATIONS.md). Ports are free ones.
 Exits non-zero on the first check that fails, after `down`, with the compose logs of the project's services.
@@ -335,28 +336,32 @@ class Check:
 
     def lower_levels(self) -> None:
         """The image as a machine of a lower ISA level runs it: MESHSERVE_ISA forces each level this CPU runs below
-        its own widest; a container generates from a tiny model, its start-up lines name the level and no kernel
-        is built (the image carries every level's objects)."""
+        its own widest; a container generates from the project's model volume in bfloat16 (the prompt kernel's
+        path for that level), its start-up lines name the level, and no kernel is built (the image carries every
+        level's objects)."""
         sys.path.insert(0, str(ROOT))
         from services.engine.kernels import cpu_flags, supported_isas
 
         image = self.env.get("MESHSERVE_IMAGE", "meshserve:latest")
-        request = json.dumps({"id": "a", "prompt_token_ids": [1, 52, 7, 9, 30, 11], "max_tokens": 4, "temperature": 0})
-        script = (f"meshserve model init /tmp/m --preset tiny >/dev/null && echo '{request}' > /tmp/in.jsonl && "
-                  "meshserve generate --model /tmp/m --input /tmp/in.jsonl --output /tmp/o.jsonl && cat /tmp/o.jsonl")
-        levels = supported_isas(cpu_flags())[1:]
+        volume = self.env.get("MESHSERVE_MODELS") or f"{self.project}_models"
+        model = f"/models/{self.env.get('MESHSERVE_MODEL', 'smollm2-135m-instruct')}"
+        request = json.dumps({"id": "a", "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0})
+        script = (f"echo '{request}' > /tmp/in.jsonl && meshserve generate --model {model} --dtype bfloat16 "
+                  "--input /tmp/in.jsonl --output /tmp/o.jsonl && cat /tmp/o.jsonl")
         self.result["lower_levels"] = {}
-        for level in levels:
+        for level in supported_isas(cpu_flags())[1:]:
             t0 = time.monotonic()
-            run = subprocess.run(["docker", "run", "--rm", "-e", f"MESHSERVE_ISA={level}", image, "sh", "-c", script],
-                                 capture_output=True, text=True, env=self.env, timeout=600)
+            run = subprocess.run(["docker", "run", "--rm", "-v", f"{volume}:/models:ro", "-e", f"MESHSERVE_ISA={level}",
+                                  image, "sh", "-c", script], capture_output=True, text=True, env=self.env, timeout=600)
             said = [ln for ln in run.stderr.splitlines() if ln.startswith(("kernels at level", "attention ("))]
-            if run.returncode != 0 or f"kernels at level {level} " not in run.stderr or "building the" in run.stderr \
-                    or '"token_ids": [' not in run.stdout:
-                raise RuntimeError(f"the image at {level}: exit {run.returncode}\n{run.stderr[-3000:]}")
+            prompts = "torch's SDPA" if level == "generic" else "prompts compiled kernel"
+            if run.returncode != 0 or f"kernels at level {level} " not in run.stderr or prompts not in run.stderr \
+                    or "building the" in run.stderr or "Paris" not in run.stdout:
+                raise RuntimeError(f"the image at {level}: exit {run.returncode}\n{run.stdout[-500:]}\n"
+                                   f"{run.stderr[-3000:]}")
             self.result["lower_levels"][level] = round(time.monotonic() - t0, 1)
-            step(f"MESHSERVE_ISA={level}: generated in {self.result['lower_levels'][level]} s, nothing built; "
-                 + " | ".join(said))
+            step(f"MESHSERVE_ISA={level}: 'The capital of France is' -> {json.loads(run.stdout)['text']!r} in "
+                 f"{self.result['lower_levels'][level]} s, nothing built; {said[-1] if said else ''}")
 
     def autoscale(self, seconds: float = 240) -> None:
         """--profile autoscaler: a burst of long streams against one decode container; the autoscaler (its
