@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One request at a time, text prompts (bench/peers/single_stream.py), against every server in one script, one
-# server at a time on both cores: `meshserve up` (one unified worker) with the quantized weights (the default for a
-# folder import-gguf wrote) and with float32, `vllm serve` float32, and llama.cpp's server on the GGUF itself.
+# server at a time on both cores: `meshserve up` (one unified worker) with the quantized weights (import-gguf's
+# blocks), in float32 and in bfloat16, `vllm serve` float32, and llama.cpp's server on the GGUF itself.
 # Never run in CI.
 #   bash bench/peers/single_stream.sh MODEL_DIR GGUF_FILE OUT_DIR
 # env: VLLM_VENV, LLAMA_VENV, SYSTEMS, ENGINE_EXTRA (more engine settings for meshserve, e.g. "omp_wait_policy: active"),
@@ -10,7 +10,7 @@ set -euo pipefail
 MODEL=$(cd "$1" && pwd); GGUF=$(realpath "$2"); OUT=$(mkdir -p "$3" && cd "$3" && pwd)
 HERE=$(cd "$(dirname "$0")/../.." && pwd)
 VLLM_VENV=${VLLM_VENV:-$HOME/.cache/vllm-cpu-venv}; LLAMA_VENV=${LLAMA_VENV:-$HOME/.cache/llama-cpp-venv}
-SYSTEMS=${SYSTEMS:-meshserve-gguf meshserve-float32 vllm llama.cpp}
+SYSTEMS=${SYSTEMS:-meshserve-gguf meshserve-float32 meshserve-bfloat16 vllm llama.cpp}
 NAME=$(basename "$MODEL")
 free_port() { "$HERE/.venv/bin/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 wants() { [[ " $SYSTEMS " == *" $1 "* ]]; }
@@ -30,10 +30,10 @@ measure() {  # $1 = label, $2 = port, $3 = pid, $4... = extra client flags
      --label "$label" --out "$OUT/$label.json" "$@")
   kill -TERM -- -"$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true
 }
-mesh() {  # $1 = label, $2 = quantization
+mesh() {  # $1 = label, $2 = quantization, $3 = dtype (default float32)
   local port; port=$(free_port)
-  printf 'mesh: {mode: unified, unified: 1}\nengine: {threads: %s, kv_cache_gb: 1, quantization: %s%s}\n' "${THREADS:-2}" "$2" \
-    "${ENGINE_EXTRA:+, $ENGINE_EXTRA}" > "$OUT/$1.yaml"
+  printf 'mesh: {mode: unified, unified: 1}\nengine: {threads: %s, kv_cache_gb: 1, quantization: %s, dtype: %s%s}\n' \
+    "${THREADS:-2}" "$2" "${3:-float32}" "${ENGINE_EXTRA:+, $ENGINE_EXTRA}" > "$OUT/$1.yaml"
   setsid "$HERE/.venv/bin/meshserve" up --model "$MODEL" --config "$OUT/$1.yaml" --http-port "$port" \
     --port 0 --router-port 0 --kvstore-port 0 > "$OUT/$1-up.log" 2>&1 &
   local pid=$!
@@ -45,6 +45,7 @@ mesh() {  # $1 = label, $2 = quantization
 
 wants meshserve-gguf && mesh "meshserve-gguf${LABEL_SUFFIX:-}" gguf
 wants meshserve-float32 && mesh "meshserve-float32${LABEL_SUFFIX:-}" none
+wants meshserve-bfloat16 && mesh "meshserve-bfloat16${LABEL_SUFFIX:-}" none bfloat16
 if wants vllm; then
   PORT=$(free_port)
   VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=1 setsid "$VLLM_VENV/bin/python" \

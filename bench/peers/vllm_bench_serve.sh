@@ -6,10 +6,12 @@
 # sets the light rate (half of it, printed and saved in OUT_DIR/light_rate), at which neither server queues, so
 # TTFT and TPOT mean latency there. Every system runs at unlimited rate, the light rate and 4 req/s, each at the
 # client's default sampling (no temperature sent: both servers sample at 1.0) and with --temperature 0 (greedy).
-# Systems: vllm; meshserve (one unified worker, both cores; a model folder's GGUF weights stay quantized);
-# meshserve-f32 (the same in float32: quantization none); meshserve-disagg (1 prefill + 1 decode worker);
-# meshserve-default (`meshserve up`'s own topology: 1 prefill + 2 decode, no config). SYSTEMS, RATES ("inf light 4")
-# and TEMPS ("default 0") select a subset (the light rate needs vllm's inf run, or LIGHT_RATE=R).
+# Systems: vllm (float32), vllm-bf16; meshserve (one unified worker, both cores; a model folder's GGUF weights stay quantized);
+# meshserve-f32 (the same in float32: quantization none); meshserve-bf16 (the same in bfloat16);
+# meshserve-disagg (1 prefill + 1 decode worker);
+# meshserve-split (the default before machine defaults: 1 prefill + 2 decode workers, quantized weights, float32);
+# meshserve-default (`meshserve up` with no config: the defaults it picks for this machine, services/policy/machine.py).
+# SYSTEMS, RATES ("inf light 4") and TEMPS ("default 0") select a subset (the light rate needs vllm's inf run, or LIGHT_RATE=R).
 # Results: OUT_DIR/{system}-{inf,light,rate4}{,-t0}.json and a side-by-side table (bench/peers/summarize_bench_serve.py)
 # with each run's completed requests and each server process's CPU seconds per 1,000 output tokens (bench/proc_cpu.py
 # snapshots around every run); for meshserve, the gateway's and router's log lines that report a worker missing or
@@ -64,17 +66,19 @@ wait_http() {  # $1 = url
 }
 
 
-if wants vllm; then  # its CPU build, float32, both cores, 2 GiB KV cache
+vllm_serve() {  # $1 = label, $2 = dtype: its CPU build, both cores, 2 GiB KV cache
   PORT=$(free_port)
   VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=2 setsid $CLI serve "$MODEL" --host 127.0.0.1 --port "$PORT" \
-    --dtype float32 --served-model-name "$NAME" > "$OUT/vllm-serve.log" 2>&1 &
+    --dtype "$2" --served-model-name "$NAME" > "$OUT/$1-serve.log" 2>&1 &
   VS=$!
   trap 'kill -TERM -- -$VS 2>/dev/null || true' EXIT
   wait_http "http://127.0.0.1:$PORT"
-  echo "== vllm serve (http://127.0.0.1:$PORT)"
-  bench vllm "http://127.0.0.1:$PORT" "$VS"
+  echo "== $1 serve (http://127.0.0.1:$PORT)"
+  bench "$1" "http://127.0.0.1:$PORT" "$VS"
   kill -TERM -- -$VS; wait $VS || true
-fi
+}
+if wants vllm; then vllm_serve vllm float32; fi
+if wants vllm-bf16; then vllm_serve vllm-bf16 bfloat16; fi
 
 mesh() {  # $1 = system label, $2 = config file contents ("" = none)
   PORT=$(free_port)
@@ -104,10 +108,14 @@ PY
 }
 
 wants meshserve && mesh meshserve "mesh: {mode: unified, unified: 1}
-engine: {kv_cache_gb: 2, threads: 2, max_num_seqs: 256, max_num_batched_tokens: 2048}"
+engine: {kv_cache_gb: 2, threads: 2, max_num_seqs: 256, max_num_batched_tokens: 2048, quantization: auto}"
 wants meshserve-f32 && mesh meshserve-f32 "mesh: {mode: unified, unified: 1}
 engine: {kv_cache_gb: 2, threads: 2, max_num_seqs: 256, max_num_batched_tokens: 2048, quantization: none}"
+wants meshserve-bf16 && mesh meshserve-bf16 "mesh: {mode: unified, unified: 1}
+engine: {kv_cache_gb: 2, threads: 2, max_num_seqs: 256, max_num_batched_tokens: 2048, quantization: none, dtype: bfloat16}"
 wants meshserve-disagg && mesh meshserve-disagg "mesh: {mode: disaggregated, prefill: 1, decode: 1}
-engine: {kv_cache_gb: 1, threads: 1, max_num_seqs: 256, max_num_batched_tokens: 2048}"
+engine: {kv_cache_gb: 1, threads: 1, max_num_seqs: 256, max_num_batched_tokens: 2048, quantization: auto}"
+wants meshserve-split && mesh meshserve-split "mesh: {mode: disaggregated}
+engine: {quantization: auto}"
 wants meshserve-default && mesh meshserve-default ""
 "$HERE/.venv/bin/python" "$HERE/bench/peers/summarize_bench_serve.py" "$OUT"

@@ -26,13 +26,48 @@ DEFAULT_PORTS = {**rpc.DEFAULT_PORTS, "http": 8000, "autoscaler": 50054,
                  "supervisor": 50055}  # docs/INTERFACES.md; supervisor: ours
 
 
+# What, set in the config (file or environment), leaves the machine's defaults (services.policy.machine) unused
+TOPOLOGY_KEYS = frozenset({"mode", "prefill", "decode", "unified", "hosts", "worker_pools"})
+WEIGHT_FORM_KEYS = frozenset({"dtype", "quantization"})
+
+
+def machine_defaults(cfg: MeshConfig, level: str, cores: int, worker_kv_gb: float) -> tuple[MeshConfig, list[str]]:
+    """cfg with the machine's serving defaults where it leaves them open, and a line per default taken: the weight
+    form where neither engine.dtype nor engine.quantization is set; the topology where no mesh key of it is, nor the
+    autoscaler (whose pools name the roles), nor tensor parallelism. A unified worker taken so gets the KV memory
+    the three workers of the split would have had (worker_kv_gb each), unless the config sizes it."""
+    from services.policy.machine import serving_defaults
+
+    d = serving_defaults(level, cores)
+    engine, mesh, lines = {}, {}, []
+    why = dict(d.reasons)
+    if not WEIGHT_FORM_KEYS & cfg.engine.model_fields_set:
+        engine.update(dtype=d.dtype, quantization=d.quantization)
+        lines.append(f"engine.dtype {d.dtype}, quantization {d.quantization}: {why[f'engine.dtype {d.dtype}']}")
+    if not (TOPOLOGY_KEYS & cfg.mesh.model_fields_set or cfg.autoscaler.enabled or cfg.engine.tensor_parallel_size > 1):
+        mesh["mode"] = d.mode
+        if d.mode == "unified" and "threads" not in cfg.engine.model_fields_set:
+            engine["threads"] = d.unified_threads
+        if d.mode == "unified" and not {"kv_cache_gb", "num_blocks"} & cfg.engine.model_fields_set:
+            engine["kv_cache_gb"] = round(3 * worker_kv_gb, 2)
+        lines.append(f"mesh.mode {d.mode}" + (f", 1 worker of {d.unified_threads} threads" if d.mode == "unified"
+                                              else "") + f": {why[f'mesh.mode {d.mode}']}")
+    cfg = cfg.model_copy(update={"engine": cfg.engine.model_copy(update=engine),
+                                 "mesh": cfg.mesh.model_copy(update=mesh)})
+    return cfg, lines
+
+
 def mesh_spec(cfg: MeshConfig, model: Path, args):
     """The processes `meshserve up` starts, from the validated config and the command's ports. Every
     service also reads the config file itself; the flags here carry what `up` decides beyond it."""
     from services.mesh.launcher import HostSpec, MeshSpec
 
-    set_keys = cfg.engine.model_fields_set
-    engine_args = [] if {"kv_cache_gb", "num_blocks"} & set_keys else ["--kv-cache-gb", str(default_kv_gb(model))]
+    e = cfg.engine
+    engine_args = ["--dtype", e.dtype, "--quantization", e.quantization]
+    if "kv_cache_gb" in e.model_fields_set:
+        engine_args += ["--kv-cache-gb", str(e.kv_cache_gb)]
+    elif "num_blocks" not in e.model_fields_set:
+        engine_args += ["--kv-cache-gb", str(default_kv_gb(model))]
     m = cfg.mesh
     names = args.served_model_name or m.served_model_name
     return MeshSpec(str(model), mode=m.mode, prefill=m.prefill, decode=m.decode, unified=m.unified,
@@ -98,6 +133,12 @@ def cmd_up(args) -> int:
         raise SystemExit(str(e)) from None
     model = resolve_model(args.model or cfg.mesh.model)
     print(f"serving {model}", flush=True)
+    from services.engine.kernels import host_isa
+
+    cores = len(os.sched_getaffinity(0))
+    cfg, chosen = machine_defaults(cfg, host_isa(), cores, default_kv_gb(model))
+    for line in chosen:
+        print(f"default for this machine ({cores} cores, kernel level {host_isa()}): {line}", flush=True)
     spec = mesh_spec(cfg, model, args)
     scaling = cfg.autoscaler
     autoscaler_port = 0

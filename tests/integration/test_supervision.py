@@ -19,9 +19,12 @@ READY = re.compile(r"meshserve is ready: gateway (\S+), HTTP \S+, router \S+, kv
 
 
 def start_up(folder) -> tuple[subprocess.Popen, str, list]:
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--model", "tiny", "--port", "0",
-                             "--http-port", "0", "--router-port", "0", "--kvstore-port", "0", "--supervisor-port",
-                             "0"], cwd=folder,
+    """`meshserve up` of the split topology (1 prefill + 2 decode workers; a small machine's default is one unified
+    worker, services.policy.machine)."""
+    (folder / "mesh.yaml").write_text("mesh: {mode: disaggregated}\n")
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--model", "tiny", "--config", "mesh.yaml",
+                             "--port", "0", "--http-port", "0", "--router-port", "0", "--kvstore-port", "0",
+                             "--supervisor-port", "0"], cwd=folder,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines = []
     for line in proc.stdout:

@@ -34,6 +34,8 @@ def test_up_serves_and_stops_cleanly(tmp_path):
             if re.search(r"\bready\b", line):  # the word: "Address already in use" is not it
                 break
         assert any(re.search(r"\bready\b", ln) for ln in lines), "".join(lines)
+        chosen = [ln for ln in lines if ln.startswith("default for this machine")]  # an open config: both, and why
+        assert len(chosen) == 2 and "engine.dtype" in chosen[0] and "mesh.mode" in chosen[1], "".join(lines)
         address = next(ln.strip() for ln in lines if re.fullmatch(r"127\.0\.0\.1:\d+", ln.strip()))
         with grpc.insecure_channel(address) as ch:
             status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status
