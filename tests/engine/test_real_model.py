@@ -127,15 +127,18 @@ def test_bfloat16_greedy_equals_transformers_in_bfloat16(smollm2_dir, bfloat16_r
 def test_tensor_parallel_greedy_equals_transformers(smollm2_dir, greedy_refs, bfloat16_refs, dtype):
     """SmolLM2 split over two ranks (3 KV heads as 2 + 1, the MLP balanced against them, the vocabulary halved), one
     thread each: float32 against transformers in float32 (every difference at a near-tie, as TP=1); bfloat16
-    against transformers in bfloat16 under the bfloat16 rule (each rank rounds its partial sums to bfloat16 before
-    the all-reduce adds them, one rounding more than TP=1, so differences come at other near-ties than TP=1's)."""
+    against transformers in bfloat16 under the bfloat16 rule widened to 6 units: each rank rounds its partial sums
+    to bfloat16 before the all-reduce adds them, one rounding more per row-parallel layer than TP=1, 60 in all. What
+    that moves was measured (AMD EPYC, vdpbf16ps prompts): on chat prompt 11 with its first 8 reference tokens, the
+    top-2 gap of the same two tokens came out 0.375 at TP=1 and 0.75 at TP=2 (logits of magnitude 16-32, a unit
+    0.125: 3 units apart), and transformers' own gap at that step, 0.625 (5 units), flipped at TP=2."""
     prompts, refs = bfloat16_refs if dtype == "bfloat16" else greedy_refs
     engine = make_engine(smollm2_dir, num_blocks=512, budget=512, dtype=dtype, tensor_parallel_size=2, threads=1)
     try:
         outputs = run_all(engine, prompts, greedy(NEW_TOKENS))
     finally:
         engine.close()
-    ties = assert_matches(outputs, refs)
+    ties = assert_matches(outputs, refs, units=1.0 if dtype == "float32" else 3.0)
     if dtype == "float32":
         assert len(ties) <= 2, f"too many near-ties: {ties}"
     else:

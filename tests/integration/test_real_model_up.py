@@ -12,6 +12,8 @@ import sys
 import openai
 import pytest
 
+from services.engine.kernels import host_isa
+from services.policy.machine import serving_defaults
 from tests.integration.test_up import processes_in
 
 NAME = "smollm2-135m-instruct"
@@ -49,6 +51,9 @@ def real_mesh(smollm2_dir, tmp_path_factory):
                 break
         http = next((ln.strip() for ln in lines if ln.startswith("http://")), None)
         assert http and any(f"serving {cache}" in ln for ln in lines), "".join(lines)
+        want = serving_defaults(host_isa(), len(os.sched_getaffinity(0)))  # no config: the machine's, said with why
+        chosen = [ln for ln in lines if ln.startswith("default for this machine")]
+        assert len(chosen) == 2 and f"engine.dtype {want.dtype}" in chosen[0] and f"mesh.mode {want.mode}" in chosen[1]
         yield http
     finally:
         os.killpg(proc.pid, signal.SIGTERM)

@@ -117,15 +117,16 @@ def run_all(engine: LLMEngine, prompts: list, params: SamplingParams, check=None
     return [done[f"r{i}"] for i in range(len(prompts))]
 
 
-def assert_matches(outputs: list, refs: list[Reference]) -> list:
-    """Token-identical, except at a reference near-tie (returned for reporting)."""
+def assert_matches(outputs: list, refs: list[Reference], units: float = 1.0) -> list:
+    """Token-identical, except at a reference near-tie (returned for reporting); units scales the near-tie bound
+    (a computation with more roundings than the reference's, as a tensor-parallel one)."""
     ties = []
     for i, (got, ref) in enumerate(zip(outputs, refs)):
         for j, (a, b) in enumerate(zip(got, ref.tokens)):
             if a != b:
-                assert ref.gaps[j] <= ref.ties[j], (f"request {i} differs at token {j}: got {got} want {ref.tokens} "
-                                                    f"(reference top-2 gap {ref.gaps[j]:.3g}, near-tie bound "
-                                                    f"{ref.ties[j]:.3g})")
+                assert ref.gaps[j] <= units * ref.ties[j], (
+                    f"request {i} differs at token {j}: got {got} want {ref.tokens} (reference top-2 gap "
+                    f"{ref.gaps[j]:.3g}, near-tie bound {units * ref.ties[j]:.3g})")
                 ties.append((i, j, ref.gaps[j]))
                 break
         else:
