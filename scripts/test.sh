@@ -4,7 +4,8 @@
 #   bash scripts/test.sh --fast     the fast lane for your own loop: no end-to-end mesh tests (marker slow), none
 #                                   that fetch the real model from the package registry (registry) or need a
 #                                   container engine (container); under 3 minutes on 2 cores
-# Other arguments go to pytest (a path, -k EXPR, -x ...).
+# Other arguments go to pytest (a path, -k EXPR, -x ...). -rs lists every skipped test's reason at the end (the kernel
+# levels this CPU cannot run, tests/support/levels.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh test
@@ -13,6 +14,6 @@ export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 .venv/bin/lint-imports --no-cache >/dev/null || .venv/bin/lint-imports --no-cache  # quiet unless broken
 if [ "${1:-}" = "--fast" ]; then
   shift
-  exec .venv/bin/python -m pytest -q -m "not slow and not registry and not container" "$@"
+  exec .venv/bin/python -m pytest -q -rs -m "not slow and not registry and not container" "$@"
 fi
-exec .venv/bin/python -m pytest -q "$@"
+exec .venv/bin/python -m pytest -q -rs "$@"
