@@ -8,7 +8,7 @@ dispatcher (pick_isa) takes the widest level whose instructions the CPU has (/pr
 Linux grants this process the tile state), or the one MESHSERVE_ISA names when the CPU can run it. A level is one
 code path, chosen at build time: the avx512 build holds no bfloat16 dot product and no tile instruction, so forcing
 a level (MESHSERVE_ISA, or a test asking for it) runs exactly what a CPU of that level runs. A kernel whose code does
-not differ between two levels is built at the lower one (KERNEL_LEVELS): only the attention kernel has amx and
+not differ between two levels is built at the lower one (KernelSpec.levels): only the attention kernel has amx and
 avx512_bf16 paths (its prompt kernel on AMX tiles or on vdpbf16ps, its decode dot products on vdpbf16ps).
 
 Built objects are cached by torch (TORCH_EXTENSIONS_DIR) under a name that carries the level, so one cache serves
