@@ -163,9 +163,9 @@ class LLMEngine:
         kernel = paged_attention() if self.model.dtype in (torch.float32, torch.bfloat16) else None
         self.attention = TorchAttention(local.num_heads, local.num_kv_heads, mc.head_dim, cc.block_size,
                                         kernel=kernel, dtype=self.model.dtype)
+        self.sampler = Sampler(loaded.eos_token_ids, kernel=sampler())
         log.info("%s", kernel_summary())
         log.info("attention (%s): %s", self.model.dtype, self.attention.describe())
-        self.sampler = Sampler(loaded.eos_token_ids, kernel=sampler())
         self._seeds = random.Random(config.seed)  # a sampling seed for each request that brings none
         self.requests: dict[str, Request] = {}
         self._seq = itertools.count()

@@ -281,14 +281,18 @@ def build_all(isa: str | None = None) -> dict[str, bool]:
 
 def summary(isa: str | None = None) -> str:
     """Which code each kernel runs here, for a process's start-up line: the level picked and why, and each kernel's
-    level, or the PyTorch path where it is off or did not build."""
+    level where its build is on disk (nothing is loaded or built here: a start pays only for the kernels it uses),
+    else that it runs PyTorch's path until one builds."""
     if os.environ.get("MESHSERVE_KERNELS", "1") == "0":
         return "compiled kernels off (MESHSERVE_KERNELS=0): every layer runs PyTorch's path"
     isa = isa or host_isa()
     forced = os.environ.get("MESHSERVE_ISA")
     why = f"MESHSERVE_ISA={forced}" if forced else f"the widest this CPU runs of {', '.join(ISA_LEVELS)}"
-    parts = [f"{spec.what} {build_level(isa, spec.levels) if spec.load(isa) else 'UNAVAILABLE (PyTorch)'}"
-             for spec in SPECS.values()]
+    parts = []
+    for spec in SPECS.values():
+        name = spec.module(isa)
+        built = _built(build_directory(name), name)
+        parts.append(f"{spec.what} {build_level(isa, spec.levels) if built else 'NOT BUILT (PyTorch until it is)'}")
     return f"kernels at level {isa} ({why}): " + ", ".join(parts)
 
 

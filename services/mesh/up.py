@@ -31,9 +31,10 @@ TOPOLOGY_KEYS = frozenset({"mode", "prefill", "decode", "unified", "hosts", "wor
 WEIGHT_FORM_KEYS = frozenset({"dtype", "quantization"})
 
 
-def machine_defaults(cfg: MeshConfig, level: str, cores: int, worker_kv_gb: float) -> tuple[MeshConfig, list[str]]:
-    """cfg with the machine's serving defaults where it leaves them open, and a line per default taken: the weight
-    form where neither engine.dtype nor engine.quantization is set; the topology where no mesh key of it is, nor the
+def machine_defaults(cfg: MeshConfig, level: str, cores: int, worker_kv_gb: float) -> tuple[MeshConfig, dict, list]:
+    """cfg with the machine's serving defaults where it leaves them open, the engine settings so chosen (the workers
+    read the config file themselves: `up` passes these as flags), and a line per default taken: the weight form
+    where neither engine.dtype nor engine.quantization is set; the topology where no mesh key of it is, nor the
     autoscaler (whose pools name the roles), nor tensor parallelism. A unified worker taken so gets the KV memory
     the three workers of the split would have had (worker_kv_gb each), unless the config sizes it."""
     from services.policy.machine import serving_defaults
@@ -54,20 +55,21 @@ def machine_defaults(cfg: MeshConfig, level: str, cores: int, worker_kv_gb: floa
                                               else "") + f": {why[f'mesh.mode {d.mode}']}")
     cfg = cfg.model_copy(update={"engine": cfg.engine.model_copy(update=engine),
                                  "mesh": cfg.mesh.model_copy(update=mesh)})
-    return cfg, lines
+    return cfg, engine, lines
 
 
-def mesh_spec(cfg: MeshConfig, model: Path, args):
+def mesh_spec(cfg: MeshConfig, model: Path, args, chosen: dict | None = None):
     """The processes `meshserve up` starts, from the validated config and the command's ports. Every
-    service also reads the config file itself; the flags here carry what `up` decides beyond it."""
+    service also reads the config file itself; the flags here carry what `up` decides beyond it: the engine
+    settings it chose for the machine (chosen: machine_defaults'; threads go by MeshSpec.threads), a default KV
+    pool."""
     from services.mesh.launcher import HostSpec, MeshSpec
 
-    e = cfg.engine
-    engine_args = ["--dtype", e.dtype, "--quantization", e.quantization]
-    if "kv_cache_gb" in e.model_fields_set:
-        engine_args += ["--kv-cache-gb", str(e.kv_cache_gb)]
-    elif "num_blocks" not in e.model_fields_set:
-        engine_args += ["--kv-cache-gb", str(default_kv_gb(model))]
+    set_keys = cfg.engine.model_fields_set
+    engine_args = [] if {"kv_cache_gb", "num_blocks"} & set_keys else ["--kv-cache-gb", str(default_kv_gb(model))]
+    for key, value in (chosen or {}).items():
+        if key != "threads":
+            engine_args += [f"--{key.replace('_', '-')}", str(value)]
     m = cfg.mesh
     names = args.served_model_name or m.served_model_name
     return MeshSpec(str(model), mode=m.mode, prefill=m.prefill, decode=m.decode, unified=m.unified,
@@ -136,10 +138,10 @@ def cmd_up(args) -> int:
     from services.engine.kernels import host_isa
 
     cores = len(os.sched_getaffinity(0))
-    cfg, chosen = machine_defaults(cfg, host_isa(), cores, default_kv_gb(model))
-    for line in chosen:
+    cfg, chosen, lines = machine_defaults(cfg, host_isa(), cores, default_kv_gb(model))
+    for line in lines:
         print(f"default for this machine ({cores} cores, kernel level {host_isa()}): {line}", flush=True)
-    spec = mesh_spec(cfg, model, args)
+    spec = mesh_spec(cfg, model, args, chosen)
     scaling = cfg.autoscaler
     autoscaler_port = 0
     if scaling.enabled:

@@ -25,12 +25,20 @@ def test_the_defaults_follow_the_cpus_level_and_cores(level, cores, mode, dtype,
     assert all(why for _, why in d.reasons)
 
 
-def test_an_open_config_takes_them_all_and_says_why():
-    cfg, lines = machine_defaults(MeshConfig(), "avx512_bf16", 2, 0.36)
+def test_an_open_config_takes_them_all_says_why_and_hands_the_workers_flags(tmp_path):
+    from argparse import Namespace
+
+    from services.mesh.up import mesh_spec
+
+    cfg, chosen, lines = machine_defaults(MeshConfig(), "avx512_bf16", 2, 0.36)
     assert (cfg.mesh.mode, cfg.engine.dtype, cfg.engine.quantization, cfg.engine.threads) == \
         ("unified", "bfloat16", "none", 2)
     assert cfg.engine.kv_cache_gb == pytest.approx(1.08)  # what the split's three workers would have had
     assert len(lines) == 2 and "native bfloat16" in lines[0] and "one worker with every core" in lines[1]
+    args = Namespace(port=0, http_port=0, router_port=0, kvstore_port=0, config=None, served_model_name=None)
+    spec = mesh_spec(cfg, tmp_path, args, chosen)  # the workers read only the file: what up chose goes as flags
+    assert spec.engine_args == ["--dtype", "bfloat16", "--quantization", "none", "--kv-cache-gb", "1.08"]
+    assert (spec.mode, spec.unified, spec.threads) == ("unified", 1, 2)
 
 
 @pytest.mark.parametrize("raw, kept", [
@@ -43,7 +51,7 @@ def test_an_open_config_takes_them_all_and_says_why():
 ])
 def test_what_the_config_sets_is_kept(raw, kept):
     user = MeshConfig.model_validate(raw)
-    cfg, lines = machine_defaults(user, "avx512_bf16", 2, 0.36)
+    cfg, _, lines = machine_defaults(user, "avx512_bf16", 2, 0.36)
     if kept == "weights":
         assert (cfg.engine.dtype, cfg.engine.quantization) == (user.engine.dtype, user.engine.quantization)
         assert cfg.mesh.mode == "unified" and len(lines) == 1
@@ -54,5 +62,6 @@ def test_what_the_config_sets_is_kept(raw, kept):
 
 def test_a_sized_pool_and_threads_are_kept_in_the_unified_default():
     user = MeshConfig.model_validate({"engine": {"kv_cache_gb": 0.5, "threads": 1}})
-    cfg, _ = machine_defaults(user, "avx2", 2, 0.36)
+    cfg, chosen, _ = machine_defaults(user, "avx2", 2, 0.36)
     assert (cfg.mesh.mode, cfg.engine.kv_cache_gb, cfg.engine.threads) == ("unified", 0.5, 1)
+    assert chosen == {"dtype": "float32", "quantization": "auto"}
