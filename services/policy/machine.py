@@ -6,7 +6,7 @@ prints the reasons at start-up.
 - **Weights and activations.** Where the CPU has native bfloat16 dot products (levels amx and avx512_bf16: AMD Zen 4
   and 5, Intel Cooper Lake and Sapphire Rapids on), bfloat16 (`engine.dtype: bfloat16, quantization: none`): oneDNN's
   linear layers and our prompt and decode kernels all run on bfloat16 instructions there. On a 2-core AMD EPYC
-  (Zen 5) with SmolLM2-135M it served 1.92x the output tokens of the quantized weights under `vllm bench serve` at
+  (Zen 4) with SmolLM2-135M it served 1.92x the output tokens of the quantized weights under `vllm bench serve` at
   unlimited rate (341.6 against 178.1 tok/s, TTFT p50 0.50x) and 2.14x in engine-mixed, with a single request's
   TTFT 0.55x (116 against 211 ms); one stream alone decodes at 19.9 ms a token against the quantized weights' 12.0
   (docs/BENCHMARKS.md, "Every x86 CPU"). Elsewhere float32 activations with the folder's GGUF blocks kept quantized
