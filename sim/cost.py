@@ -19,59 +19,10 @@ back, beyond the steps themselves (gateway, router and worker hops); kv_bytes_pe
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from services.engine.cost_model import CostModel  # noqa: F401 (the simulator's and the mock engine's)
 
 TERMS = ("base_s", "per_seq_s", "per_context_s", "prefill_s_per_token", "prefill_context_s")
 GAP_MAX_S = 0.05  # a step starting within this long of the previous one's end followed it straight on
-
-
-@dataclass
-class CostModel:
-    base_s: float = 0.0025
-    per_seq_s: float = 0.0003
-    per_context_s: float = 2e-7
-    prefill_s_per_token: float = 6e-5
-    prefill_context_s: float = 0.0
-    hop_s: float = 0.004  # gateway -> router -> worker and the first token's way back, beyond the steps
-    kv_bytes_per_token: int = 16384
-    kv_link_gbytes_per_s: float = 1.0  # a worker's KV link to the kvstore (per direction)
-    cores: int = 0  # cores the workers share (0 = each worker has its own); steps slow down when more run at once
-    # Where workers share cores (cores > 0), the rest of the mesh on that machine takes some of them too: the
-    # gateway, router, servicers, Redis and the load's client, in CPU seconds per second, per request arriving and
-    # per token streamed (calibrate measures them); their load counts beside the busy workers in the sharing.
-    host_cpu_s_per_s: float = 0.0
-    host_cpu_s_per_request: float = 0.0
-    host_cpu_s_per_token: float = 0.0
-    source: dict = field(default_factory=dict)  # how it was measured (machine, steps, residuals)
-
-    def step_s(self, seqs: int, prefill_tokens: int = 0, context_tokens: int = 0, prefill_context: int = 0) -> float:
-        return (self.base_s + self.per_seq_s * seqs + self.per_context_s * context_tokens
-                + self.prefill_s_per_token * prefill_tokens + self.prefill_context_s * prefill_context)
-
-    def host_cores(self, requests_per_s: float, tokens_per_s: float) -> float:
-        """The cores the rest of the mesh takes at these request and streamed-token rates (host_cpu_*)."""
-        return (self.host_cpu_s_per_s + self.host_cpu_s_per_request * requests_per_s
-                + self.host_cpu_s_per_token * tokens_per_s)
-
-    def kv_transfer_s(self, tokens: int) -> float:
-        return tokens * self.kv_bytes_per_token / (self.kv_link_gbytes_per_s * 1e9)
-
-    def save(self, path: str | Path) -> None:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(asdict(self), indent=1) + "\n")
-
-    @classmethod
-    def load(cls, path: str | Path) -> CostModel:
-        try:
-            d = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"cannot read the cost model {path}: {e}") from None
-        unknown = set(d) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"{path}: unknown field(s) {sorted(unknown)}")
-        return cls(**d)
 
 
 def intervals(steps: list[dict]) -> list[tuple[int, int, int, int, float]]:

@@ -92,6 +92,28 @@ class KVCache:
             v[s].copy_(data[layer, 1])
 
 
+class TensorBlocks:
+    """A KVCache's blocks as raw bytes, for KV transfer (services.engine.transfer): a block's bytes are its
+    [layers, 2 (K, V), block_size, kv_heads, head_dim] in the cache's dtype, row-major, no per-element encoding."""
+
+    def __init__(self, cache: KVCache, dtype: torch.dtype):
+        self.cache, self.dtype = cache, dtype
+
+    def read(self, block: int) -> bytes:
+        return self.cache.read_block(block).contiguous().view(torch.uint8).numpy().tobytes()
+
+    def read_into(self, block: int, out) -> None:
+        """Into a writable buffer of a block's size (a view of shared memory): one copy, no staging."""
+        self.cache.read_block_into(block, torch.frombuffer(out, dtype=torch.uint8))
+
+    def write(self, block: int, data) -> None:
+        """A writable buffer (a view of shared memory) is read in place; immutable bytes are copied first (torch
+        wants writable memory)."""
+        if not (isinstance(data, memoryview) and not data.readonly):
+            data = bytearray(data)
+        self.cache.write_block(block, torch.frombuffer(data, dtype=torch.uint8).view(self.dtype))
+
+
 class ShardedKVCache(KVCache):
     """The pool of a tensor-parallel group as rank 0 sees it (services.engine.parallel): k and v are its own heads,
     which its forward writes and reads; whole blocks (every rank's heads, in head order: the layout of an engine

@@ -78,6 +78,13 @@ class LoRAConfig:
 
 
 @dataclass(frozen=True)
+class MockConfig:
+    profile: str = "cpu-smollm2"  # step-time model: a preset of services.engine.cost_model or a calibration file
+    time_scale: float = 1.0  # every step takes this many times its modelled time (the mesh runs slower, together)
+    kv: str = "bytes"  # bytes: KV blocks of the model's real size travel; metadata: 64 bytes a block (stated)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model_dir: str  # Hugging Face model folder
     dtype: str = "float32"  # float32 or bfloat16
@@ -89,6 +96,8 @@ class EngineConfig:
     seed: int = 0  # seeds the sampling seeds drawn for requests that bring none
     tensor_parallel_size: int = 1  # ranks (processes) the model is split over (services.engine.parallel)
     tensor_parallel_backend: str = "shm"  # their all-reduce: shm (one host) or gloo (TCP)
+    backend: str = "torch"  # torch: the model's forward pass; mock: a step-time model instead (services.engine.mock)
+    mock: MockConfig = field(default_factory=MockConfig)
 
 
 class EngineSection(BaseModel):
@@ -126,6 +135,19 @@ class EngineSection(BaseModel):
                             "online than active; spin matches passive under load and decodes one sequence of "
                             "SmolLM2 1.6x as fast (a step has ~250 parallel regions; docs/BENCHMARKS.md)")
     seed: int = Field(0, description="seeds the sampling seeds drawn for requests that bring none")
+    backend: Literal["torch", "mock"] = Field(
+        "torch", description="torch runs the model; mock replaces only its forward pass by a step-time model (the "
+                             "scheduler, KV cache, prefix cache and KV transfer stay real; no weights are loaded; "
+                             "tokens come from a hash of the prompt and position): the mesh at scale without a model")
+    mock_profile: str = Field("cpu-smollm2", description="mock backend: its step-time model, a preset (cpu-smollm2, "
+                                                         "h100-llama8b, l4-llama1b: assumptions, see docs/CLUSTER.md) "
+                                                         "or a calibration file of `meshserve sim calibrate`")
+    mock_time_scale: PositiveFloat = Field(1.0, description="mock backend: every step takes this many times its "
+                                                            "modelled time (run the offered load this much slower too "
+                                                            "and divide the measured times by it)")
+    mock_kv: Literal["bytes", "metadata"] = Field("bytes", description="mock backend: KV blocks travel at the "
+                                                                       "model's real size (bytes) or as 64 bytes "
+                                                                       "each (metadata)")
     lora_dir: str | None = Field(None, description="LoRA adapters: every subfolder holding a PEFT adapter "
                                                    "(adapter_config.json) is one, named by the folder")
     lora_modules: dict[str, str] = Field(default_factory=dict, description="LoRA adapters by name: {name: PEFT "
@@ -139,7 +161,8 @@ class EngineSection(BaseModel):
         return EngineConfig(
             model_dir=str(model_dir), dtype=self.dtype, quantization=self.quantization, num_threads=self.threads,
             seed=self.seed, tensor_parallel_size=self.tensor_parallel_size,
-            tensor_parallel_backend=self.tensor_parallel_backend,
+            tensor_parallel_backend=self.tensor_parallel_backend, backend=self.backend,
+            mock=MockConfig(profile=self.mock_profile, time_scale=self.mock_time_scale, kv=self.mock_kv),
             cache=CacheConfig(block_size=self.block_size, num_blocks=self.num_blocks,
                               kv_cache_bytes=int(self.kv_cache_gb * 1024**3),
                               enable_prefix_caching=self.prefix_caching),

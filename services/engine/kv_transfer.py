@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 
 @dataclass
 class KVExport:
@@ -17,18 +15,6 @@ class KVExport:
     num_prompt: int  # how many of token_ids are the prompt
     num_computed: int  # tokens whose KV is in `blocks`
     block_size: int  # tokens per block
-    dtype: str  # torch dtype name of the block bytes
+    dtype: str  # the element type's name (a torch dtype's) of the block bytes
     blocks: list  # bytes per block, in sequence order
     sample_seed: int  # the request's sampling seed: decoding continues its noise stream
-
-
-def encode_block(t: torch.Tensor) -> bytes:
-    return t.contiguous().view(torch.uint8).numpy().tobytes()
-
-
-def decode_block(data, dtype: torch.dtype) -> torch.Tensor:
-    """Raw bytes back to a flat tensor; write_block() reshapes by broadcasting into the pool. A writable buffer
-    (a view of shared memory) is used in place; immutable bytes are copied first (torch wants writable memory)."""
-    if isinstance(data, memoryview) and not data.readonly:
-        return torch.frombuffer(data, dtype=torch.uint8).view(dtype)
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype)

@@ -17,18 +17,19 @@ from __future__ import annotations
 
 from services.common.errors import CapacityExhausted, InvalidRequest, NotFound
 from services.common.request import RequestSpec
-from services.engine.attention import KVCache
 from services.engine.kv_manager import KVCacheManager
-from services.engine.kv_transfer import KVExport, decode_block, encode_block
+from services.engine.kv_transfer import KVExport
 from services.engine.request import Request, Status
 
 
 class KVTransfer:
-    def __init__(self, requests: dict, scheduler, kv: KVCacheManager, kv_cache: KVCache, dtype, block_bytes: int,
-                 lora, new_request):
-        """requests: the engine's live requests by id (shared, not copied); lora: its AdapterResidency or None;
-        new_request(spec): the engine's validated Request for a spec."""
-        self.requests, self.scheduler, self.kv, self.kv_cache = requests, scheduler, kv, kv_cache
+    def __init__(self, requests: dict, scheduler, kv: KVCacheManager, blocks, dtype: str, block_bytes: int, lora,
+                 new_request):
+        """requests: the engine's live requests by id (shared, not copied); blocks: the KV blocks' bytes (read(b) ->
+        bytes, read_into(b, writable buffer), write(b, buffer); attention.TensorBlocks, or the mock engine's);
+        dtype: the name of the KV's element type; lora: its AdapterResidency or None; new_request(spec): the engine's
+        validated Request for a spec."""
+        self.requests, self.scheduler, self.kv, self.blocks = requests, scheduler, kv, blocks
         self.dtype, self.block_bytes, self.lora, self.new_request = dtype, block_bytes, lora, new_request
         self.pooled_blocks = 0  # blocks imported from the mesh's KV pool, since start
 
@@ -39,20 +40,21 @@ class KVTransfer:
         req = self._running(req_id)
         return KVExport(
             token_ids=list(req.tokens), num_prompt=req.num_prompt, num_computed=req.num_computed,
-            block_size=self.kv.block_size, dtype=str(self.dtype).removeprefix("torch."),
+            block_size=self.kv.block_size, dtype=self.dtype,
             blocks=self.kv_blocks(req_id, first_block, -(-req.num_computed // self.kv.block_size)),
             sample_seed=req.sample_seed)
 
     def kv_blocks(self, req_id: str, start: int, end: int) -> list[bytes]:
         """Raw bytes of blocks [start, end) of a running request's table."""
         table = self.kv.block_table(self._running(req_id))
-        return [encode_block(self.kv_cache.read_block(b)) for b in table[start:end]]
+        return [self.blocks.read(b) for b in table[start:end]]
 
     def read_blocks_into(self, req_id: str, start: int, outs: list) -> None:
-        """Blocks [start, start + len(outs)) of a running request's table, each copied into a flat uint8 tensor."""
+        """Blocks [start, start + len(outs)) of a running request's table, each copied into a writable buffer of
+        its size (an arena slot)."""
         table = self.kv.block_table(self._running(req_id))
         for block, out in zip(table[start:start + len(outs)], outs):
-            self.kv_cache.read_block_into(block, out)
+            self.blocks.read_into(block, out)
 
     def running_progress(self, req_id: str) -> tuple[int, int] | None:
         """(tokens sampled, full computed blocks) of a running request; None while queued, preempted or gone."""
@@ -129,8 +131,8 @@ class KVTransfer:
             raise InvalidRequest(f"imported KV has more blocks than its {len(table)} reserved")
         try:
             for block, data in zip(table[first:], blocks):
-                self.kv_cache.write_block(block, decode_block(data, self.dtype))
-        except RuntimeError as e:
+                self.blocks.write(block, data)
+        except (RuntimeError, ValueError) as e:
             raise InvalidRequest(f"imported KV block is malformed: {e}") from None
 
     def _end(self, req: Request, token_ids: list, num_prompt: int, num_computed: int, num_blocks: int,
@@ -203,7 +205,7 @@ class KVTransfer:
         new = pool.allocate(len(todo))
         try:
             for block, (h, data) in zip(new, todo):
-                self.kv_cache.write_block(block, decode_block(data, self.dtype))
+                self.blocks.write(block, data)
                 pool.register(block, h)
         finally:
             pool.release(held + new)  # the tail is the first to evict, as for a finished request

@@ -125,6 +125,18 @@ def resolve_model(name: str | None) -> Path:
         return resolve_model("tiny")
 
 
+def with_command_line(cfg: MeshConfig, args) -> MeshConfig:
+    """cfg with what up's own flags set (--engine, --mode and the pools' worker counts) over the config file."""
+    mesh = {k: getattr(args, k) for k in ("mode", "prefill", "decode", "unified") if getattr(args, k, None) is not None}
+    engine = {"backend": args.engine} if getattr(args, "engine", None) else {}
+    if engine.get("backend") == "mock" and getattr(args, "mock_profile", None):
+        engine["mock_profile"] = args.mock_profile
+    if not mesh and not engine:
+        return cfg
+    return cfg.model_copy(update={"mesh": cfg.mesh.model_copy(update=mesh),
+                                  "engine": cfg.engine.model_copy(update=engine)})
+
+
 def cmd_up(args) -> int:
     from services.mesh import supervisor
     from services.mesh.launcher import Mesh, RestartLimit
@@ -138,9 +150,15 @@ def cmd_up(args) -> int:
     from services.engine.kernels import host_isa
 
     cores = len(os.sched_getaffinity(0))
-    cfg, chosen, lines = machine_defaults(cfg, host_isa(), cores, default_kv_gb(model))
-    for line in lines:
-        print(f"default for this machine ({cores} cores, kernel level {host_isa()}): {line}", flush=True)
+    cfg = with_command_line(cfg, args)
+    if cfg.engine.backend == "mock":  # no model runs: nothing about this machine's CPU to choose by
+        chosen = {k: getattr(cfg.engine, k) for k in ("backend", "mock_profile", "mock_time_scale", "mock_kv")}
+        print(f"engine: mock (step times of {cfg.engine.mock_profile}, time scale {cfg.engine.mock_time_scale:g}; "
+              "no weights are loaded, tokens are hashes: docs/CLUSTER.md)", flush=True)
+    else:
+        cfg, chosen, lines = machine_defaults(cfg, host_isa(), cores, default_kv_gb(model))
+        for line in lines:
+            print(f"default for this machine ({cores} cores, kernel level {host_isa()}): {line}", flush=True)
     spec = mesh_spec(cfg, model, args, chosen)
     scaling = cfg.autoscaler
     autoscaler_port = 0
@@ -281,6 +299,15 @@ def add_parsers(sub) -> None:
     up.add_argument("--served-model-name", nargs="+", metavar="NAME",
                     help="the name(s) requests use for the model (default: the folder's name)")
     up.add_argument("--config", help="mesh config file (YAML or TOML)")
+    up.add_argument("--engine", choices=("torch", "mock"),
+                    help="mock: workers with the real scheduler, KV cache and transfers and a step-time model in place "
+                         "of the model's forward pass (no weights; the mesh at scale on one machine: docs/CLUSTER.md; "
+                         "config engine.backend)")
+    up.add_argument("--mock-profile", help="the mock engine's step-time model: a preset or a calibration file "
+                                           "(config engine.mock_profile)")
+    up.add_argument("--mode", choices=("disaggregated", "unified"), help="config mesh.mode")
+    for pool in ("prefill", "decode", "unified"):
+        up.add_argument(f"--{pool}", type=int, metavar="N", help=f"{pool} workers (config mesh.{pool})")
     up.add_argument("--port", type=int, default=DEFAULT_PORTS["gateway"], help="gateway gRPC port (0 = any free port)")
     up.add_argument("--http-port", type=int, default=DEFAULT_PORTS["http"],
                     help="the OpenAI-compatible HTTP port, also serving the gateway's /metrics (0 = any free port)")

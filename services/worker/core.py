@@ -150,8 +150,6 @@ class KVExport:
 
     def _blocks(self, engine, upto: int) -> list:
         """Pieces for blocks [sent, upto): runs of those the pool lacks."""
-        import torch
-
         from services.common.arena import checksum
 
         pieces, i, plan = [], self.sent, self.plan
@@ -164,8 +162,7 @@ class KVExport:
                 j += 1
             if self.arena is not None:
                 views = [self.arena.slot(plan.slots[k]) for k in range(i, j)]
-                outs = [torch.frombuffer(v, dtype=torch.uint8) for v in views]
-                engine.transfer.read_blocks_into(self.req_id, i, outs)
+                engine.transfer.read_blocks_into(self.req_id, i, views)
                 pieces.append(KVPiece(self.req_id, i, [checksum(v) for v in views], b"", None, False))
             else:
                 blocks = engine.transfer.kv_blocks(self.req_id, i, j)
@@ -449,6 +446,20 @@ def _picklable(e: Exception) -> Exception:
         return err
 
 
+def make_engine(engine_config, threads: int | None):
+    """The engine of the config's backend: the mock imports no torch (64 of them fit on one machine)."""
+    if engine_config.backend == "mock":
+        from services.engine.mock import MockEngine
+
+        return MockEngine(engine_config)
+    import torch
+
+    torch.set_num_threads(threads or 1)
+    from services.engine.engine import LLMEngine
+
+    return LLMEngine(engine_config)
+
+
 def core_main(conn, engine_config, parent_pid: int, threads: int | None) -> None:
     """Entry point of the core process (multiprocessing spawn)."""
     from services.common.die_with_parent import arm
@@ -458,13 +469,8 @@ def core_main(conn, engine_config, parent_pid: int, threads: int | None) -> None
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the servicer decides when to stop (it closes the pipe)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s core %(levelname)s %(message)s")
-    import torch
-
-    torch.set_num_threads(threads or 1)
-    from services.engine.engine import LLMEngine
-
     try:
-        engine = LLMEngine(engine_config)
+        engine = make_engine(engine_config, threads)
     except Exception as e:
         conn.send(message("fatal", f"{type(e).__name__}: {e}"))
         return
