@@ -11,6 +11,7 @@ from bench import (
     engine_mixed,
     lora_zipf,
     mesh_mixed,
+    mock_cluster,
     prefix_shared,
     priority_overload,
     router_latency,
@@ -30,7 +31,7 @@ WORKLOADS = {"engine-mixed": engine_mixed, "mesh-mixed": mesh_mixed, "prefix-sha
              "sampler": sampler, "soak": soak, "lora-zipf": lora_zipf,
              "burst-autoscale": burst_autoscale, "sim-validate": sim_validate, "scale-from-zero": scale_from_zero,
              "priority-overload": priority_overload, "structured": structured,
-             "tensor-parallel": tensor_parallel}
+             "tensor-parallel": tensor_parallel, "mock-cluster": mock_cluster}
 
 
 def add_bench_parser(sub, func) -> None:
