@@ -35,7 +35,7 @@ from sim.worker import WorkerSpec
 
 BOUNDS = {"p99": 0.10, "other": 0.05}
 MAX_SEQS, BATCH_TOKENS, BLOCKS = 32, 512, 1024
-PROBES = 7  # lone requests that measure the mesh's hop time (recorded in the trace first: dropped from it)
+PROBES = 7  # lone requests that measure the mesh's hop time (recorded in the trace before the workload)
 
 
 def add_flags(p) -> None:
@@ -140,28 +140,14 @@ def one(model_dir: Path, workers: int, args, vocab: int) -> dict:
               str(BLOCKS), "--max-num-seqs", str(MAX_SEQS), "--max-num-batched-tokens", str(BATCH_TOKENS)]
     spec = MeshSpec(str(model_dir), mode="unified", unified=workers, engine_args=engine)
     held: dict = {}
-
-    class Measured(Mesh):  # the mesh's own hop time first (lone requests); its memory after the load, before it stops
-        def __enter__(self):
-            mesh = super().__enter__()
-            held["hop_s"] = hop_s(mesh, cost, scale, vocab)
-            return mesh
-
-        def __exit__(self, *exc):
-            held["memory"] = memory(self)
-            return super().__exit__(*exc)
-
-    import bench.sim_validate as sv
-
-    real_mesh, sv.Mesh = sv.Mesh, Measured
-    try:
-        real, trace, _, served = _run_real(model_dir, spec, reqs, arrivals)
-    finally:
-        sv.Mesh = real_mesh
+    real, trace, _, served = _run_real(
+        model_dir, spec, reqs, arrivals, before=lambda mesh: held.update(hop_s=hop_s(mesh, cost, scale, vocab)),
+        after=lambda mesh: held.update(memory=memory(mesh)))
     mock = latency_summary(scaled(served, scale))
-    trace = trace[PROBES:]
+    trace = trace[PROBES:]  # the hop probes came first
+    t0 = trace[0].arrival_s  # the workload's first arrival is the simulation's 0, as the mock side's summary has it
     for r in trace:
-        r.arrival_s /= scale
+        r.arrival_s = (r.arrival_s - t0) / scale
     sim = simulate(cluster(workers, 1.0 / scale), replace(cost, hop_s=held["hop_s"]), trace)["summary"]
     errors, within = compare(mock, sim)
     log(f"{workers} workers: " + ", ".join(f"{m} mock {mock.get(m)} sim {sim.get(m)} ({errors[m]:+.1%})"

@@ -113,7 +113,10 @@ def _kv_blocks(cost: CostModel, gb: float, block_size: int = 16) -> int:
     return max(1, int(gb * 1024**3) // (cost.kv_bytes_per_token * block_size))
 
 
-def _run_real(model_dir: Path, spec: MeshSpec, reqs: list, arrivals: list, keys: dict | None = None):
+def _run_real(model_dir: Path, spec: MeshSpec, reqs: list, arrivals: list, keys: dict | None = None,
+              before=None, after=None):
+    """before(mesh), after(mesh): called once the mesh is warm (requests it sends are recorded in the trace before the
+    workload's: the caller drops them), and once the workload is served, before the mesh stops."""
     folder = Path(tempfile.mkdtemp(prefix="meshserve-simval-"))
     trace_path, steps = folder / "trace.jsonl", folder / "steps"
     steps.mkdir()
@@ -124,7 +127,11 @@ def _run_real(model_dir: Path, spec: MeshSpec, reqs: list, arrivals: list, keys:
         for w in warm:
             w["tenant"] = reqs[0].get("tenant", "")
         asyncio.run(drive(mesh.gateway, warm, None, keys=keys))
+        if before is not None:
+            before(mesh)
         timings, phase = measured_drive(mesh, steps, reqs, arrivals, keys)
+        if after is not None:
+            after(mesh)
         log(f"real: {len(reqs)} requests" + (f" in {phase['seconds']:.1f} s" if phase else ""))
     logged = [[json.loads(line) for line in f.read_text().splitlines()] for f in sorted(steps.glob("steps-*.jsonl"))]
     served = _served(timings, reqs)

@@ -140,6 +140,7 @@ class MockEngine(EngineBase):
         self.transfer = KVTransfer(self.requests, self.scheduler, self.kv, PatternBlocks(block_bytes), config.dtype,
                                    block_bytes, None, self._new_request)
         self._keys: dict[str, int] = {}  # request id -> its prompt's hash
+        self._eos = frozenset(self.info.eos_token_ids)
         self._end = None  # when the last step was due to end, while the engine had work left after it
         self.lag_s, self._lag_said, self._lag_at = 0.0, 0.0, clock()
         log.info("mock engine: %s (%s), time scale %g, KV %s (%d bytes a block), %d blocks; no weights, no forward "
@@ -189,8 +190,8 @@ class MockEngine(EngineBase):
             key = self._keys[req.req_id] = hash(tuple(req.prompt_token_ids)) & MASK64
         salt = 0 if req.params.greedy else req.sample_seed
         tok = mix64(key ^ mix64(len(req.tokens) ^ (salt << 20))) % self.info.vocab_size
-        banned = set(self.info.eos_token_ids) | set(req.params.stop_token_ids)
-        while tok in banned:
+        stop = req.params.stop_token_ids
+        while tok in self._eos or (stop and tok in stop):
             tok = (tok + 1) % self.info.vocab_size
         return tok
 
