@@ -75,6 +75,7 @@ class ClusterSpec:
     prefill: int = 0  # prefill workers (disaggregated)
     worker: WorkerSpec = field(default_factory=WorkerSpec)
     prefill_worker: WorkerSpec | None = None  # default: worker's, role prefill
+    worker_speeds: tuple = ()  # heterogeneous workers: the i-th of a role runs at worker.speed x speeds[i % len]
     routing: str = "least-outstanding"
     routing_config: dict = field(default_factory=dict)
     admission: str = "fcfs"  # the gateway's queue policy; "none": no queue, straight to routing (workers queue)
@@ -130,8 +131,9 @@ class Cluster:
         else:
             raise ValueError(f"unknown mode {spec.mode!r}; known: unified, disaggregated")
         for role, n, wspec in groups:
-            for wid in ids.get(role) or [f"{role}-{i}" for i in range(n)]:
-                self._add_worker(replace(wspec, role=role), wid)
+            for i, wid in enumerate(ids.get(role) or [f"{role}-{i}" for i in range(n)]):
+                speed = wspec.speed * (spec.worker_speeds[i % len(spec.worker_speeds)] if spec.worker_speeds else 1)
+                self._add_worker(replace(wspec, role=role, speed=speed), wid)
         self._mark_timeline()
 
     # ---- the event loop ---------------------------------------------------------------------------------------
@@ -353,8 +355,8 @@ class Cluster:
             workers, by_id = _of_role(self._serving, role)
         picker = router["pickers"].get(role)
         if picker is None:
-            picker = router["pickers"][role] = RolePicker(role, make_routing(self.spec.routing,
-                                                                             self.spec.routing_config),
+            seeded = {"seed": router["name"], **self.spec.routing_config}  # power-of-two draws: one stream a cell
+            picker = router["pickers"][role] = RolePicker(role, make_routing(self.spec.routing, seeded),
                                                           router["recent"])
         adapter = sim.trace.adapter
         views, _ = picker.candidates([self._view(w) for w in workers],

@@ -94,6 +94,8 @@ def result_of(cluster, wall_s: float) -> dict:
     summary["batch_occupancy"] = _r(sum(w["seq_s"] for w in stats) / slots, 4) if slots > 0 else None
     summary["worker_seconds"] = _r(_worker_seconds(cluster.timeline, end), 1)
     summary["max_workers"] = max((n + s for _, n, s in cluster.timeline), default=0)
+    busy = [w["busy_s"] for w in stats if w["max_num_seqs"]]
+    summary["busy_max_over_mean"] = _r(max(busy) / (sum(busy) / len(busy)), 3) if busy and sum(busy) > 0 else None
     summary["steps"] = sum(w["steps"] for w in stats)
     summary["preemptions"] = sum(w["slot_preemptions"] for w in stats)
     return {"summary": summary, "tenants": tenant_summary(reqs),

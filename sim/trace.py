@@ -33,6 +33,7 @@ class Synthetic:
     prompt: tuple = (32, 512)  # uniform range, or with lengths="lognormal" (median, sigma)
     output: tuple = (16, 256)
     lengths: str = "uniform"  # uniform | lognormal
+    output_lengths: str = ""  # the outputs' own distribution (uniform | lognormal); "" = lengths
     max_prompt: int = 4096
     max_output: int = 1024
     system_prompts: int = 0  # shared prefixes (0 = none); each request starts with one, Zipf-popular
@@ -54,8 +55,8 @@ def _zipf_weights(n: int, s: float) -> list[float]:
     return [1 / (k + 1) ** s for k in range(n)]
 
 
-def _length(rng: random.Random, spec: Synthetic, what: tuple, cap: int) -> int:
-    if spec.lengths == "lognormal":
+def _length(rng: random.Random, spec: Synthetic, what: tuple, cap: int, kind: str = "") -> int:
+    if (kind or spec.lengths) == "lognormal":
         median, sigma = what
         return max(1, min(cap, int(rng.lognormvariate(math.log(median), sigma))))
     return rng.randint(*what)
@@ -101,7 +102,8 @@ def synthetic(spec: Synthetic, seed: int = 0) -> list[TraceRequest]:
         if spec.deadline_fraction and rng.random() < spec.deadline_fraction:
             deadline = round(rng.uniform(*spec.deadline_ms), 1)
         out.append(TraceRequest(arrival_s=t, prompt_tokens=prompt, output_tokens=_length(rng, spec, spec.output,
-                                                                                          spec.max_output),
+                                                                                          spec.max_output,
+                                                                                          spec.output_lengths),
                                 id=f"s{i}", prefix=prefix, tenant=tenant.name, adapter=adapter, deadline_ms=deadline))
     return out
 

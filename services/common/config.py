@@ -145,9 +145,10 @@ class Guard(Section):
 class RoutingSection(Section):
     """The router's policy (services/policy/routing/policies.py)."""
 
-    policy: Literal["round-robin", "least-outstanding", "prefix-aware", "lora-aware"] = Field(
-        "least-outstanding", description="round-robin | least-outstanding | prefix-aware | lora-aware (prefix-aware "
-                                         "with LoRA affinity)")
+    policy: Literal["round-robin", "least-outstanding", "power-of-two", "prefix-aware", "lora-aware"] = Field(
+        "least-outstanding", description="round-robin | least-outstanding | power-of-two (the less loaded of two "
+                                         "drawn at random) | prefix-aware | lora-aware (prefix-aware with LoRA "
+                                         "affinity)")
     lora_placement: bool = Field(True, description="replicate LoRA adapters to workers by measured demand: hot ones "
                                                    "are read into memory ahead of their requests "
                                                    "(services/policy/routing/adapter_placement.py)")

@@ -4,6 +4,9 @@
 - least-outstanding: the lowest load (views.loads: outstanding tokens over KV capacity and over speed, requests
   over slots, with the in-flight correction); ties go to the worker nearer the request's KV (a decode pick: the prefill
   worker's topology, views.closeness), then to the lower worker id.
+- power-of-two: two workers drawn at random, the less loaded of them (the same load); the classic remedy for herding
+  on stale loads, since a worker that looks idle to every router at once is only one of the two choices of each.
+  The simulator seeds it (config `seed`), so a simulation is a function of its inputs; a router draws from the OS.
 - prefix-aware: weighted scorers (prefix 1.0, load 0.5, adapter 0.0 by default) guarded by load
   (load wins outright past a gap of 1.0 load units and a ratio of 2 by default; scoring.py).
 - lora-aware: prefix-aware with LoRA affinity (adapter 1.0, load 1.0): an adapter's requests go where it is
@@ -17,6 +20,8 @@ prompt up in the prefix index.
 """
 
 from __future__ import annotations
+
+import random
 
 from services.policy.routing.scoring import SCORERS, LoadGuard, WeightedPicker
 from services.policy.routing.views import RouteContext, Why, WorkerView, charge, closeness, loads
@@ -59,6 +64,20 @@ class LeastOutstanding(RoutingPolicy):
         return ordered[best], Why(_loads_why, ordered, ls)
 
 
+class PowerOfTwo(RoutingPolicy):
+    name = "power-of-two"
+
+    def __init__(self, seed: int | None = None):
+        self.rng = random.Random(seed)
+
+    def select(self, workers: list[WorkerView], cost: int, ctx: RouteContext | None = None):
+        ordered = sorted(workers, key=lambda w: w.worker_id)
+        two = self.rng.sample(range(len(ordered)), 2) if len(ordered) > 1 else [0]
+        ls = loads(ordered)
+        best = min(two, key=lambda i: (ls[i], closeness(ordered[i], ctx), ordered[i].worker_id))
+        return ordered[best], Why(_loads_why, [ordered[i] for i in two], [ls[i] for i in two])
+
+
 def _loads_why(workers: list[WorkerView], ls: list[float]) -> str:
     return " ".join(f"{w.worker_id}={x:.3f}" for w, x in zip(workers, ls))
 
@@ -87,7 +106,7 @@ class LoRAAware(PrefixAware):
     DEFAULT_WEIGHTS = {"prefix": 1.0, "load": 1.0, "adapter": 1.0}
 
 
-POLICIES = {p.name: p for p in (RoundRobin, LeastOutstanding, PrefixAware, LoRAAware)}
+POLICIES = {p.name: p for p in (RoundRobin, LeastOutstanding, PowerOfTwo, PrefixAware, LoRAAware)}
 
 
 def make_policy(name: str, config: dict | None = None):
@@ -96,6 +115,8 @@ def make_policy(name: str, config: dict | None = None):
         raise ValueError(f"unknown routing policy {name!r}; known: {sorted(POLICIES)}")
     config = config or {}
     cls = POLICIES[name]
+    if cls is PowerOfTwo:
+        return cls(config.get("seed"))
     if not issubclass(cls, PrefixAware):
         return cls()
     guard = config.get("guard") or {}
