@@ -8,13 +8,16 @@ never split. place() puts n groups of one pool, each on the host that is, in ord
 1. able to take it whole: free cores >= size;
 2. beside its partner: a host already running a group of the partner role (decode for a prefill group, prefill for
    a decode group) where KV moves between workers by shared memory (Host.shm_kv), so the handoff never crosses the
-   network;
+   network; else a host in a rack (Host.rack, when named) that holds less of this role than its share of the partner
+   role's devices, so the handoffs can stay under the rack's switch (at 1,000 hosts in racks of 40, best fit alone
+   sent 12-16% of KV bytes across racks: docs/CLUSTER.md, placement);
 3. packed: a host already in use before an empty one, and then the one left with the fewest free cores (best fit),
    so whole hosts stay free for large groups (and can be given back when the mesh scales down);
 4. first by name (deterministic).
 Groups that fit nowhere are reported as unplaced, never split.
 
-Each pass keeps the hosts in four sorted lists ((partner here?) x (in use?), by free cores), so a group is placed
+Each pass keeps the hosts in six sorted lists ((partner here? a rack that wants the role?) x (in use?), by free
+cores), re-sorted when a rack's wish changes, so a group is placed
 by a binary search: 10,000 devices in 300-odd hosts of mixed sizes are filled with 2,000-odd groups in well under a
 second (tests/unit/test_autoscaler_placement.py).
 
@@ -82,17 +85,35 @@ def place(hosts: list[Host], placed: list[Group], pool: str, role: str, size: in
     partner = PARTNER.get(role)
     paired = {g.host for g in placed if g.role == partner}
     shm = {h.name for h in hosts if h.shm_kv}
-    # preference classes, best first: (beside a partner, in use) ... (alone, empty); each sorted by (free, name)
-    classes = [[], [], [], []]
+    rack = {h.name: h.rack for h in hosts}
+    mine, theirs = Counter(), Counter()  # devices by (named) rack: of this role, of its partner role
+    for g in placed:
+        if rack[g.host] and g.role in (role, partner):
+            (mine if g.role == role else theirs)[rack[g.host]] += g.size
+
+    def wanting() -> frozenset:
+        """Racks that hold less of this role's devices than their share of the partner's: where the next group's KV
+        handoffs can stay under the rack's switch."""
+        m, t = sum(mine.values()), sum(theirs.values())
+        return frozenset(r for r, n in theirs.items() if mine[r] * t < n * m or not m)
 
     def klass(name: str) -> int:
-        return (0 if name in paired and name in shm else 2) + (0 if used[name] else 1)
+        near = 0 if name in paired and name in shm else 2 if rack[name] in wants else 4
+        return near + (0 if used[name] else 1)
 
-    for h in hosts:
-        if free[h.name] >= size:
-            classes[klass(h.name)].append((free[h.name], h.name))
-    for c in classes:
-        c.sort()
+    def classes_now() -> list:
+        """Preference classes, best first: (beside a partner, in use), (beside, empty), (a rack that wants the role,
+        in use) ... (elsewhere, empty); each sorted by (free, name)."""
+        out = [[] for _ in range(6)]
+        for h in hosts:
+            if free[h.name] >= size:
+                out[klass(h.name)].append((free[h.name], h.name))
+        for c in out:
+            c.sort()
+        return out
+
+    wants = wanting() if partner else frozenset()
+    classes = classes_now()
     groups = []
     while len(groups) < n:
         best = None
@@ -107,7 +128,14 @@ def place(hosts: list[Host], placed: list[Group], pool: str, role: str, size: in
         cores, name = c.pop(i)
         groups.append(Group(pool, role, name, size))
         used[name] += 1
-        left = cores - size
-        if left >= size:
-            bisect.insort(classes[klass(name)], (left, name))
+        free[name] = cores - size
+        if rack[name] and partner:
+            mine[rack[name]] += size
+            now = wanting()
+            if now != wants:  # a rack's share moved past its partner's: re-sort the hosts by the new classes
+                wants = now
+                classes = classes_now()
+                continue
+        if free[name] >= size:
+            bisect.insort(classes[klass(name)], (free[name], name))
     return Placement(groups, n - len(groups))

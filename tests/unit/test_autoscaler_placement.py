@@ -1,5 +1,6 @@
 """Group placement (services/policy/placement.py): a group is never split and never overfills a host; it goes
-beside its partner role where KV moves by shared memory, then packs (in-use hosts first, best fit), leaving whole
+beside its partner role where KV moves by shared memory, else into a rack short of its role against its partner's,
+then packs (in-use hosts first, best fit), leaving whole
 hosts free; a simulated cluster of 10,000 devices in mixed host sizes is filled in under a second; on small
 random clusters every choice equals a brute-force reading of the rules."""
 
@@ -56,11 +57,17 @@ def brute_force_choice(hosts: list[Host], placed: list[Group], role: str, size: 
     """The host the module doc's rules pick, read literally over every host."""
     free = free_cores(hosts, placed)
     partners = {g.host for g in placed if g.role == PARTNER.get(role)}
+    rack = {h.name: h.rack for h in hosts}
+    mine = {r: sum(g.size for g in placed if rack[g.host] == r and g.role == role) for r in set(rack.values())}
+    theirs = {r: sum(g.size for g in placed if rack[g.host] == r and g.role == PARTNER.get(role))
+              for r in set(rack.values())}
+    m, t = sum(v for r, v in mine.items() if r), sum(v for r, v in theirs.items() if r)
+    racks = {r for r in theirs if r and theirs[r] and (not m or mine[r] * t < theirs[r] * m)}
     in_use = {g.host for g in placed}
     fits = [h for h in hosts if free[h.name] >= size]
     if not fits:
         return None
-    return min(fits, key=lambda h: (not (h.name in partners and h.shm_kv), h.name not in in_use,
+    return min(fits, key=lambda h: (not (h.name in partners and h.shm_kv), h.rack not in racks, h.name not in in_use,
                                     free[h.name] - size, h.name)).name
 
 
@@ -68,7 +75,8 @@ def brute_force_choice(hosts: list[Host], placed: list[Group], role: str, size: 
 @given(st.integers(0, 10**6), st.integers(1, 8), st.integers(0, 8), st.sampled_from(("prefill", "decode", "unified")))
 def test_every_choice_follows_the_rules(seed, size, n, role):
     rng = random.Random(seed)
-    hosts = [Host(f"h{i}", rng.choice((2, 4, 8, 16)), shm_kv=rng.random() < 0.7) for i in range(rng.randint(1, 6))]
+    hosts = [Host(f"h{i}", rng.choice((2, 4, 8, 16)), rack=rng.choice(("", "r0", "r1")), shm_kv=rng.random() < 0.7)
+             for i in range(rng.randint(1, 6))]
     placed = []
     for _ in range(rng.randint(0, 6)):
         placed += place(hosts, placed, "other", rng.choice(("prefill", "decode")), rng.randint(1, 4), 1).groups
@@ -100,6 +108,14 @@ def test_no_shared_memory_there_means_no_pull_toward_the_partner():
     hosts = [Host("big", 16, shm_kv=False), Host("small", 4), Host("mid", 6)]
     placed = [Group("prefill", "prefill", "big", 2), Group("prefill", "prefill", "small", 2)]
     assert place(hosts, placed, "decode", "decode", 2, 1).groups[0].host == "small"  # the partner with shared memory
+
+
+def test_a_decode_group_with_no_room_beside_its_prefill_group_stays_in_that_rack():
+    hosts = [Host("a1", 8, rack="a"), Host("a2", 8, rack="a"), Host("b1", 4, rack="b")]
+    placed = [Group("prefill", "prefill", "a1", 8)]  # its host is full
+    # best fit alone would take b1 (the smallest host that fits); the prefill group's rack wants decode groups
+    assert place(hosts, placed, "decode", "decode", 4, 1).groups[0].host == "a2"
+    assert place(hosts, [], "decode", "decode", 4, 1).groups[0].host == "b1"  # no partner anywhere: best fit
 
 
 def test_a_group_larger_than_every_host_is_unplaced_not_split():
