@@ -2,9 +2,9 @@
 routers) is killed with SIGKILL: a decode worker, the prefill worker, the kvstore, a router, Redis. Every stream
 completes token-identical to the same request on the healthy mesh (the gateway resumes a stream a dead service
 failed on another worker, or on the same one once it is back, re-prefilling the prompt and the tokens already
-streamed); the service is back within 10 s (3.1-4.2 s for a worker on a quiet 2-core AMD EPYC; under the whole
-suite's load a decode worker once took more than 5, the bound this had: a wall-clock bound here is a liveness check
-with room, the figure is the measurement's); afterwards no worker holds a block or a sequence, the kvstore holds no
+streamed); the service comes back (3.1-4.2 s for a worker on a quiet 2-core AMD EPYC; under the whole suite's load
+with other work on the machine a restarted worker took more than 10 s twice, the bound this had: the bound, now 30 s,
+is a liveness check with room, the figure is the measurement's); afterwards no worker holds a block or a sequence, the kvstore holds no
 transfer, and both routers see the same load."""
 
 import asyncio
@@ -110,7 +110,7 @@ def test_a_killed_service_loses_no_stream(mesh, prompts, reference, victim):
 
     back = (lambda: mesh.proc(victim).popen.pid != pid) if victim == "redis" else (
         lambda: mesh.proc(victim).popen.pid != pid and serving(proc.address, tls_dir=mesh.tls_dir))
-    wait_for(f"{victim} back", back, max(killed_s + 10 - time.monotonic(), 0))
+    wait_for(f"{victim} back", back, max(killed_s + 30 - time.monotonic(), 0))
     again = asyncio.run(run_streams(mesh.gateway, prompts[:4]))
     assert [t for t, _ in again] == reference[:4], [status for _, status in again]
     wait_for("every block, sequence and transfer freed", lambda: not idle(mesh) or None, 15)
