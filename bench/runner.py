@@ -8,6 +8,7 @@ import sys
 
 from bench import (
     burst_autoscale,
+    cluster_claims,
     engine_mixed,
     lora_zipf,
     mesh_mixed,
@@ -31,7 +32,8 @@ WORKLOADS = {"engine-mixed": engine_mixed, "mesh-mixed": mesh_mixed, "prefix-sha
              "sampler": sampler, "soak": soak, "lora-zipf": lora_zipf,
              "burst-autoscale": burst_autoscale, "sim-validate": sim_validate, "scale-from-zero": scale_from_zero,
              "priority-overload": priority_overload, "structured": structured,
-             "tensor-parallel": tensor_parallel, "mock-cluster": mock_cluster}
+             "tensor-parallel": tensor_parallel, "mock-cluster": mock_cluster,
+             "cluster-claims": cluster_claims}
 
 
 def add_bench_parser(sub, func) -> None:

@@ -203,7 +203,7 @@ def cmd_study(args) -> int:
 
 
 def add_parser(sub, func) -> None:
-    sim = sub.add_parser("sim", help="the cluster simulator: run, calibrate, trace, study").add_subparsers(
+    sim = sub.add_parser("sim", help="the cluster simulator: run, calibrate, trace, study, claims").add_subparsers(
         dest="sim_command", required=True)
     run = sim.add_parser("run", help="simulate a cluster on a trace (JSONL, or synthetic from the flags)")
     run.add_argument("--trace", help="a JSONL trace (services/common/trace.py; `meshserve up --record-trace` "
@@ -221,4 +221,8 @@ def add_parser(sub, func) -> None:
 
     scale.add_parser(sim)
     sim.choices["study"].set_defaults(func=func, sim_func=cmd_study)
+    from sim import claims
+
+    claims.add_parser(sim)
+    sim.choices["claims"].set_defaults(func=func, sim_func=claims.run)
     return sim

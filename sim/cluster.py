@@ -75,7 +75,8 @@ class ClusterSpec:
     prefill: int = 0  # prefill workers (disaggregated)
     worker: WorkerSpec = field(default_factory=WorkerSpec)
     prefill_worker: WorkerSpec | None = None  # default: worker's, role prefill
-    worker_speeds: tuple = ()  # heterogeneous workers: the i-th of a role runs at worker.speed x speeds[i % len]
+    worker_speeds: tuple = ()  # heterogeneous workers: the k-th of a role in each cell runs at worker.speed x
+    #                            speeds[k % len] (with one cell: the i-th worker, speeds[i % len])
     routing: str = "least-outstanding"
     routing_config: dict = field(default_factory=dict)
     admission: str = "fcfs"  # the gateway's queue policy; "none": no queue, straight to routing (workers queue)
@@ -131,8 +132,12 @@ class Cluster:
         else:
             raise ValueError(f"unknown mode {spec.mode!r}; known: unified, disaggregated")
         for role, n, wspec in groups:
+            # Cells are dealt worker i to cell i mod cells: the k-th worker of every cell (i // cells) takes speed k,
+            # so each cell has the same mix of speeds (dealt i mod len, cells of 16 would each be of one speed).
+            cells = math.ceil(n / spec.cell_size) if spec.cell_size else 1
             for i, wid in enumerate(ids.get(role) or [f"{role}-{i}" for i in range(n)]):
-                speed = wspec.speed * (spec.worker_speeds[i % len(spec.worker_speeds)] if spec.worker_speeds else 1)
+                speeds = spec.worker_speeds
+                speed = wspec.speed * (speeds[(i // cells) % len(speeds)] if speeds else 1)
                 self._add_worker(replace(wspec, role=role, speed=speed), wid)
         self._mark_timeline()
 
