@@ -116,18 +116,19 @@ CLAIMS = {c.name: c for c in (
     Claim("routing", "04 routing: heavy-tailed outputs, workers of two speeds",
           Synthetic(prompt=(32, 512), output=(8, 1.2), output_lengths="lognormal", max_output=256),
           {**ROUTERS, "power-of-two": {"routing": "power-of-two"}}, ("ttft_ms_p99", "ttft_ms_p50", "tpot_ms_p99",
-                                                                     "output_tokens_per_s"),
+                                                                     "output_tokens_per_s_per_worker"),
           "round-robin", speeds=(1.0, 0.5)),
     *(Claim(f"prefix-{k}", f"05 prefix-aware routing: {k} shared system prompts",
             Synthetic(prompt=(32, 128), output=(8, 32), system_prompts=k, system_tokens=(1024, 1900)),
             {**ROUTERS, "prefix-aware": {"routing": "prefix-aware"}},
-            ("prefill_tokens_per_request", "ttft_ms_p50", "busy_max_over_mean", "output_tokens_per_s"), "round-robin")
+            ("prefill_tokens_per_request", "ttft_ms_p50", "busy_max_over_mean", "output_tokens_per_s_per_worker"),
+            "round-robin")
       for k in (8, 64)),
     Claim("tenants", "07 tenants at scale: ten tenants, one heavy",
           Synthetic(prompt=(64, 512), output=(8, 64), tenants=[TenantSpec("heavy", 0.0)] + LIGHT),
           {"fcfs": {"admission": "fcfs", "worker": replace(WORKER, slot_policy="fcfs")},
            "fair-deadline": {}, "fair": {"admission": "fair", "worker": replace(WORKER, slot_policy="fair")}},
-          ("jain_index", "light_ttft_p99_ratio", "ttft_ms_p99", "output_tokens_per_s"), "fcfs",
+          ("jain_index", "light_ttft_p99_ratio", "ttft_ms_p99", "output_tokens_per_s_per_worker"), "fcfs",
           loads=(0.7, 0.95, 1.5, 2.0)),
     *(Claim(f"pd-{name}", f"06 P/D disaggregation vs unified: {name} workload", mix,
             {"unified": {}, **{f"pd-{p}:{d}": {"mode": "disaggregated", "ratio": (p, d)}
@@ -294,10 +295,14 @@ def targets(name: str, by_load: dict) -> dict:
     return out
 
 
-def _metric(summary: dict, name: str):
-    if name == "prefill_tokens_per_request":  # comparable across cluster sizes, unlike the total
+def _metric(summary: dict, name: str, workers: int):
+    """A summary's figure by name; the per-request and per-worker ones compare across cluster sizes."""
+    if name == "prefill_tokens_per_request":
         done = summary.get("completed")
         return summary["prefill_tokens_computed"] / done if done else None
+    if name.endswith("_per_worker"):
+        total = summary.get(name.removesuffix("_per_worker"))
+        return total / workers if total is not None else None
     return summary.get(name)
 
 
@@ -317,7 +322,7 @@ def plot(results: list, path: str) -> None:
         label = r.get("label") or f"sim {r['workers']}"
         for ax, metric in zip(axes, claim.metrics):
             for s in claim.systems:
-                ys = [_metric(r["by_load"][f"{x:g}"].get(s, {}), metric) for x in loads]
+                ys = [_metric(r["by_load"][f"{x:g}"].get(s, {}), metric, r["workers"]) for x in loads]
                 ax.plot(loads, [y if y is not None else float("nan") for y in ys], style, marker="o", ms=3,
                         color=colors[s], label=f"{s} ({label})")
             ax.set(title=metric, xlabel="load (fraction of capacity)")

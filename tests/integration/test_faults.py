@@ -4,8 +4,8 @@ completes token-identical to the same request on the healthy mesh (the gateway r
 failed on another worker, or on the same one once it is back, re-prefilling the prompt and the tokens already
 streamed); the service comes back (3.1-4.2 s for a worker on a quiet 2-core AMD EPYC; under the whole suite's load
 with other work on the machine a restarted worker took more than 10 s twice, the bound this had: the bound, now 30 s,
-is a liveness check with room, the figure is the measurement's); afterwards no worker holds a block or a sequence, the kvstore holds no
-transfer, and both routers see the same load."""
+is a liveness check with room, the figure is the measurement's); afterwards no worker holds a block or a sequence,
+the kvstore holds no transfer, and both routers see the same load."""
 
 import asyncio
 import os
