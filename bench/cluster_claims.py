@@ -107,10 +107,9 @@ def busy_max_over_mean(folder: Path, since: float, until: float) -> float | None
     return round(max(busy) / mean, 3) if mean > 0 else None
 
 
-def summary_of(served: list, trace: list, solo: dict | None, busy: float | None) -> dict:
+def summary_of(served: list, trace: list, solo: dict | None) -> dict:
     s = latency_summary(served)
     s["prefill_tokens_computed"] = s["prompt_tokens"] - s["cached_prompt_tokens"]
-    s["busy_max_over_mean"] = busy
     ttft: dict = {}
     for r in served:
         if not r.error and r.first_s is not None:
@@ -145,19 +144,6 @@ def warm(mesh: Mesh, workers: int, vocab: int, keys: dict | None) -> None:
     asyncio.run(drive(mesh.gateway, reqs, [i * 0.01 for i in range(len(reqs))], keys=keys))
 
 
-def sim_side(claim: sc.Claim, system: str, workers: int, scale: float, cost, trace: list, solo: dict | None) -> dict:
-    spec = replace(claim.spec(system if system != "_solo" else "fair-deadline", workers),
-                   starvation_s=30.0 / scale)  # the gateway's queue bound: 30 s of real time
-    r = sc.simulate_kept(spec, cost, trace)
-    s = dict(r["summary"])
-    s.pop("slo_grid", None)
-    s["prefill_tokens_computed"] = s["prompt_tokens"] - s["cached_prompt_tokens"]
-    s["tenants"] = {t: v["ttft_ms_p99"] for t, v in r["tenants"].items()}
-    if solo is not None:
-        s.update(sc._sim_tenant_metrics(r, trace, solo))
-    return s
-
-
 def one_claim(name: str, model_dir: Path, vocab: int, args) -> tuple[dict, dict]:
     claim = replace(sc.CLAIMS[name], requests_per_worker=args.claim_requests_per_worker)
     workers, cost = args.claim_workers, replace(cost_model(args.claim_profile), cores=0)
@@ -182,6 +168,7 @@ def one_claim(name: str, model_dir: Path, vocab: int, args) -> tuple[dict, dict]
     config["routing"] = {"heartbeat_ms": max(1, round(beat_s * 1000)), "worker_ttl_s": max(3.0, 3 * beat_s)}
     config_file = Path(tempfile.mkdtemp(prefix="meshserve-claims-")) / "mesh.yaml"
     config_file.write_text(yaml.safe_dump(config))
+    bound = {"starvation_s": 30.0 / scale}  # the simulator's gateway queue bound: the mesh's 30 s of real time
     mock: dict = {f"{x:g}": {} for x in loads}
     sim: dict = {f"{x:g}": {} for x in loads}
     solo: dict = {}
@@ -203,19 +190,19 @@ def one_claim(name: str, model_dir: Path, vocab: int, args) -> tuple[dict, dict]
                     if tenants and system == "fair-deadline":  # the light tenants alone first: their solo figure
                         lights = [r for r in trace if r.tenant != tenants[0]]
                         served, _ = drive_load(mesh, requests_of(lights, vocab), lights, scale, keys)
-                        solo[f"{load:g}"] = summary_of(served, lights, None, None)["tenants"]
-                        ssolo = sim_side(claim, "_solo", workers, scale, cost, lights, None)["tenants"]
+                        solo[f"{load:g}"] = summary_of(served, lights, None)["tenants"]
+                        ssolo = sc.summarise(name, "_solo", workers, cost, lights, None, **bound)["tenants"]
                         sim[f"{load:g}"]["_solo"] = {"tenants": ssolo}
                         mock[f"{load:g}"]["_solo"] = {"tenants": solo[f"{load:g}"]}
                     t = time.perf_counter()
                     served, window = drive_load(mesh, requests_of(trace, vocab), trace, scale, keys)
                     windows.append((f"{load:g}", window))
                     m = mock[f"{load:g}"][system] = summary_of(served, trace, solo.get(f"{load:g}") if tenants
-                                                               else None, None)
+                                                               else None)
                     m["real_seconds"] = round(time.perf_counter() - t, 1)
-                    sim[f"{load:g}"][system] = sim_side(claim, system, workers, scale, cost, trace,
-                                                        sim[f"{load:g}"].get("_solo", {}).get("tenants")
-                                                        if tenants else None)
+                    sim[f"{load:g}"][system] = sc.summarise(name, system, workers, cost, trace,
+                                                            sim[f"{load:g}"].get("_solo", {}).get("tenants")
+                                                            if tenants else None, **bound)
                     log(f"{name} {system} @ {load:g}: mock ttft p50 {m['ttft_ms_p50']} p99 {m['ttft_ms_p99']} ms, "
                         f"{m['output_tokens_per_s']} tok/s, {m['completed']}/{m['requests']} in {m['real_seconds']} s "
                         f"real; sim ttft p50 {sim[f'{load:g}'][system]['ttft_ms_p50']} p99 "

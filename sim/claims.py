@@ -193,19 +193,25 @@ def simulate_kept(spec: ClusterSpec, cost, trace: list) -> dict:
     return result
 
 
-def _job(job: tuple) -> tuple:
-    claim, system, workers, heartbeat_s, cost, trace, solo = job
-    t = time.perf_counter()
-    spec = CLAIMS[claim].spec(system, workers, heartbeat_s) if system != "_solo" else \
-        CLAIMS[claim].spec("fair-deadline", workers, heartbeat_s)
+def summarise(name: str, system: str, workers: int, cost, trace: list, solo: dict | None, **spec_over) -> dict:
+    """One system of a claim simulated on trace: the summary, prefill tokens computed, each tenant's TTFT p99 and,
+    given the light tenants' solo figures, the tenant metrics. system "_solo": the light tenants alone, on the
+    fair-deadline cluster. spec_over: ClusterSpec fields to change (a heartbeat, a queue bound)."""
+    spec = replace(CLAIMS[name].spec("fair-deadline" if system == "_solo" else system, workers), **spec_over)
     r = simulate_kept(spec, cost, trace)
     s = dict(r["summary"])
     s.pop("slo_grid", None)
     s["prefill_tokens_computed"] = s["prompt_tokens"] - s["cached_prompt_tokens"]
-    if CLAIMS[claim].mix.tenants:
-        s["tenants"] = {t: v["ttft_ms_p99"] for t, v in r["tenants"].items()}
-        if solo is not None:
-            s.update(_sim_tenant_metrics(r, trace, solo))
+    s["tenants"] = {t: v["ttft_ms_p99"] for t, v in r["tenants"].items()}
+    if solo is not None:
+        s.update(_sim_tenant_metrics(r, trace, solo))
+    return s
+
+
+def _job(job: tuple) -> tuple:
+    claim, system, workers, heartbeat_s, cost, trace, solo = job
+    t = time.perf_counter()
+    s = summarise(claim, system, workers, cost, trace, solo, heartbeat_s=heartbeat_s)
     s["sim_wall_s"] = round(time.perf_counter() - t, 1)
     log(f"{claim} {system} ({workers} workers): ttft p50 {s['ttft_ms_p50']} p99 {s['ttft_ms_p99']} ms, tpot p99 "
         f"{s['tpot_ms_p99']} ms, {s['output_tokens_per_s']:,} tok/s, {s['sim_wall_s']} s")
