@@ -27,19 +27,22 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import grpc
 import yaml
 
 from bench.common import default_model, log, machine, write_result
 from bench.online import drive
 from bench.sim_validate import Served
 from bench.tenants_overload import tenant_config
+from services.common.pb import meshserve_pb2 as pb
+from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.engine.cost_model import cost_model
 from services.engine.hf_config import parse_config, read_json
 from services.mesh.launcher import Mesh, MeshSpec
 from sim import claims as sc
 from sim.report import latency_summary, percentile
 
-MOCK_CLAIMS = ("routing", "prefix-8", "prefix-64", "tenants")
+MOCK_CLAIMS = ("routing", "prefix-8", "prefix-64", "tenants", "lora")
 
 
 def add_flags(p) -> None:
@@ -61,16 +64,32 @@ def requests_of(trace: list, vocab: int) -> list:
     """The trace's requests as the gateway takes them: the simulator's token ids folded into the vocabulary (shared
     prefixes stay shared, block for block), greedy, EOS ignored, each tenant's name beside it."""
     return [{"id": t.id, "prompt_token_ids": [3 + x % (vocab - 3) for x in t.tokens()], "max_tokens": t.output_tokens,
-             "temperature": 0.0, "ignore_eos": True, "tenant": t.tenant} for t in trace]
+             "temperature": 0.0, "ignore_eos": True, "tenant": t.tenant, "adapter": t.adapter} for t in trace]
+
+
+def adapter_dir(n: int) -> str:
+    """A folder of n PEFT adapters named as the simulator's traces name them (adapter0 ...), each only its
+    adapter_config.json: the mock engine reads no weights (a read takes the step-time model's lora_read_s)."""
+    root = Path(tempfile.mkdtemp(prefix="meshserve-claims-adapters-"))
+    for i in range(n):
+        (root / f"adapter{i}").mkdir()
+        (root / f"adapter{i}" / "adapter_config.json").write_text(json.dumps(
+            {"peft_type": "LORA", "r": 16, "lora_alpha": 16, "target_modules": ["q_proj", "k_proj", "v_proj",
+                                                                                "o_proj", "gate_proj", "up_proj",
+                                                                                "down_proj"]}))
+    return str(root)
 
 
 def mesh_spec(claim: sc.Claim, system: str, workers: int, scale: float, profile: str, model_dir: Path,
-              config_file: str | None, steps: Path) -> MeshSpec:
+              config_file: str | None, steps: Path, adapters: str = "") -> MeshSpec:
     spec = claim.spec(system, workers)
     w = spec.worker
     engine = ["--backend", "mock", "--mock-profile", profile, "--mock-time-scale", f"{scale:g}", "--num-blocks",
               str(w.num_blocks), "--block-size", str(w.block_size), "--max-num-seqs", str(w.max_num_seqs),
-              "--max-num-batched-tokens", str(w.max_num_batched_tokens), "--slot-policy", w.slot_policy]
+              "--max-num-batched-tokens", str(w.max_num_batched_tokens), "--slot-policy", w.slot_policy,
+              "--max-loras", str(w.max_loras)]
+    if w.max_loras:
+        engine += ["--max-cpu-loras", str(w.max_cpu_loras), "--lora-dir", adapters]
     per_worker = {}
     if claim.speeds:  # a worker at speed v steps 1/v times slower: its own time scale
         per_worker = {f"unified-{i}": ["--mock-time-scale", f"{scale / claim.speeds[i % len(claim.speeds)]:g}"]
@@ -88,6 +107,17 @@ def served_of(timings: list, trace: list, scale: float) -> list:
 
     return [Served(r, mock(t.arrival_s), mock(t.first_s), mock(t.last_s), t.tokens, t.cached_tokens, t.error)
             for t, r in zip(timings, trace)]
+
+
+def lora_counters(mesh: Mesh, workers: int) -> dict:
+    """The unified workers' LoRA counters, summed (Stats)."""
+    totals = dict.fromkeys(("lora_reads", "lora_slot_loads", "lora_hits", "lora_misses"), 0)
+    for w in mesh.workers("unified")[:workers]:
+        with grpc.insecure_channel(w.address) as ch:
+            s = pb_grpc.WorkerStub(ch).Stats(pb.StatsRequest(), timeout=10)
+        for key, got in zip(totals, (s.lora_loads, s.lora_slot_loads, s.lora_hits, s.lora_misses)):
+            totals[key] += got
+    return totals
 
 
 def busy_max_over_mean(folder: Path, since: float, until: float) -> float | None:
@@ -166,20 +196,28 @@ def one_claim(name: str, model_dir: Path, vocab: int, args) -> tuple[dict, dict]
         config = yaml.safe_load(Path(path).read_text())
     beat_s = sc.HEARTBEAT_S * scale  # the claim's heartbeat in mock time, in real seconds
     config["routing"] = {"heartbeat_ms": max(1, round(beat_s * 1000)), "worker_ttl_s": max(3.0, 3 * beat_s)}
-    config_file = Path(tempfile.mkdtemp(prefix="meshserve-claims-")) / "mesh.yaml"
-    config_file.write_text(yaml.safe_dump(config))
+    folder = Path(tempfile.mkdtemp(prefix="meshserve-claims-"))
+    adapters = adapter_dir(claim.mix.adapters) if claim.mix.adapters else ""
+
+    def config_of(system: str) -> str:
+        """The mesh file for a system: the routing section above, and the system's LoRA placement."""
+        path = folder / f"{system}.yaml"
+        routing = {**config["routing"], "lora_placement": claim.spec(system, workers).lora_placement}
+        path.write_text(yaml.safe_dump({**config, "routing": routing}))
+        return str(path)
     bound = {"starvation_s": 30.0 / scale}  # the simulator's gateway queue bound: the mesh's 30 s of real time
     mock: dict = {f"{x:g}": {} for x in loads}
     sim: dict = {f"{x:g}": {} for x in loads}
     solo: dict = {}
-    fresh_per_load = name.startswith("prefix")
+    fresh_per_load = name.startswith("prefix") or bool(adapters)  # caches and residency start cold at each load
     systems = list(claim.systems)
     if tenants:  # fair-deadline first: its mesh measures the light tenants' solo figures the others are held to
         systems.sort(key=lambda s: s != "fair-deadline")
     for system in systems:
         for group in ([[x] for x in loads] if fresh_per_load else [list(loads)]):
             steps = Path(tempfile.mkdtemp(prefix="meshserve-claims-steps-"))
-            spec = mesh_spec(claim, system, workers, scale, args.claim_profile, model_dir, str(config_file), steps)
+            spec = mesh_spec(claim, system, workers, scale, args.claim_profile, model_dir, config_of(system), steps,
+                             adapters)
             t = time.perf_counter()
             windows: list = []
             with Mesh(spec) as mesh:
@@ -195,10 +233,13 @@ def one_claim(name: str, model_dir: Path, vocab: int, args) -> tuple[dict, dict]
                         sim[f"{load:g}"]["_solo"] = {"tenants": ssolo}
                         mock[f"{load:g}"]["_solo"] = {"tenants": solo[f"{load:g}"]}
                     t = time.perf_counter()
+                    before = lora_counters(mesh, workers) if adapters else {}
                     served, window = drive_load(mesh, requests_of(trace, vocab), trace, scale, keys)
                     windows.append((f"{load:g}", window))
                     m = mock[f"{load:g}"][system] = summary_of(served, trace, solo.get(f"{load:g}") if tenants
                                                                else None)
+                    if adapters:  # as the simulator's summary names them
+                        m.update({k: v - before[k] for k, v in lora_counters(mesh, workers).items()})
                     m["real_seconds"] = round(time.perf_counter() - t, 1)
                     sim[f"{load:g}"][system] = sc.summarise(name, system, workers, cost, trace,
                                                             sim[f"{load:g}"].get("_solo", {}).get("tenants")

@@ -34,6 +34,14 @@ is kept short and each worker's batch small. Claims:
   1,024-1,900, outputs 16-64, TTFT <= 400 ms; chat: prompts 32-512, outputs 16-64, TTFT <= 100 ms. Target: the best
   ratio's goodput at least 1.5x unified's on the long-prompt workload.
 
+- lora (10): least-outstanding vs lora-aware routing, with and without the router's adapter placement (the mesh's
+  default: routing.lora_placement), over 500 LoRA adapters of Zipf popularity (s = 1); workers of 4 compute slots
+  and 16 adapters in host memory, reads and slot copies as the step-time model says (h100-llama8b: 40 ms a read
+  from storage, 3.4 ms a copy into a slot); prompts 32-512, outputs 8-64, 144 requests a worker (so that most
+  adapters are past their first touch: a cold read per adapter in use is every system's floor). Targets: adapter
+  loads (copies into compute slots; reads from storage beside them) at most 1/3 of least-outstanding's, output
+  throughput at least 0.95x.
+
 - placement (09): the mesh's group placement against first fit on 1,000 hosts (--workers) in racks of 40, with no
   request trace: sim/placement_claim.py. Loads are the fraction of devices the groups take.
 """
@@ -93,11 +101,12 @@ class Claim:
         return replace(base, **over)
 
     def capacity(self, cost) -> float:
-        """One worker's requests/s for this mix (a burst, sim.scale.capacity), times the workers' mean speed."""
+        """One worker's requests/s for this mix (a burst, sim.scale.capacity), times the workers' mean speed; with
+        LoRA adapters, the base model's (what reads and slot copies take is what the policies differ in)."""
         from sim.scale import capacity
 
         speed = sum(self.speeds) / len(self.speeds) if self.speeds else 1.0
-        return capacity(cost, replace(self.mix, tenants=[]), self.worker) * speed
+        return capacity(cost, replace(self.mix, tenants=[], adapters=0), replace(self.worker, max_loras=0)) * speed
 
     def trace(self, load: float, workers: int, per_worker_rps: float, seed: int, requests: int = 0) -> list:
         rate = load * per_worker_rps * workers
@@ -138,6 +147,12 @@ CLAIMS = {c.name: c for c in (
       for name, mix, slo in (
           ("long", Synthetic(prompt=(1024, 1900), output=(16, 64)), {"ttft_slo_ms": 400.0, "tpot_slo_ms": 12.0}),
           ("chat", Synthetic(prompt=(32, 512), output=(16, 64)), {"ttft_slo_ms": 100.0, "tpot_slo_ms": 12.0}))),
+    Claim("lora", "10 LoRA residency: 500 adapters, Zipf", Synthetic(prompt=(32, 512), output=(8, 64), adapters=500),
+          {"least-outstanding": {"routing": "least-outstanding", "lora_placement": False},
+           "lora-aware": {"routing": "lora-aware", "lora_placement": False},
+           "lora-aware+placement": {"routing": "lora-aware", "lora_placement": True}},
+          ("lora_slot_loads_per_request", "lora_reads_per_request", "ttft_ms_p50", "output_tokens_per_s_per_worker"),
+          "least-outstanding", worker=replace(WORKER, max_loras=4, max_cpu_loras=16), requests_per_worker=144),
 )}
 
 
@@ -292,6 +307,17 @@ def targets(name: str, by_load: dict) -> dict:
             out[load] = {s: {"jain_index": v.get("jain_index"), "light_ttft_p99_ratio": v.get("light_ttft_p99_ratio"),
                              "met": (v.get("jain_index") or 0) >= 0.95 and (v.get("light_ttft_p99_ratio") or 99) <= 3}
                          for s, v in systems.items() if not s.startswith("_")}
+        elif name == "lora":
+            out[load] = {}
+            for s, v in systems.items():
+                if s == CLAIMS[name].baseline:
+                    continue
+                slots = _ratio(v.get("lora_slot_loads"), base.get("lora_slot_loads"))
+                reads = _ratio(v.get("lora_reads"), base.get("lora_reads"))
+                tput = _ratio(v.get("output_tokens_per_s"), base.get("output_tokens_per_s"))
+                out[load][s] = {"slot_loads_vs_least_outstanding": slots, "reads_vs_least_outstanding": reads,
+                                "throughput_vs_least_outstanding": tput,
+                                "met": slots is not None and slots <= 1 / 3 and (tput or 0) >= 0.95}
         elif name.startswith("pd"):
             best = max((s for s in systems if s.startswith("pd-")), key=lambda s: systems[s]["goodput_req_per_s"] or 0,
                        default=None)
@@ -303,9 +329,10 @@ def targets(name: str, by_load: dict) -> dict:
 
 def _metric(summary: dict, name: str, workers: int):
     """A summary's figure by name; the per-request and per-worker ones compare across cluster sizes."""
-    if name == "prefill_tokens_per_request":
-        done = summary.get("completed")
-        return summary["prefill_tokens_computed"] / done if done else None
+    if name.endswith("_per_request"):
+        done, key = summary.get("completed"), name.removesuffix("_per_request")
+        total = summary.get("prefill_tokens_computed" if key == "prefill_tokens" else key)
+        return total / done if done and total is not None else None
     if name.endswith("_per_worker"):
         total = summary.get(name.removesuffix("_per_worker"))
         return total / workers if total is not None else None

@@ -94,6 +94,11 @@ def add_cluster_flags(p) -> None:
     g.add_argument("--num-blocks", type=int, default=4096, help="KV blocks per worker")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--batching", choices=["iteration", "request"], default="iteration")
+    g.add_argument("--max-loras", type=int, default=0, help="LoRA compute slots per worker: model adapter residency "
+                   "(reads and slot copies at the cost model's lora_read_s, lora_slot_s); 0 = adapters only route")
+    g.add_argument("--max-cpu-loras", type=int, default=32, help="LoRA adapters a worker holds in host memory")
+    g.add_argument("--no-lora-placement", dest="lora_placement", action="store_false",
+                   help="no router adapter placement (routing.lora_placement: false)")
     g.add_argument("--routing", default="least-outstanding",
                    help="round-robin | least-outstanding | prefix-aware | lora-aware")
     g.add_argument("--admission", default="fcfs", help="the gateway's policy: fcfs | priority | deadline | fair | "
@@ -123,7 +128,7 @@ def cost_of(args) -> CostModel:
 def spec_of(args) -> ClusterSpec:
     worker = WorkerSpec(num_blocks=args.num_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, slot_policy=args.slot_policy,
-                        batching=args.batching)
+                        batching=args.batching, max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras)
     weights = {**{t.name: t.weight for t in getattr(args, "tenants", [])}, **args.tenant_weights}
     autoscale = None
     if args.autoscale:
@@ -132,7 +137,7 @@ def spec_of(args) -> ClusterSpec:
     return ClusterSpec(mode=args.mode, workers=args.workers, prefill=args.prefill if args.mode != "unified" else 0,
                        worker=worker, routing=args.routing, admission=args.admission, tenant_weights=weights,
                        heartbeat_s=args.heartbeat_s, cell_size=args.cell_size, autoscale=autoscale,
-                       ttft_slo_ms=args.ttft_slo_ms, tpot_slo_ms=args.tpot_slo_ms)
+                       ttft_slo_ms=args.ttft_slo_ms, tpot_slo_ms=args.tpot_slo_ms, lora_placement=args.lora_placement)
 
 
 def simulate(spec: ClusterSpec, cost: CostModel, trace: list, progress: bool = False, processes: int = 1) -> dict:

@@ -33,8 +33,10 @@ from dataclasses import dataclass, field, replace
 from services.common.block_hash import extra_keys, hash_blocks
 from services.common.errors import MeshError
 from services.common.members import POOL_MEMBER
+from services.engine.lora_residency import TARGETS, AdapterInfo
 from services.policy.admission_core import AdmissionCore, MeshView
 from services.policy.admission_queue import reported
+from services.policy.routing.adapter_placement import AdapterPlacement
 from services.policy.routing.filters import Need
 from services.policy.routing.pick import Prompt, RolePicker
 from services.policy.routing.policies import make_policy as make_routing
@@ -46,6 +48,7 @@ from sim.worker import SimRequest, SimWorker, WorkerSpec
 
 GATEWAY_POLL_S = 0.25  # how often a gateway reads the router's view of the workers (their step-cost fits)
 REPORTS_FROM = 32  # serving workers whose fits a gateway's cost model hears of at most (their median is what counts)
+PLACE_EVERY_S = 1.0  # a router's LoRA placement round (services/router/__main__.py place_loop)
 HOST_WINDOW_S = 1.0  # the window of the request and token rates the mesh's own CPU follows (_HostLoad)
 
 
@@ -93,6 +96,8 @@ class ClusterSpec:
     ttft_slo_ms: float | None = None  # for attainment and goodput
     tpot_slo_ms: float | None = None
     slo_grid: list = field(default_factory=list)  # [ttft_ms, tpot_ms] pairs: attainment and goodput at each too
+    lora_placement: bool = True  # routing.lora_placement: each router homes adapters by demand once a second (with
+    #                              workers that model LoRA residency: WorkerSpec.max_loras)
 
 
 class Cluster:
@@ -111,6 +116,8 @@ class Cluster:
         self.index: dict[bytes, set] = {}  # block hash -> worker ids holding it (the prefix index)
         self.done: list[SimRequest] = []
         self.adapters: tuple = ()  # the trace's LoRA adapters (run() sets them)
+        self.known_adapters: frozenset = frozenset()  # the same, as the views hold them
+        self._adapter_infos: dict = {}
         self.timeline: list[tuple[float, int, int]] = []  # (t, serving workers, starting workers)
         if spec.gateways < 1:
             raise ValueError(f"gateways must be >= 1, got {spec.gateways}")
@@ -152,8 +159,15 @@ class Cluster:
         event heap holds what is in flight, not the whole trace."""
         self.trace, self.arrived = trace, 0
         self.adapters = tuple(sorted({t.adapter for t in trace if t.adapter}))  # registered on every worker
+        self.known_adapters = frozenset(self.adapters)
         for v in self.views.values():
-            v.known_adapters = self.adapters
+            v.known_adapters = self.known_adapters
+        for w in self.workers:
+            w.register_adapters(self.adapters)
+        if self.adapters and self.spec.lora_placement and any(w.lora is not None for w in self.workers):
+            for router in self.routers:
+                router["placement"] = AdapterPlacement()
+            self.at(PLACE_EVERY_S, self._place)
         if trace:
             self._schedule_arrival()
         if self.spec.autoscale is not None:
@@ -177,7 +191,7 @@ class Cluster:
         self.by_id[worker_id] = w
         self.views[worker_id] = WorkerView(worker_id, worker_id, spec.role, capacity_tokens=w.capacity_tokens,
                                            block_size=spec.block_size, max_num_seqs=spec.max_num_seqs,
-                                           index_member=worker_id, known_adapters=self.adapters)
+                                           index_member=worker_id, known_adapters=self.known_adapters)
         self.beat_at[worker_id] = -math.inf
         self._assign_cells()
         return w
@@ -215,7 +229,10 @@ class Cluster:
     def worker_stats(self) -> list[dict]:
         return [{"id": w.id, "started_s": w.started_s, "retired_s": w.retired_s if not w.alive else None,
                  "busy_s": w.busy_s, "seq_s": w.seq_s, "steps": w.steps, "max_num_seqs": w.spec.max_num_seqs,
-                 "slot_preemptions": w.sched.slot_preemptions} for w in self.workers]
+                 "slot_preemptions": w.sched.slot_preemptions,
+                 **({"lora": {"lora_reads": w.lora.loads, "lora_slot_loads": w.lora.slot_loads,
+                              "lora_hits": w.lora.hits, "lora_misses": w.lora.misses}} if w.lora is not None else {})}
+                for w in self.workers]
 
     def contention(self, worker: SimWorker) -> float:
         """How much slower a step runs because other workers step on the same cores (processor sharing)."""
@@ -316,6 +333,11 @@ class Cluster:
             v.routed_adapters = set()
             v.prefill_s_per_token, v.decode_s_per_step = w.fit.prefill_s_per_token, w.fit.decode_s_per_step
             v.decode_s_floor = w.fit.step_s(w.spec.deadline_min_batch) if w.fit.decode_s_per_step else 0.0
+            if w.lora is not None:  # what a worker's heartbeat says of its adapters (services/worker/server.py)
+                lr = w.lora
+                v.adapters, v.host_adapters = tuple(n for n in lr.slot_names if n), tuple(lr.host)
+                v.pinned_adapters = tuple(n for i, n in enumerate(lr.slot_names) if n and lr.pins[i])
+                v.lora_slots, v.free_lora_slots = lr.max_loras, lr.slot_names.count(None)
         if w.pool.events:
             self._publish(w)  # the real workers publish every 50 ms: as good as at once here
         return v
@@ -380,11 +402,39 @@ class Cluster:
             if pooled:
                 held[f"{POOL_MEMBER}{router['name']}#0"] = min(pooled, len(route))
             prompt = Prompt(route, held)
-        view = picker.pick(views, cost, adapter, prompt, near=after.topology if after else "").worker
+        placement, homes = router.get("placement"), frozenset()
+        if placement is not None:  # the router observes every routed request; homes steer the adapter scorer
+            placement.observe(adapter, self.now)
+            homes = placement.home(role, adapter) if adapter else homes
+        view = picker.pick(views, cost, adapter, prompt, homes=homes, near=after.topology if after else "").worker
         fetch = pooled if pooled > found.get(view.worker_id, 0) else 0
         if hashes and view.block_size != views[0].block_size:
             hashes, fetch = [], 0  # hashed at another block size: nothing to reuse there
         return by_id[view.worker_id], hashes, fetch
+
+    def adapter_info(self, name: str, path: str) -> AdapterInfo:
+        """A trace adapter as a worker's residency registers it (one object shared by every worker)."""
+        info = self._adapter_infos.get(name)
+        if info is None:
+            info = self._adapter_infos[name] = AdapterInfo(name, path, 16, 16.0, 1.0, TARGETS, 0)
+        return info
+
+    def _place(self) -> None:
+        """One round of each router's LoRA placement (services/router/server.py place()): prefetch orders to the
+        workers, which read the adapter into memory and a free slot."""
+        for router in self.routers:
+            placement = router.get("placement")
+            if placement is None:
+                continue
+            views = [self._view(w) for w in router["workers"]]
+            for role in {v.role for v in views}:
+                for view, adapter in placement.plan([v for v in views if v.role == role], self.now):
+                    w = self.by_id[view.worker_id]
+                    if w.lora is not None and w.alive:
+                        w.lora.prefetch(adapter, warm=True)
+                        w.kick()
+        if self.window.pending > 0 or self.arrivals_left > 0:
+            self.at(self.now + PLACE_EVERY_S, self._place)
 
     def _expire(self, sim: SimRequest) -> None:
         """sim's deadline passed while dispatched: the gateway's call ends with DEADLINE_EXCEEDED (a deadline bounds

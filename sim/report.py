@@ -98,6 +98,10 @@ def result_of(cluster, wall_s: float) -> dict:
     summary["busy_max_over_mean"] = _r(max(busy) / (sum(busy) / len(busy)), 3) if busy and sum(busy) > 0 else None
     summary["steps"] = sum(w["steps"] for w in stats)
     summary["preemptions"] = sum(w["slot_preemptions"] for w in stats)
+    lora = [w["lora"] for w in stats if "lora" in w]
+    if lora:  # LoRA: reads from storage, copies into slots, admissions that found / waited for their adapter
+        for key in lora[0]:
+            summary[key] = sum(x[key] for x in lora)
     return {"summary": summary, "tenants": tenant_summary(reqs),
             "timeline": [list(x) for x in _thin(cluster.timeline)],
             "throughput_timeline": _throughput(reqs, end),

@@ -19,11 +19,13 @@ Batching "request" (the static-batching baseline): a new batch forms only when t
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from services.common.sampling import SamplingParams
 from services.engine.block_pool import BlockPool
 from services.engine.kv_manager import KVCacheManager
+from services.engine.lora_residency import AdapterResidency, EmptySlots
 from services.engine.request import Request, Status
 from services.engine.scheduler import Scheduler
 from services.engine.step_cost import StepCostFit
@@ -45,6 +47,8 @@ class WorkerSpec:
     deadline_min_batch: int = 4
     batching: str = "iteration"  # iteration | request
     speed: float = 1.0  # step times are divided by this (a faster or slower instance)
+    max_loras: int = 0  # LoRA compute slots (0: adapters are only routing keys, no residency is modelled)
+    max_cpu_loras: int = 32  # adapters held in host memory (slot ones included)
 
 
 @dataclass(eq=False)
@@ -74,6 +78,27 @@ class SimRequest:
         return None if d is None else self.arrival_s + d / 1e3
 
 
+class SimReads:
+    """A simulated worker's adapter loader (the engine's one loader thread): each read takes the step-time model's
+    lora_read_s (at the worker's speed) after the one before it, then kicks the worker."""
+
+    def __init__(self, worker):
+        self.worker, self.free_at = worker, 0.0
+
+    def submit(self, fn, *args) -> Future:
+        w = self.worker
+        start = max(w.cluster.now, self.free_at)
+        self.free_at = end = start + w.cost.lora_read_s / w.spec.speed
+        fut = Future()
+
+        def done():
+            fut.set_result((fn(*args)[0], end - start))
+            w.kick()
+
+        w.cluster.at(end, done)
+        return fut
+
+
 class SimWorker:
     def __init__(self, cluster, worker_id: str, spec: WorkerSpec, cost, track_events: bool = True):
         self.cluster, self.id, self.spec, self.cost = cluster, worker_id, spec, cost
@@ -83,8 +108,12 @@ class SimWorker:
             self.pool.track_events()
         self.kv = KVCacheManager(self.pool, spec.block_size, spec.prefix_caching)
         self.fit = StepCostFit()
+        # LoRA: the engine's own residency over slots that hold nothing, reads taking modelled time (SimReads)
+        self.lora = AdapterResidency(spec.max_loras, spec.max_cpu_loras, EmptySlots(), cluster.adapter_info,
+                                     lambda info: {}, clock=lambda: cluster.now,
+                                     executor=SimReads(self)) if spec.max_loras else None
         self.sched = Scheduler(self.kv, make_policy(spec.slot_policy), spec.max_num_seqs, spec.max_num_batched_tokens,
-                               clock=lambda: cluster.now, step_cost=self.fit,
+                               clock=lambda: cluster.now, step_cost=self.fit, lora=self.lora,
                                deadline_min_batch=spec.deadline_min_batch)
         self.sims: dict[str, SimRequest] = {}  # req_id -> its SimRequest
         self.held: list[Request] = []  # request-level batching: waiting for the batch to drain
@@ -102,6 +131,13 @@ class SimWorker:
         self._outstanding = (-1, 0)
         self._seq = 0
         self.aborted: list[str] = []  # requests whose calls were cancelled during the step in flight
+        self.register_adapters(cluster.adapters)
+
+    def register_adapters(self, names) -> None:
+        """The trace's adapters, registered here (as a worker's config lists them); no-op without LoRA slots."""
+        if self.lora is not None:
+            for name in names:
+                self.lora.register(name, name)
 
     # ---- load, as a heartbeat reports it ----------------------------------------------------------------------
 
@@ -237,9 +273,14 @@ class SimWorker:
             del self.held[:self.spec.max_num_seqs]
         if not self.sched.has_work:
             return
+        lora, slot_loads = self.lora, 0
+        if lora is not None:
+            slot_loads = lora.slot_loads
+            lora.poll()  # join finished reads (read-ahead ones go into free slots)
         out = self.sched.schedule()
         if out.empty:
-            self._unservable()
+            if lora is None or not lora.loading:  # else waiting on a read, whose end kicks again
+                self._unservable()
             return
         now = self.cluster.now
         seqs = len(out.seqs)
@@ -251,7 +292,8 @@ class SimWorker:
         # Step i of the leap ends at start + a (i + 1) + b i (i + 1) / 2: each decode step costs b more than the one
         # before (its sequences' context grew by one token each), so a leap's times come in closed form.
         if k == 1:
-            a, b = self.cost.step_s(seqs, prefill, context, prefill_context) * slow, 0.0
+            copies = (lora.slot_loads - slot_loads) * self.cost.lora_slot_s if lora is not None else 0.0
+            a, b = (self.cost.step_s(seqs, prefill, context, prefill_context) + copies) * slow, 0.0
         else:
             a, b = self.cost.step_s(seqs, 0, context) * slow, self.cost.per_context_s * seqs * slow
         self.version += 1

@@ -10,6 +10,7 @@ adapters, requests, and calls init_book() for the request seeds and sequence num
 from __future__ import annotations
 
 import itertools
+import logging
 import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -22,8 +23,10 @@ from services.engine.request import Request, SamplingParams, Status
 from services.engine.scheduler import SchedulerOutput
 from services.policy.bands import BANDS
 
+log = logging.getLogger("meshserve.engine")
+
 if TYPE_CHECKING:
-    from services.engine.lora import LoRASnapshot
+    from services.engine.lora_residency import LoRASnapshot
 
 
 @dataclass
@@ -244,6 +247,17 @@ class EngineBase:
                           queue_wait_s=self.scheduler.queue_wait_s)
 
     # ---- LoRA adapters ------------------------------------------------------------------------
+
+    def _end_failed_adapters(self) -> list[RequestOutput]:
+        """Join finished adapter reads; a request waiting on an adapter whose read failed ends (abort)."""
+        failed = []
+        for name, why in self.adapters.failed_reads():
+            for req in [r for r in self.scheduler.waiting if r.adapter == name]:
+                log.error("request %s: %s", req.req_id, why)
+                self.scheduler.finish(req, "abort")
+                self.requests.pop(req.req_id, None)
+                failed.append(RequestOutput(req.req_id, [], None, True, "abort", req))
+        return failed
 
     def _adapter_in_use(self, name: str) -> bool:
         return any(r.adapter == name for r in self.requests.values())

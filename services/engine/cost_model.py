@@ -33,6 +33,11 @@ class CostModel:
     host_cpu_s_per_s: float = 0.0
     host_cpu_s_per_request: float = 0.0
     host_cpu_s_per_token: float = 0.0
+    # LoRA adapters (assumed, not calibrated: `sim calibrate` does not fit them): reading one adapter from storage
+    # into host memory (in the background; its requests wait), and copying it into a compute slot (inside the step
+    # that admits its first request).
+    lora_read_s: float = 0.005
+    lora_slot_s: float = 0.0002
     source: dict = field(default_factory=dict)  # how it was measured (machine, steps, residuals)
 
     def step_s(self, seqs: int, prefill_tokens: int = 0, context_tokens: int = 0, prefill_context: int = 0) -> float:
@@ -72,15 +77,20 @@ PRESETS = {
     "cpu-smollm2": CostModel(source={"preset": "cpu-smollm2", "assumed": "the simulator's defaults"}),
     # Llama-3-8B in bfloat16 on one H100 SXM: 16 GB of weights at ~3 TB/s -> ~6 ms a step; 128 KiB of KV per
     # token (32 layers x 8 KV heads x 128 x 2 x 2 bytes) read at the same rate -> ~4e-8 s per context token;
-    # prompts at ~40% of 990 TFLOP/s over 16 GFLOP a token -> ~4e-5 s per token; KV over 400 Gb/s RDMA.
+    # prompts at ~40% of 990 TFLOP/s over 16 GFLOP a token -> ~4e-5 s per token; KV over 400 Gb/s RDMA. A rank-16
+    # LoRA adapter on all seven projections is 84 MB: read from NVMe at ~2 GB/s -> 40 ms, copied into a slot over
+    # PCIe at ~25 GB/s -> 3.4 ms.
     "h100-llama8b": CostModel(base_s=0.006, per_seq_s=0.00005, per_context_s=4e-8, prefill_s_per_token=4e-5,
                               prefill_context_s=1e-10, hop_s=0.002, kv_bytes_per_token=131072,
-                              kv_link_gbytes_per_s=40.0, source={"preset": "h100-llama8b", "assumed": True}),
+                              kv_link_gbytes_per_s=40.0, lora_read_s=0.04, lora_slot_s=0.0034,
+                              source={"preset": "h100-llama8b", "assumed": True}),
     # Llama-3.2-1B in bfloat16 on one L4: 2.5 GB at ~250 GB/s -> ~10 ms a step; 32 KiB of KV per token;
-    # prompts at ~40% of 120 TFLOP/s over 2.5 GFLOP a token -> ~5e-5 s per token; KV over 25 Gb/s Ethernet.
+    # prompts at ~40% of 120 TFLOP/s over 2.5 GFLOP a token -> ~5e-5 s per token; KV over 25 Gb/s Ethernet; a
+    # rank-16 adapter is 22.5 MB: 11 ms from NVMe, 1.1 ms into a slot.
     "l4-llama1b": CostModel(base_s=0.010, per_seq_s=0.0001, per_context_s=1.3e-7, prefill_s_per_token=5e-5,
                             prefill_context_s=1e-10, hop_s=0.002, kv_bytes_per_token=32768,
-                            kv_link_gbytes_per_s=3.0, source={"preset": "l4-llama1b", "assumed": True}),
+                            kv_link_gbytes_per_s=3.0, lora_read_s=0.011, lora_slot_s=0.0011,
+                            source={"preset": "l4-llama1b", "assumed": True}),
 }
 
 

@@ -33,7 +33,7 @@ from services.engine.kernels import paged_attention, sampler
 from services.engine.kernels import summary as kernel_summary
 from services.engine.kv_manager import KVCacheManager
 from services.engine.loader import load_model
-from services.engine.lora import AdapterResidency, LoRABatch, LoRASlots
+from services.engine.lora import LoRABatch, LoRASlots, engine_residency
 from services.engine.lora_adapters import LoRAAdapters, configured
 from services.engine.model import LlamaModel
 from services.engine.parallel import TensorParallelGroup, local_config, shard_adapter, shard_weights
@@ -84,8 +84,8 @@ class LLMEngine(EngineBase):
         slots = LoRASlots(local, lc.max_loras, self.model.dtype, shard=partial(shard_adapter, mc=mc,
                                                                                shard=self.group.shard),
                           mirror=self.group.mirror_lora) if self.group and lc.max_loras else None
-        self.lora = AdapterResidency(mc, self.model.dtype, lc.max_loras, lc.max_cpu_loras, lc.max_lora_rank,
-                                     in_use=self._adapter_in_use, clock=clock, slots=slots) if lc.max_loras else None
+        self.lora = engine_residency(mc, self.model.dtype, lc, self._adapter_in_use, clock,
+                                     slots) if lc.max_loras else None
         self._lora_kernel = None
         self.step_cost = StepCostFit()  # what its steps take: heartbeats report it, the scheduler caps batches by it
         self.scheduler = Scheduler(self.kv, make_policy(sc.policy), sc.max_num_seqs, sc.max_num_batched_tokens,
@@ -186,13 +186,3 @@ class LLMEngine(EngineBase):
         if self.group:
             self.group.close()
 
-    def _end_failed_adapters(self) -> list[RequestOutput]:
-        """Join finished adapter reads; a request waiting on an adapter whose read failed ends (abort)."""
-        failed = []
-        for name, why in self.adapters.failed_reads():
-            for req in [r for r in self.scheduler.waiting if r.adapter == name]:
-                log.error("request %s: %s", req.req_id, why)
-                self.scheduler.finish(req, "abort")
-                self.requests.pop(req.req_id, None)
-                failed.append(RequestOutput(req.req_id, [], None, True, "abort", req))
-        return failed

@@ -1,5 +1,5 @@
 """The engine's LoRA adapters as its callers see them: register a PEFT folder under a name, unregister, read ahead,
-list with residency. The residency itself (slots, host memory, reads in the background) is lora.py's
+list with residency. The residency itself (slots, host memory, reads in the background) is lora_residency.py's
 AdapterResidency; an engine without LoRA slots (max_loras 0) has none, and refuses adapters with a clear error.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from services.common.errors import InvalidRequest, NotFound
-from services.engine.lora import AdapterResidency
+from services.engine.lora_residency import AdapterResidency
 
 
 def configured(lc) -> list[tuple[str, str]]:

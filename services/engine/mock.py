@@ -16,22 +16,32 @@ cost fit the router's estimates read. What replaces the model:
 - KV blocks are bytes of the model's real size (kv "bytes": the kvstore and its links carry the real load) or 64
   bytes each (kv "metadata"), filled with a pattern that checksums check end to end.
 
-Not modelled (refused with a clear error): structured outputs, logprobs, LoRA adapters.
+- LoRA adapters: the real residency (services.engine.lora_residency: registered, host memory, compute slots,
+  least recently used out, a running request pinning its slot) over slots that hold nothing; an adapter is a PEFT
+  folder whose adapter_config.json is read and validated (no weights), its read from storage takes the step-time
+  model's lora_read_s (times the time scale) on the loader thread, and each copy into a slot adds lora_slot_s to the
+  step that makes it. The adapters' own arithmetic in a step is not modelled (S-LoRA and Punica put it at a few
+  percent of a step).
+
+Not modelled (refused with a clear error): structured outputs, logprobs.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from functools import partial
 from pathlib import Path
 
-from services.common.errors import InvalidRequest, NotFound
+from services.common.errors import InvalidRequest
 from services.engine.base import EngineBase, RequestOutput, RuntimeInfo
 from services.engine.block_pool import BlockPool
 from services.engine.config import EngineConfig
 from services.engine.cost_model import cost_model
 from services.engine.hf_config import eos_ids, parse_config, read_json
 from services.engine.kv_manager import KVCacheManager
+from services.engine.lora_adapters import LoRAAdapters, configured
+from services.engine.lora_residency import TARGETS, AdapterInfo, AdapterResidency, EmptySlots, read_adapter_config
 from services.engine.request import Request
 from services.engine.scheduler import Scheduler
 from services.engine.step_cost import StepCostFit
@@ -87,22 +97,11 @@ class NoGrammars:
             raise InvalidRequest("the mock engine runs no structured outputs (engine.backend mock)")
 
 
-class NoAdapters:
-    """The mock engine serves no LoRA adapters."""
-
-    WHY = "the mock engine serves no LoRA adapters (engine.backend mock)"
-
-    def load(self, name: str, path: str, prefetch: bool = False) -> dict:
-        raise InvalidRequest(self.WHY)
-
-    def unload(self, name: str) -> None:
-        raise NotFound(f"adapter {name!r} is not loaded ({self.WHY})")
-
-    def prefetch(self, name: str) -> bool:
-        return False
-
-    def listing(self) -> list[dict]:
-        return []
+def inspect_config(name: str, path: str, max_rank: int) -> AdapterInfo:
+    """An adapter from its PEFT config alone (validated as the model engine validates it; no weights read)."""
+    cfg = read_adapter_config(name, path, max_rank)
+    targets = tuple(t for t in TARGETS if cfg.listed is None or t in cfg.listed)
+    return AdapterInfo(name, str(cfg.folder), cfg.rank, cfg.alpha, cfg.scale, targets, 0)
 
 
 class Sampled:
@@ -130,15 +129,22 @@ class MockEngine(EngineBase):
         self.info = RuntimeInfo(num_blocks, eos_ids(Path(config.model_dir), raw), m.vocab_size,
                                 min(m.max_positions, num_blocks * cc.block_size))
         self.kv = KVCacheManager(BlockPool(num_blocks), cc.block_size, cc.enable_prefix_caching)
-        self.lora, self.tokenizer, self.group = None, None, None
-        self.grammars, self.adapters = NoGrammars(), NoAdapters()
+        self.tokenizer, self.group = None, None
+        self.grammars = NoGrammars()
+        lc = config.lora
+        self.lora = AdapterResidency(lc.max_loras, lc.max_cpu_loras, EmptySlots(),
+                                     partial(inspect_config, max_rank=lc.max_lora_rank), self._read_adapter,
+                                     in_use=self._adapter_in_use, clock=clock) if lc.max_loras else None
         self.step_cost = StepCostFit()
         self.scheduler = Scheduler(self.kv, make_policy(sc.policy), sc.max_num_seqs, sc.max_num_batched_tokens,
-                                   clock=clock, step_cost=self.step_cost, deadline_min_batch=sc.deadline_min_batch,
-                                   before_admit=self._admit_pooled)
+                                   clock=clock, lora=self.lora, step_cost=self.step_cost,
+                                   deadline_min_batch=sc.deadline_min_batch, before_admit=self._admit_pooled)
         self.init_book()
         self.transfer = KVTransfer(self.requests, self.scheduler, self.kv, PatternBlocks(block_bytes), config.dtype,
-                                   block_bytes, None, self._new_request)
+                                   block_bytes, self.lora, self._new_request)
+        self.adapters = LoRAAdapters(self.lora)
+        for name, folder in configured(lc):
+            self.adapters.load(name, folder)
         self._keys: dict[str, int] = {}  # request id -> its prompt's hash
         self._eos = frozenset(self.info.eos_token_ids)
         self._end = None  # when the last step was due to end, while the engine had work left after it
@@ -153,14 +159,25 @@ class MockEngine(EngineBase):
             raise InvalidRequest("the mock engine computes no logprobs (engine.backend mock)")
         return super()._new_request(spec)
 
+    def _read_adapter(self, info: AdapterInfo) -> dict:
+        """An adapter's read from storage, as long as the step-time model says (on the loader thread)."""
+        self.sleep(self.cost.lora_read_s * self.time_scale)
+        return {}
+
     def step(self) -> list[RequestOutput]:
+        slot_loads = self.lora.slot_loads if self.lora is not None else 0
+        failed = self._end_failed_adapters() if self.lora is not None else []
         out = self.scheduler.schedule()
         if out.empty:
-            return []
+            if self.lora is not None and not failed:
+                self.lora.wait(0.01)  # nothing to run but an adapter being read: wait for it, do not spin
+            return failed
         seqs = out.seqs
         context = sum(s.num_computed for s in seqs)
         prefill_context = sum(s.num_new * s.num_computed for s in seqs if s.num_new > 1)
         modelled = self.cost.step_s(len(seqs), out.num_tokens - len(seqs), context, prefill_context)
+        if self.lora is not None:  # adapters copied into slots for this step (admissions and read-ahead)
+            modelled += (self.lora.slot_loads - slot_loads) * self.cost.lora_slot_s
         duration = modelled * self.time_scale
         now = self.clock()
         start = now
@@ -182,7 +199,7 @@ class MockEngine(EngineBase):
         self._record(out, duration, duration, 0.0)
         self._end = start + duration if self.scheduler.has_work else None
         self._say_lag()
-        return results
+        return failed + results
 
     def _token(self, req: Request) -> int:
         key = self._keys.get(req.req_id)

@@ -30,7 +30,7 @@ cap in proportion, one well within it raises the cap by one. Never below
 deadline_min_batch (the floor: the others' throughput is never squeezed below it), and a request
 clearly lost (it needs steps in under half the floor's measured step time) does not shrink it.
 
-With LoRA (lora: services.engine.lora.AdapterResidency), a request is admitted only with a slot pinned
+With LoRA (lora: services.engine.lora_residency.AdapterResidency), a request is admitted only with a slot pinned
 for its adapter, held until it leaves the batch, so a batch never has more adapters than slots. Waiting
 requests whose adapter is in a slot (or none) go before those that would need one, unless these have
 waited ADAPTER_BYPASS_S; slots are taken in that order (once one request cannot get a slot, nobody behind

@@ -13,7 +13,8 @@ from safetensors.torch import load_file, save_file
 from services.common.errors import InvalidRequest, NotFound
 from services.engine.config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig
 from services.engine.engine import LLMEngine
-from services.engine.lora import AdapterResidency
+from services.engine.lora import LoRASlots
+from services.engine.lora_residency import AdapterResidency
 from tests.support.lora import ADAPTERS, peft_greedy, save_peft_adapter
 from tests.support.reference import assert_matches, greedy, random_prompts, run_all, save_hf_model
 
@@ -233,7 +234,7 @@ def test_eviction_never_removes_a_pinned_adapter(ops, slots, host):
     mc = ModelConfig(vocab_size=8, hidden_size=4, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=4,
                      intermediate_size=4, max_positions=16)
     weights = {(0, "q_proj"): (torch.ones(1, 4), torch.ones(1, 4))}
-    res = AdapterResidency(mc, torch.float32, slots, host, 8, reader=lambda info, dtype: weights)
+    res = AdapterResidency(slots, host, LoRASlots(mc, slots, torch.float32), inspect=None, reader=lambda info: weights)
     res.slots.ensure(1)
     for i in range(6):
         res.known[f"a{i}"] = _Info(f"a{i}")

@@ -3,14 +3,15 @@ the forward pass. What the cluster measurements rest on: steps take the modelled
 for the same request on any engine, KV moves between engines as in a P/D handoff, bad inputs get clear errors, and
 no torch is loaded (64 of them fit on one machine)."""
 
+import json
 import subprocess
 import sys
 
 import pytest
 
-from services.common.errors import InvalidRequest
+from services.common.errors import InvalidRequest, NotFound
 from services.common.sampling import Guided
-from services.engine.config import CacheConfig, EngineConfig, MockConfig
+from services.engine.config import CacheConfig, EngineConfig, LoRAConfig, MockConfig
 from services.engine.cost_model import PRESETS, CostModel
 from services.engine.mock import MockEngine
 from services.engine.request import SamplingParams
@@ -29,9 +30,9 @@ class FakeTime:
         self.now += s
 
 
-def engine(model, t=None, profile="h100-llama8b", scale=1.0, kv="bytes", **cache):
+def engine(model, t=None, profile="h100-llama8b", scale=1.0, kv="bytes", lora=None, **cache):
     cfg = EngineConfig(model_dir=str(model), backend="mock", mock=MockConfig(profile=profile, time_scale=scale, kv=kv),
-                       cache=CacheConfig(num_blocks=256, **cache))
+                       cache=CacheConfig(num_blocks=256, **cache), lora=lora or LoRAConfig())
     return MockEngine(cfg, clock=t.clock, sleep=t.sleep) if t else MockEngine(cfg)
 
 
@@ -110,7 +111,7 @@ def test_what_the_mock_does_not_model_is_refused_clearly(tiny_model, params, why
     e = engine(tiny_model)
     with pytest.raises(InvalidRequest, match=why):
         e.add_request("x", [1, 2, 3], params)
-    with pytest.raises(InvalidRequest, match="LoRA"):
+    with pytest.raises(InvalidRequest, match="adapter_config.json not found"):
         e.adapters.load("a", "/nowhere")
     assert not e.has_unfinished()
 
@@ -127,3 +128,51 @@ def test_the_mock_engine_core_loads_no_torch(tiny_model):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def adapters(tmp_path, n: int) -> tuple:
+    """n PEFT folders holding only their config (the mock reads no weights)."""
+    out = []
+    for i in range(n):
+        folder = tmp_path / f"a{i}"
+        folder.mkdir()
+        (folder / "adapter_config.json").write_text(json.dumps({"r": 8, "lora_alpha": 16,
+                                                                "target_modules": ["q_proj", "v_proj"]}))
+        out.append((f"a{i}", str(folder)))
+    return tuple(out)
+
+
+def test_adapters_take_turns_in_the_slots_and_each_is_read_once(tiny_model, tmp_path):
+    """Three adapters' requests on two slots all complete; each adapter is read from storage once (host memory
+    holds all three); a batch never holds more adapters than slots; an unknown adapter is refused."""
+    e = engine(tiny_model, lora=LoRAConfig(max_loras=2, max_cpu_loras=4, modules=adapters(tmp_path, 3)))
+    for i in range(6):
+        e.add_request(f"r{i}", list(range(1 + i, 30 + i)), greedy(6), adapter=f"a{i % 3}")
+    outs, most = {}, 0
+    while e.has_unfinished():
+        for o in e.step():
+            outs.setdefault(o.req_id, []).extend(o.new_token_ids)
+        most = max(most, len({r.adapter for r in e.scheduler.running}))
+    assert sorted(outs) == [f"r{i}" for i in range(6)] and all(len(v) == 6 for v in outs.values())
+    snap = e.lora.snapshot()
+    assert snap.loads == 3 and snap.slot_loads >= 3 and most <= 2
+    assert e.load().blocks_used == 0
+    with pytest.raises(NotFound, match="nope"):
+        e.add_request("x", [1, 2, 3], greedy(2), adapter="nope")
+
+
+def test_an_adapter_costs_its_read_and_its_copy_into_a_slot(tiny_model, tmp_path):
+    """The read takes the model's lora_read_s (scaled) off the steps; the step that admits the adapter's request
+    takes lora_slot_s more than the same step without it, and the steps after it the same."""
+    preset = PRESETS["h100-llama8b"]
+    lora = LoRAConfig(max_loras=2, modules=adapters(tmp_path, 1))
+    ta, tb = FakeTime(), FakeTime()
+    a, b = engine(tiny_model, ta, scale=2.0, lora=lora), engine(tiny_model, tb, scale=2.0)
+    a.add_request("x", list(range(1, 40)), greedy(5), adapter="a0")
+    b.add_request("x", list(range(1, 40)), greedy(5))
+    assert run(a) == run(b)  # the adapter changes no mock token
+    assert ta.slept[0] == pytest.approx(2.0 * preset.lora_read_s)
+    steps_a, steps_b = ta.slept[1:], tb.slept
+    assert len(steps_a) == len(steps_b)
+    assert steps_a[0] - steps_b[0] == pytest.approx(2.0 * preset.lora_slot_s)
+    assert steps_a[1:] == pytest.approx(steps_b[1:])

@@ -1,7 +1,8 @@
 """The cluster claims (sim/claims.py, sim/placement_claim.py) at a size CI affords: 16 simulated workers, one load
 each. What they must show there is what the claims report at 1,000: least-outstanding cuts round robin's TTFT tail
 among workers of two speeds, prefix-aware routing computes fewer prompt tokens than round robin, fair admission is
-fairer than FCFS under a heavy tenant, and the mesh's placement sends fewer KV bytes across racks than first fit."""
+fairer than FCFS under a heavy tenant, lora-aware routing reads and swaps fewer adapters than least-outstanding at no
+cost in throughput, and the mesh's placement sends fewer KV bytes across racks than first fit."""
 
 import pytest
 
@@ -45,6 +46,16 @@ def test_fair_admission_is_fairer_than_fcfs_under_a_heavy_tenant():
     assert r["fair-deadline"]["jain_index"] > r["fcfs"]["jain_index"]
     assert r["fair-deadline"]["light_ttft_p99_ratio"] < r["fcfs"]["light_ttft_p99_ratio"]
     assert set(r["_solo"]["tenants"]) == {f"light{i}" for i in range(1, 10)}
+
+
+@slow
+def test_lora_aware_routing_loads_fewer_adapters_at_the_same_throughput():
+    r = claims.measure("lora", 16, (0.85,), requests_per_worker=48)["by_load"]["0.85"]
+    lor, aware = r["least-outstanding"], r["lora-aware"]
+    assert lor["completed"] == aware["completed"] == 16 * 48
+    assert aware["lora_reads"] < 0.75 * lor["lora_reads"]
+    assert aware["lora_slot_loads"] < 0.8 * lor["lora_slot_loads"]
+    assert aware["output_tokens_per_s"] >= 0.95 * lor["output_tokens_per_s"]
 
 
 def test_placement_keeps_more_kv_inside_racks_than_first_fit():

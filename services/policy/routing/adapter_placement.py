@@ -79,8 +79,9 @@ class AdapterPlacement:
         orders: list = []
         given: Counter = Counter()
         stick = STICKY * sum(self.counts.values()) / len(pool)
+        known = {w.worker_id: frozenset(w.known_adapters) for w in pool}  # once: hundreds of adapters a worker
         for adapter, count in sorted(self.counts.items(), key=lambda kv: (-kv[1], kv[0])):
-            can = [w for w in pool if adapter in w.known_adapters]
+            can = [w for w in pool if adapter in known[w.worker_id]]
             want = self.replicas(adapter, can)
             if not want:
                 continue
