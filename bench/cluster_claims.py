@@ -40,6 +40,7 @@ from services.engine.cost_model import cost_model
 from services.engine.hf_config import parse_config, read_json
 from services.mesh.launcher import Mesh, MeshSpec
 from sim import claims as sc
+from sim.cluster import GATEWAY_POLL_S
 from sim.report import latency_summary, percentile
 
 MOCK_CLAIMS = ("routing", "prefix-8", "prefix-64", "tenants", "lora")
@@ -58,6 +59,8 @@ def add_flags(p) -> None:
                    "router admit and route comfortably beside the streams (also sizes the default time scale)")
     g.add_argument("--claim-profile", default=sc.PROFILE)
     g.add_argument("--claim-out-dir", default="docs/results/issue62/claims")
+    g.add_argument("--claim-sim-only", action="store_true", help="only the simulator's side, against the mock run on "
+                   "file in --claim-out-dir (its time scale): after a change to the simulator")
 
 
 def requests_of(trace: list, vocab: int) -> list:
@@ -181,6 +184,16 @@ def one_claim(name: str, model_dir: Path, vocab: int, args) -> tuple[dict, dict]
     per_worker = claim.capacity(cost)
     traces = {x: claim.trace(x, workers, per_worker, args.seed) for x in loads}
     tenants = [t.name for t in claim.mix.tenants]
+    if args.claim_sim_only:
+        on_file = json.loads((Path(args.claim_out_dir) / f"{name}-mock{workers}.json").read_text())
+        for x, trace in traces.items():
+            ran = next((v.get("requests") for k, v in on_file["by_load"].get(f"{x:g}", {}).items()
+                        if not k.startswith("_")), None)
+            if ran != len(trace):
+                raise SystemExit(f"cluster-claims --claim-sim-only: the mock run on file has {ran} requests at load "
+                                 f"{x:g}, these flags make {len(trace)}: give its --claim-loads and "
+                                 f"--claim-requests-per-worker")
+        return on_file, sim_side(name, claim, workers, cost, traces, on_file["time_scale"], on_file["systems"])
     # The time scale: the simulator's output tokens/s and the arrival rate for the highest load's trace, over what
     # the control plane carries (at 64 workers a short-output mix is bound by requests, not tokens).
     top_trace = traces[max(loads)]
@@ -202,10 +215,12 @@ def one_claim(name: str, model_dir: Path, vocab: int, args) -> tuple[dict, dict]
     def config_of(system: str) -> str:
         """The mesh file for a system: the routing section above, and the system's LoRA placement."""
         path = folder / f"{system}.yaml"
-        routing = {**config["routing"], "lora_placement": claim.spec(system, workers).lora_placement}
+        routing = {**config["routing"], "lora_placement": claim.spec(system, workers).lora_placement,
+                   "lora_placement_period_s": scale}  # placement's 1 s clock, in mock time as the simulator's
         path.write_text(yaml.safe_dump({**config, "routing": routing}))
         return str(path)
-    bound = {"starvation_s": 30.0 / scale}  # the simulator's gateway queue bound: the mesh's 30 s of real time
+    # The simulator's gateway in mock time: the mesh's 30 s queue bound and its 0.25 s poll of the router's view
+    bound = {"starvation_s": 30.0 / scale, "gateway_poll_s": GATEWAY_POLL_S / scale}
     mock: dict = {f"{x:g}": {} for x in loads}
     sim: dict = {f"{x:g}": {} for x in loads}
     solo: dict = {}
@@ -258,6 +273,31 @@ def one_claim(name: str, model_dir: Path, vocab: int, args) -> tuple[dict, dict]
              "targets": sc.targets(name, sim)})
 
 
+def sim_side(name: str, claim: sc.Claim, workers: int, cost, traces: dict, scale: float, systems: list) -> dict:
+    """The simulator on the mock run's traces, its gateway in that run's mock time (what one_claim computes beside
+    the mock mesh)."""
+    from sim.cluster import GATEWAY_POLL_S
+
+    bound = {"starvation_s": 30.0 / scale, "gateway_poll_s": GATEWAY_POLL_S / scale}
+    tenants = [t.name for t in claim.mix.tenants]
+    sim: dict = {}
+    for load, trace in traces.items():
+        key = f"{load:g}"
+        sim[key], solo = {}, None
+        if tenants:
+            lights = [r for r in trace if r.tenant != tenants[0]]
+            solo = sc.summarise(name, "_solo", workers, cost, lights, None, **bound)["tenants"]
+            sim[key]["_solo"] = {"tenants": solo}
+        for system in systems:
+            sim[key][system] = sc.summarise(name, system, workers, cost, trace, solo, **bound)
+            log(f"{name} {system} @ {key}: sim ttft p50 {sim[key][system]['ttft_ms_p50']} p99 "
+                f"{sim[key][system]['ttft_ms_p99']} ms")
+    return {"claim": name, "title": claim.title, "profile": cost.source.get("preset", ""),
+            "loads": [f"{x:g}" for x in traces], "workers": workers, "time_scale": scale, "systems": systems,
+            "baseline": claim.baseline, "engine": "SIMULATED", "label": f"sim {workers}", "heartbeat_s": sc.HEARTBEAT_S,
+            "by_load": sim, "targets": sc.targets(name, sim)}
+
+
 def run(args) -> int:
     model_dir = Path(args.model) if args.model else default_model("tiny")
     vocab = parse_config(read_json(model_dir / "config.json"), model_dir / "config.json").vocab_size
@@ -270,7 +310,8 @@ def run(args) -> int:
         mock, sim = one_claim(name, model_dir, vocab, args)
         for r in (mock, sim):
             r.update(command=args.command_line, machine=machine())
-        (out / f"{name}-mock{mock['workers']}.json").write_text(json.dumps(mock, indent=1, sort_keys=True) + "\n")
+        if not args.claim_sim_only:
+            (out / f"{name}-mock{mock['workers']}.json").write_text(json.dumps(mock, indent=1, sort_keys=True) + "\n")
         (out / f"{name}-sim{sim['workers']}.json").write_text(json.dumps(sim, indent=1, sort_keys=True) + "\n")
         results[name] = {"mock": mock["targets"], "sim": sim["targets"]}
         full = out / f"{name}-sim1000.json"

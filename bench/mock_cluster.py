@@ -29,7 +29,7 @@ from services.engine.cost_model import cost_model
 from services.engine.hf_config import parse_config, read_json
 from services.mesh.launcher import Mesh, MeshSpec
 from sim.cli import simulate
-from sim.cluster import ClusterSpec
+from sim.cluster import GATEWAY_POLL_S, ClusterSpec
 from sim.report import latency_summary
 from sim.worker import WorkerSpec
 
@@ -54,10 +54,13 @@ def workload(n: int, vocab: int, seed: int) -> list:
     return random_requests(n, (32, 512), (16, 128), vocab=vocab, seed=seed)
 
 
-def cluster(workers: int, heartbeat_s: float) -> ClusterSpec:
+def cluster(workers: int, scale: float) -> ClusterSpec:
+    """The mock mesh's shape in the simulator, its periods in mock time: heartbeats every 1 s and the gateway's
+    view polled every 0.25 s of real time."""
     return ClusterSpec(mode="unified", workers=workers, worker=WorkerSpec(
         num_blocks=BLOCKS, max_num_seqs=MAX_SEQS, max_num_batched_tokens=BATCH_TOKENS, slot_policy="fair-deadline"),
-        routing="least-outstanding", admission="fair-deadline", heartbeat_s=heartbeat_s)
+        routing="least-outstanding", admission="fair-deadline", heartbeat_s=1.0 / scale,
+        gateway_poll_s=GATEWAY_POLL_S / scale)
 
 
 def saturation(spec: ClusterSpec, cost, reqs: list) -> tuple[float, float]:
@@ -148,7 +151,7 @@ def one(model_dir: Path, workers: int, args, vocab: int) -> dict:
     t0 = trace[0].arrival_s  # the workload's first arrival is the simulation's 0, as the mock side's summary has it
     for r in trace:
         r.arrival_s = (r.arrival_s - t0) / scale
-    sim = simulate(cluster(workers, 1.0 / scale), replace(cost, hop_s=held["hop_s"]), trace)["summary"]
+    sim = simulate(cluster(workers, scale), replace(cost, hop_s=held["hop_s"]), trace)["summary"]
     errors, within = compare(mock, sim)
     log(f"{workers} workers: " + ", ".join(f"{m} mock {mock.get(m)} sim {sim.get(m)} ({errors[m]:+.1%})"
                                           if errors[m] is not None else f"{m} n/a" for m in METRICS))

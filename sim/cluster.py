@@ -7,7 +7,9 @@ What runs is the services' own decision code, imported unchanged:
 - routing: the router's I/O-free core (services.policy.routing.pick: the filters, the prefix context, the policies
   by name with their scorers, load guard and in-flight charge, RecentRoutes for prefixes just routed) on
   views.WorkerView refreshed by heartbeats every heartbeat_s, so decisions see state as stale as the real
-  router's; tests/unit/test_parity.py drives both sides with one trace and compares the decisions;
+  router's; tests/unit/test_parity.py drives both sides with one trace and compares the decisions; with
+  ClusterSpec.credits, the gateway's credits (a request goes only to a serving worker with a free batch slot; the
+  router avoids the others) as each worker's slots less the requests sent there and not ended;
 - each worker: sim.worker (the engine's Scheduler, KVCacheManager, BlockPool, StepCostFit);
 - the autoscaler: services.policy.scaling (TokenPolicy, CpuPolicy, RatePolicy) deciding every interval_s
   on PoolSamples built as its signals build them; new workers take startup_s before they serve, drained
@@ -88,6 +90,8 @@ class ClusterSpec:
     starvation_s: float = 30.0
     tenant_weights: dict = field(default_factory=dict)  # tenant -> weight (default 1)
     heartbeat_s: float = 1.0
+    gateway_poll_s: float = GATEWAY_POLL_S  # how often each gateway reads the router's view (a mock mesh slowed by
+    #                                         a time scale polls every 0.25 s of real time: 0.25 / scale mock seconds)
     cell_size: int = 0
     gateways: int = 1  # gateway replicas, each with its own admission queue and an even share of the slots
     autoscale: AutoscaleSpec | None = None
@@ -96,6 +100,7 @@ class ClusterSpec:
     ttft_slo_ms: float | None = None  # for attainment and goodput
     tpot_slo_ms: float | None = None
     slo_grid: list = field(default_factory=list)  # [ttft_ms, tpot_ms] pairs: attainment and goodput at each too
+    credits: bool = False  # the gateway's credits: route only to serving workers with a free batch slot (below)
     lora_placement: bool = True  # routing.lora_placement: each router homes adapters by demand once a second (with
     #                              workers that model LoRA residency: WorkerSpec.max_loras)
 
@@ -115,6 +120,7 @@ class Cluster:
         self.link_free: dict[str, float] = {}
         self.index: dict[bytes, set] = {}  # block hash -> worker ids holding it (the prefix index)
         self.done: list[SimRequest] = []
+        self.live: dict[str, int] = {}  # serving worker -> requests sent there against its credits, not ended
         self.adapters: tuple = ()  # the trace's LoRA adapters (run() sets them)
         self.known_adapters: frozenset = frozenset()  # the same, as the views hold them
         self._adapter_infos: dict = {}
@@ -229,7 +235,7 @@ class Cluster:
     def worker_stats(self) -> list[dict]:
         return [{"id": w.id, "started_s": w.started_s, "retired_s": w.retired_s if not w.alive else None,
                  "busy_s": w.busy_s, "seq_s": w.seq_s, "steps": w.steps, "max_num_seqs": w.spec.max_num_seqs,
-                 "slot_preemptions": w.sched.slot_preemptions,
+                 "slot_preemptions": w.sched.slot_preemptions, "max_holding": w.max_holding,
                  **({"lora": {"lora_reads": w.lora.loads, "lora_slot_loads": w.lora.slot_loads,
                               "lora_hits": w.lora.hits, "lora_misses": w.lora.misses}} if w.lora is not None else {})}
                 for w in self.workers]
@@ -307,6 +313,9 @@ class Cluster:
 
     def _end(self, sim: SimRequest, error: str = "") -> None:
         sim.error, sim.ended = error, True
+        if sim.credit is not None:  # its slot is free again: the worker grants the credit anew
+            self.live[sim.credit] -= 1
+            sim.credit = None
         self.done.append(sim)
         self.window.pending -= 1
 
@@ -386,8 +395,16 @@ class Cluster:
             picker = router["pickers"][role] = RolePicker(role, make_routing(self.spec.routing, seeded),
                                                           router["recent"])
         adapter = sim.trace.adapter
+        # Credits (services/policy/credit_ledger.py): a gateway sends a request only to a serving worker that
+        # granted it a credit, one per free batch slot, and asks the router to avoid the others (when every one is
+        # avoided the router ignores it). Modelled as the worker's slots less the requests sent there and not ended
+        # (exact with one gateway; with several, each sees every free slot of a worker, not its own share). Opt-in
+        # (ClusterSpec.credits) until every claim is rerun against the mock mesh with it: docs/CLUSTER.md.
+        credited = self.spec.credits and role != "prefill" and self.spec.admission != "none"
+        avoid = frozenset(w.id for w in workers if self.live.get(w.id, 0) >= w.spec.max_num_seqs) if credited \
+            else frozenset()
         views, _ = picker.candidates([self._view(w) for w in workers],
-                                     Need(role, after.block_size if after else 0, adapter))
+                                     Need(role, after.block_size if after else 0, adapter, avoid))
         if not views:
             return None, [], 0
         hashes, found, pooled = [], {}, 0
@@ -407,6 +424,9 @@ class Cluster:
             placement.observe(adapter, self.now)
             homes = placement.home(role, adapter) if adapter else homes
         view = picker.pick(views, cost, adapter, prompt, homes=homes, near=after.topology if after else "").worker
+        if credited and sim.credit is None:
+            self.live[view.worker_id] = self.live.get(view.worker_id, 0) + 1
+            sim.credit = view.worker_id
         fetch = pooled if pooled > found.get(view.worker_id, 0) else 0
         if hashes and view.block_size != views[0].block_size:
             hashes, fetch = [], 0  # hashed at another block size: nothing to reuse there
@@ -563,7 +583,7 @@ class Gateway:
     even: the real workers hand a freed slot to the gateway holding the fewest unused credits
     (services.gateway.credits), which evens the shares out when the gateways' loads are even, as round robin
     makes them. Its view of the mesh (KV capacity, outstanding tokens, step-cost fits) is polled every
-    GATEWAY_POLL_S, as the real gateway polls the router's."""
+    gateway_poll_s, as the real gateway polls the router's."""
 
     def __init__(self, cluster: Cluster):
         spec = cluster.spec
@@ -590,7 +610,7 @@ class Gateway:
 
     def _poll(self) -> None:
         c = self.c
-        if c.now < self.polled_s + GATEWAY_POLL_S:
+        if c.now < self.polled_s + c.spec.gateway_poll_s:
             return
         self.polled_s = c.now
         version, reports = c.reported_costs()

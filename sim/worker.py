@@ -71,6 +71,7 @@ class SimRequest:
     gateway: object = None  # the gateway replica that admitted it (sim.cluster.Gateway)
     hashes: list = field(default_factory=list)  # its prompt's block hashes, when the KV pool wants them
     ended: bool = False  # completed or failed (the client has its answer)
+    credit: str | None = None  # the serving worker whose credit (batch slot) its gateway used to send it there
 
     @property
     def deadline_s(self) -> float | None:
@@ -131,6 +132,7 @@ class SimWorker:
         self._outstanding = (-1, 0)
         self._seq = 0
         self.aborted: list[str] = []  # requests whose calls were cancelled during the step in flight
+        self.max_holding = 0  # the most requests it held at once (running, waiting, arriving)
         self.register_adapters(cluster.adapters)
 
     def register_adapters(self, names) -> None:
@@ -182,6 +184,7 @@ class SimWorker:
                       weight=sim.weight, deadline_s=sim.deadline_s)
         self.sims[req.req_id] = sim
         sim.workers.append(self.id)
+        self.max_holding = max(self.max_holding, self.holding + 1)
         if hashes and self.spec.prefix_caching and not req.adapter:
             self.kv.hashes[req.req_id] = list(hashes)
         if self.spec.batching == "request":

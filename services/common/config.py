@@ -152,6 +152,9 @@ class RoutingSection(Section):
     lora_placement: bool = Field(True, description="replicate LoRA adapters to workers by measured demand: hot ones "
                                                    "are read into memory ahead of their requests "
                                                    "(services/policy/routing/adapter_placement.py)")
+    lora_placement_period_s: PositiveFloat = Field(1.0, description="placement's clock: it plans every period over "
+                                                                    "the demand of the last 60 periods, and orders an "
+                                                                    "adapter to a worker at most once in 10")
     weights: dict[str, float] = Field(default_factory=dict,
                                       description='scorer weights, e.g. {"prefix": 1, "load": 0.5}')
     guard: Guard = Field(default_factory=Guard, description="prefix-aware's load guard")

@@ -33,8 +33,10 @@ clearly lost (it needs steps in under half the floor's measured step time) does 
 With LoRA (lora: services.engine.lora_residency.AdapterResidency), a request is admitted only with a slot pinned
 for its adapter, held until it leaves the batch, so a batch never has more adapters than slots. Waiting
 requests whose adapter is in a slot (or none) go before those that would need one, unless these have
-waited ADAPTER_BYPASS_S; slots are taken in that order (once one request cannot get a slot, nobody behind
-it takes one this step), and a request whose adapter is still being read is passed over meanwhile.
+waited ADAPTER_BYPASS_STEPS of the engine's decode steps (by its step-time fit; ADAPTER_BYPASS_S before it has
+one: the bound follows the engine's pace, a CPU's or an accelerator's, and a mock engine's time scale); slots
+are taken in that order (once one request cannot get a slot, nobody behind it takes one this step), and a
+request whose adapter is still being read is passed over meanwhile.
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ from services.policy.arbitration import ArbitrationPolicy
 
 SAFETY = 0.85  # deadline-aware batching aims to finish with this fraction of the time left
 LOST = 0.5  # a deadline request needing steps faster than this fraction of a step at the floor is given up
-ADAPTER_BYPASS_S = 1.0  # how long a request needing an adapter slot may be overtaken by ones whose adapter sits in one
+ADAPTER_BYPASS_STEPS = 50  # how long a request needing an adapter slot may be overtaken by ones whose adapter sits
+ADAPTER_BYPASS_S = 1.0  # in one, in decode steps; in seconds before the engine has measured a step
 
 
 @dataclass
@@ -216,9 +219,13 @@ class Scheduler:
             budget -= num_new
 
     def _resident_first(self, order: list, now: float) -> list:
+        fit = self.cap.step_cost  # a decode step of the batch as it stands, by the engine's fit
+        step_s = fit.step_s(max(len(self.running), 1)) if fit is not None else 0.0
+        bypass_s = ADAPTER_BYPASS_STEPS * step_s if step_s > 0 else ADAPTER_BYPASS_S
+
         def needs_slot(req: Request) -> bool:
             return (bool(req.adapter) and req.lora_slot is None and self.lora.slot_of(req.adapter) is None
-                    and now - req.arrival_s < ADAPTER_BYPASS_S)
+                    and now - req.arrival_s < bypass_s)
 
         return sorted(order, key=needs_slot)  # stable: the policy's order within each part
 

@@ -38,7 +38,7 @@ async def watch_index(index: PrefixIndex, server: rpc.Server, servicer: RouterSe
 
 
 async def place_loop(servicer: RouterServicer, period_s: float = 1.0) -> None:
-    """LoRA placement (services/policy/routing/adapter_placement.py) once a second."""
+    """LoRA placement (services/policy/routing/adapter_placement.py) every period (routing.lora_placement_period_s)."""
     while True:
         await asyncio.sleep(period_s)
         await servicer.place()
@@ -50,13 +50,14 @@ async def serve(args, routing: RoutingSection, mode: str) -> None:
     index = PrefixIndex(connect_lookup(args.redis_url)) if args.redis_url else None
     server = rpc.Server(["Router"], args.port, args.host)
     policy = functools.partial(make_policy, routing.policy, routing.model_dump(include={"weights", "guard"}))
-    placement = AdapterPlacement() if routing.lora_placement else None
+    period = routing.lora_placement_period_s
+    placement = AdapterPlacement(window_s=60 * period, reorder_s=10 * period) if routing.lora_placement else None
     servicer = RouterServicer(registry, policy, mode, routing.heartbeat_ms, index=index, placement=placement)
     pb_grpc.add_RouterServicer_to_server(servicer, server.server)
     gc.freeze()  # start-up objects leave the collector's view: shorter pauses on the routing path
     await server.set_serving(True)
     watch = asyncio.create_task(watch_index(index, server, servicer)) if index else None
-    placing = asyncio.create_task(place_loop(servicer)) if placement is not None else None
+    placing = asyncio.create_task(place_loop(servicer, period)) if placement is not None else None
     print(f"router listening on {server.address} (policy {routing.policy}, mode {args.mode}, "
           f"prefix index {'redis ' + redacted(args.redis_url) if index else 'off'})", flush=True)
     await server.run(grace_s=args.grace_s)

@@ -21,7 +21,7 @@ def test_the_mock_mesh_and_the_simulator_load_the_same_adapters(tiny_model, tmp_
                                                        systems={"lora-aware": lora.systems["lora-aware"]}))
     args = argparse.Namespace(claim_requests_per_worker=24, claim_workers=4, claim_profile="h100-llama8b",
                               claim_loads="0.5", seed=0, claim_time_scale=4.0, claim_real_tokens_per_s=900.0,
-                              claim_real_requests_per_s=20.0)
+                              claim_real_requests_per_s=20.0, claim_sim_only=False)
     vocab = json.loads((tiny_model / "config.json").read_text())["vocab_size"]
     mock, sim = cluster_claims.one_claim("lora", tiny_model, vocab, args)
     m, s = mock["by_load"]["0.5"]["lora-aware"], sim["by_load"]["0.5"]["lora-aware"]

@@ -150,8 +150,12 @@ def test_bad_policy_config_is_refused(config, fragment):
         make_policy("prefix-aware", config)
 
 
-def test_an_adapters_homes_count_half_of_its_affinity():
+def test_an_adapters_homes_count_half_of_its_affinity_and_never_lower_a_worker_holding_it():
     ws = [WorkerView("home", "", "unified", lora_slots=2, free_lora_slots=2),
-          WorkerView("slot", "", "unified", lora_slots=2, adapters=("sql",))]
-    assert AdapterScorer().score(ws, RouteContext(adapter="sql")) == [0.6, 1.0]  # no plan yet: residency alone
-    assert AdapterScorer().score(ws, RouteContext(adapter="sql", homes=frozenset({"home"}))) == [0.8, 0.5]
+          WorkerView("slot", "", "unified", lora_slots=2, adapters=("sql",)),
+          WorkerView("host", "", "unified", lora_slots=2, free_lora_slots=2, host_adapters=("sql",))]
+    assert AdapterScorer().score(ws, RouteContext(adapter="sql")) == [0.6, 1.0, 0.8]  # no plan yet: residency alone
+    # a home without the adapter: half its residency + half; the others keep theirs (homes move with demand, and
+    # a request sent after a moved home would read what a holder already has)
+    assert AdapterScorer().score(ws, RouteContext(adapter="sql", homes=frozenset({"home"}))) == [0.8, 1.0, 0.8]
+    assert AdapterScorer().score(ws, RouteContext(adapter="sql", homes=frozenset({"host"}))) == [0.6, 1.0, 0.9]

@@ -238,6 +238,23 @@ def test_gateway_replicas_each_dispatch_within_their_share_of_the_slots():
         Cluster(replace(spec, gateways=0), COST)
 
 
+@pytest.mark.parametrize("routing", ["round-robin", "least-outstanding"])
+def test_the_gateways_credits_keep_every_engine_queue_within_its_slots(routing):
+    """As the mesh dispatches (services/policy/credit_ledger.py): a request goes only to a worker with a free batch
+    slot, so requests wait at the gateway and no engine holds more than its slots, whatever the routing policy;
+    without them round robin piles requests onto the slow worker."""
+    trace = synthetic(Synthetic(requests=300, rate=300, prompt=(16, 64), output=(20, 60)), 5)
+    spec = ClusterSpec(workers=3, worker=WORKER, admission="fcfs", routing=routing, worker_speeds=(1.0, 0.5, 0.25),
+                       credits=True)
+    c = run(spec, trace)
+    assert all(not r.error for r in c.done)
+    assert max(w["max_holding"] for w in c.worker_stats()) <= WORKER.max_num_seqs
+    assert set(c.live.values()) == {0}  # every credit back
+    if routing == "round-robin":
+        unqueued = run(replace(spec, credits=False), trace)
+        assert max(w["max_holding"] for w in unqueued.worker_stats()) > WORKER.max_num_seqs
+
+
 def _observed(at, watch):
     """Cluster.at, with watch() called after each event it schedules."""
     def wrapped(t, fn, *args):

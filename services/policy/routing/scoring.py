@@ -79,8 +79,8 @@ class AdapterScorer:
         if not ctx.adapter:
             return [0.0] * len(workers)
         scores = [AFFINITY[residency(w, ctx.adapter)] for w in workers]
-        if ctx.homes:  # placement's homes count half: residency the other half
-            scores = [0.5 * s + (0.5 if w.worker_id in ctx.homes else 0.0) for s, w in zip(scores, workers)]
+        if ctx.homes:  # a home of the adapter's counts half, residency the other half; never below residency alone
+            scores = [max(s, 0.5 * s + 0.5) if w.worker_id in ctx.homes else s for s, w in zip(scores, workers)]
         return scores
 
 
