@@ -112,6 +112,12 @@ def served_of(timings: list, trace: list, scale: float) -> list:
             for t, r in zip(timings, trace)]
 
 
+def sim_bound(scale: float) -> dict:
+    """The simulator's gateway in a mock run's time: the mesh's 30 s queue bound and its 0.25 s poll of the router's
+    view, both of real time."""
+    return {"starvation_s": 30.0 / scale, "gateway_poll_s": GATEWAY_POLL_S / scale}
+
+
 def lora_counters(mesh: Mesh, workers: int) -> dict:
     """The unified workers' LoRA counters, summed (Stats)."""
     totals = dict.fromkeys(("lora_reads", "lora_slot_loads", "lora_hits", "lora_misses"), 0)
@@ -219,8 +225,7 @@ def one_claim(name: str, model_dir: Path, vocab: int, args) -> tuple[dict, dict]
                    "lora_placement_period_s": scale}  # placement's 1 s clock, in mock time as the simulator's
         path.write_text(yaml.safe_dump({**config, "routing": routing}))
         return str(path)
-    # The simulator's gateway in mock time: the mesh's 30 s queue bound and its 0.25 s poll of the router's view
-    bound = {"starvation_s": 30.0 / scale, "gateway_poll_s": GATEWAY_POLL_S / scale}
+    bound = sim_bound(scale)
     mock: dict = {f"{x:g}": {} for x in loads}
     sim: dict = {f"{x:g}": {} for x in loads}
     solo: dict = {}
@@ -276,9 +281,7 @@ def one_claim(name: str, model_dir: Path, vocab: int, args) -> tuple[dict, dict]
 def sim_side(name: str, claim: sc.Claim, workers: int, cost, traces: dict, scale: float, systems: list) -> dict:
     """The simulator on the mock run's traces, its gateway in that run's mock time (what one_claim computes beside
     the mock mesh)."""
-    from sim.cluster import GATEWAY_POLL_S
-
-    bound = {"starvation_s": 30.0 / scale, "gateway_poll_s": GATEWAY_POLL_S / scale}
+    bound = sim_bound(scale)
     tenants = [t.name for t in claim.mix.tenants]
     sim: dict = {}
     for load, trace in traces.items():
