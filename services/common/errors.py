@@ -105,6 +105,19 @@ HTTP_STATUS = {"INVALID_ARGUMENT": 400, "OUT_OF_RANGE": 400, "NOT_FOUND": 404, "
                "CANCELLED": 499, "FAILED_PRECONDITION": 500, "INTERNAL": 500}
 
 
+MAX_MESSAGE_BYTES = 2048  # an error message crossing a gRPC hop travels in metadata (gRPC's limit is 8 KiB in all)
+
+
+def bounded_message(message: str, limit: int = MAX_MESSAGE_BYTES) -> str:
+    """message cut to `limit` UTF-8 bytes with a note of its length: a parser's message about a long input can be
+    longer than gRPC's metadata limit, and an overflowing status arrives as RESOURCE_EXHAUSTED (a 429) instead."""
+    raw = message.encode()
+    if len(raw) <= limit:
+        return message
+    note = f" [message cut: {len(message):,} characters in all]"
+    return raw[:limit - len(note.encode())].decode(errors="ignore") + note
+
+
 def http_status(err: MeshError) -> int:
     """The HTTP status of an error (by its gRPC code, so errors forwarded from downstream map too)."""
     return HTTP_STATUS.get(err.code, 500)

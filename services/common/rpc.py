@@ -24,7 +24,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common.errors import MeshError, NoWorker, PermissionDenied, Unavailable
+from services.common.errors import MeshError, NoWorker, PermissionDenied, Unavailable, bounded_message
 from services.common.pb import meshserve_pb2
 
 log = logging.getLogger("meshserve.rpc")
@@ -92,7 +92,7 @@ async def abort(context: grpc.aio.ServicerContext, err: MeshError, started_s: fl
                                                                      if err.empty_role else ())
     if metadata:
         context.set_trailing_metadata(metadata)
-    await context.abort(status_of(err), str(err))
+    await context.abort(status_of(err), bounded_message(str(err)))
 
 
 async def _fail(method, request, context, error: Exception, started_s: float) -> None:
@@ -135,8 +135,15 @@ def forward_rpc_error(e: grpc.aio.AioRpcError, peer: str = "") -> MeshError:
     trailing = tuple(e.trailing_metadata() or ())
     no_worker = (NoWorker.REASON_KEY, NoWorker.NO_WORKER) in trailing
     empty = next((v for k, v in trailing if k == NoWorker.ROLE_KEY), "")
-    err = NoWorker(e.details(), empty) if no_worker else MeshError(e.details() or e.code().name)
+    details = bounded_message(e.details() or e.code().name)
+    err = NoWorker(details, empty) if no_worker else MeshError(details)
     err.code, err.peer = e.code().name, peer
+    retry = next((v for k, v in trailing if k == "retry-after-ms"), None)
+    err.retry_after_ms = int(retry) if retry is not None and retry.isdigit() else None
+    if err.code == "RESOURCE_EXHAUSTED" and err.retry_after_ms is None:
+        # not one of the mesh's limits (those always carry their retry advice) but gRPC's own refusal of an
+        # oversize message or metadata: retrying cannot help, so it is no rate limit (429) but an internal error
+        err.code = "INTERNAL"
     return err
 
 

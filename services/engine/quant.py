@@ -65,7 +65,7 @@ class QuantizedWeight:
         lead = x.shape[:-1]
         y = _kernel().linear(x.reshape(-1, self.in_features), self.packed, KINDS[self.kind], self.in_features,
                              self.out_features, bias)
-        return y.view(*lead, -1)
+        return y.view(*lead, self.out_features)  # -1 cannot size a step with no rows (a chunk needing no logits)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The float32 rows ids of W (an embedding lookup)."""

@@ -10,7 +10,8 @@ step time = base_s + per_seq_s x sequences + prefill tokens x prefill_s_per_toke
   PRIOR_SEQ_FRACTION of the fixed part (measured on the bench preset: 2.2 ms at 1 sequence,
   5.6 ms at 16 on one core).
 - prefill_s_per_token: from steps with at least min_prefill prompt tokens, what the step took
-  beyond its decode part, per prompt token.
+  beyond its decode part, per prompt token (the whole step, before any decode-only step is seen:
+  a prefill worker never runs one).
 All 0 until first measured.
 """
 
@@ -36,8 +37,11 @@ class StepCostFit:
             x, y = float(num_seqs), step_s
             self._s = [a * keep + b for a, b in zip(self._s, (1.0, x, y, x * x, x * y))]
             self._line = None
-        elif prefill >= self.min_prefill and self.decode_s_per_step > 0:
-            per_token = max(step_s - self.step_s(num_seqs), 0.0) / prefill
+        elif prefill >= self.min_prefill:
+            # beyond the step's decode part; a prefill worker runs no decode-only step to measure that part by,
+            # and its whole step is prompt work: the whole step per prompt token (a slight overestimate)
+            decode_part = self.step_s(num_seqs) if self.decode_s_per_step > 0 else 0.0
+            per_token = max(step_s - decode_part, 0.0) / prefill
             self.prefill_s_per_token = self._ewma(self.prefill_s_per_token, per_token)
 
     @property

@@ -250,6 +250,19 @@ class CompletionBody(_Body):
             raise ValueError("echo with logprobs needs the prompt's logprobs, which this server does not compute")
         return v
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _token_ids(cls, v):
+        """A negative token id named as such (the union's own message blames the first member: "prompt.str")."""
+        if isinstance(v, list):
+            rows = [(f"prompt[{i}]", p) for i, p in enumerate(v)] if any(isinstance(p, list) for p in v) else [
+                ("prompt", v)]
+            for where, row in rows:
+                for j, t in enumerate(row if isinstance(row, list) else ()):
+                    if isinstance(t, int) and not isinstance(t, bool) and t < 0:
+                        raise ValueError(f"token ids are >= 0; {where}[{j}] is {t}")
+        return v
+
     @field_validator("prompt")
     @classmethod
     def _non_empty(cls, v):

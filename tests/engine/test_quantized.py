@@ -44,6 +44,7 @@ def test_the_kernel_computes_what_gguf_dequantizes_at_every_batch_size(kind, n, 
         torch.testing.assert_close(q(x, bias), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
     ids = torch.tensor([[n - 1, 0], [0, n // 2]])
     torch.testing.assert_close(q.rows(ids), want_w[ids])
+    assert q(torch.zeros(0, k)).shape == (0, n)  # a step whose prompt chunks need no logits
 
 
 def test_rows_of_the_wrong_width_are_refused():

@@ -134,3 +134,10 @@ def test_queued_responses_of_one_choice_merge_into_one_event():
     assert [(i, list(m.token_ids), m.text, m.finish_reason) if m is not None else (i, None) for i, m in out] == [
         (0, [1, 2, 3], "abc", ""), (1, [7], "x", ""), (0, [4], "d", "length"), (0, [9], "z", ""), (0, None)]
     assert list(out[0][1].logprobs) == [-0.5] * 3
+
+
+@pytest.mark.parametrize("prompt,where", [([1, -2], "prompt[1] is -2"), ([[1], [3, 4, -7]], "prompt[1][2] is -7")])
+def test_a_negative_token_id_is_named_as_such(prompt, where):
+    with pytest.raises(OpenAIBodyError) as e:
+        parse_body({"model": "tiny", "prompt": prompt, "max_tokens": 4}, chat=False)
+    assert e.value.param == "prompt" and str(e.value) == f"prompt: token ids are >= 0; {where}"

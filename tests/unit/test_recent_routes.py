@@ -46,8 +46,8 @@ def test_decode_rate_is_a_decaying_peak_over_busy_time():
 
 def test_step_cost_fit():
     fit = StepCostFit(alpha=1.0, min_prefill=32)
-    fit.update(4, 100, 0.5)  # prefill before any decode step: nothing to subtract yet
-    assert fit.prefill_s_per_token == 0.0
+    fit.update(4, 100, 0.48)  # prefill before any decode step (a prefill worker runs none): the whole step
+    assert fit.prefill_s_per_token == pytest.approx(0.005)
     fit.update(8, 8, 0.02)  # decode only
     assert fit.decode_s_per_step == 0.02
     fit.update(2, 102, 0.12)  # 100 prefill tokens took what the step took beyond a decode step of 2 sequences
