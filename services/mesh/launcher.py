@@ -70,9 +70,19 @@ RESTART_LIMIT = 6  # exits in a row without staying up STABLE_S, then supervisio
 
 
 def metrics_url(p: Proc) -> str:
-    """The metrics address its log printed last: a restarted service appends to the same log, on a new port."""
+    """The metrics address its log printed last (a restarted service appends to the same log)."""
     found = METRICS_LINE.findall(p.log.read_text(errors="replace"))
     return found[-1] if found else ""
+
+
+def same_metrics_port(args: list, url: str, failures: int) -> list:
+    """A restart's command: on the metrics port its last start printed (a scrape set from the printed address keeps
+    working), unless that start failed too (failures > 1: the port may be what fails it): then any free port again."""
+    found = re.search(r":(\d+)/metrics$", url)
+    if "--metrics-port" not in args or (not found and failures <= 1):
+        return args
+    i = args.index("--metrics-port") + 1
+    return [*args[:i], found.group(1) if found and failures <= 1 else "0", *args[i + 1:]]
 
 
 class RestartLimit(RuntimeError):
@@ -230,6 +240,7 @@ class Mesh:
                 say(f"{p.name} exited with code {code}; starting it again in {delay:g} s (logs in {p.log})")
             if now >= p.restart_at:
                 signal_group(p.popen, signal.SIGKILL)  # whatever it left in its group goes with it
+                p.args = same_metrics_port(p.args, p.metrics_url or metrics_url(p), p.failures)
                 p.popen = self._popen(p.args, p.log, "ab", p.identity, p.env, p.prefix)
                 p.started_s, p.restart_at, p.restarts = now, None, p.restarts + 1
                 p.healthy_s, p.metrics_url = None, ""  # starting again: not ready, its start-up measured afresh

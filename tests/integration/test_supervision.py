@@ -1,5 +1,5 @@
 """`meshserve up` supervises its services (issue 19): a service killed with SIGKILL is started again on the same
-address and the mesh serves again; a killed `up` leaves no process behind."""
+address (its metrics' too, issue 65) and the mesh serves again; a killed `up` leaves no process behind."""
 
 import os
 import re
@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 import grpc
 import pytest
@@ -88,6 +89,8 @@ def test_a_killed_service_is_started_again_and_the_mesh_serves(up, marker):
         time.sleep(0.1)
     assert serves_again(gateway, within_s=30) == want  # greedy: the same tokens as before the kill
     assert proc.poll() is None, "up itself stopped"
+    for url in printed_metrics(lines):  # the restarted service is back on the address `up` printed (issue 65)
+        answers_within(url, 30)
     # its pool, as the Supervisor reports it: whole again, start-up measured afresh
     if marker.startswith("--worker-id"):
         pool = marker.split()[1].rsplit("-", 1)[0]
@@ -97,6 +100,25 @@ def test_a_killed_service_is_started_again_and_the_mesh_serves(up, marker):
             assert time.monotonic() < deadline, f"{pool} not whole again within 30 s: {state}"
             time.sleep(0.2)
         assert state.startup_s > 0, state
+
+
+def printed_metrics(lines: list) -> list:
+    found = re.search(r"metrics \(Prometheus text\): (.*)", "".join(lines))
+    assert found, "up printed no metrics addresses"
+    return re.findall(r"(http://\S+/metrics)", found.group(1))
+
+
+def answers_within(url: str, within_s: float) -> None:
+    deadline, last = time.monotonic() + within_s, None
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as r:
+                assert r.status == 200
+                return
+        except OSError as e:
+            last = e
+            time.sleep(0.2)
+    pytest.fail(f"{url} does not answer within {within_s} s: {last}")
 
 
 def pool_state(lines: list, pool: str) -> pb.PoolState:

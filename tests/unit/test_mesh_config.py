@@ -187,3 +187,14 @@ def test_the_omp_wait_policies_as_libgomp_variables():
     assert env == {"OMP_WAIT_POLICY": "ACTIVE"}
     set_omp_wait_policy("passive", env)
     assert env == {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def test_a_restart_keeps_the_metrics_port_unless_that_start_failed_too():
+    from services.mesh.launcher import same_metrics_port
+
+    args = ["python", "-m", "services.router", "--port", "5", "--metrics-port", "0", "--x"]
+    url = "http://127.0.0.1:41713/metrics"
+    assert same_metrics_port(args, url, failures=1) == [*args[:5], "--metrics-port", "41713", "--x"]
+    again = same_metrics_port(same_metrics_port(args, url, 1), "", failures=2)  # failed again: any free port
+    assert again == args
+    assert same_metrics_port(args, "", failures=1) == args  # never printed one: any port, as at first
