@@ -187,6 +187,13 @@ class AdmissionSection(Section):
     no_worker_grace_s: PositiveFloat = Field(30.0, description="how long the gateway holds a request while the router "
                                              "has no live worker for it (restarting, loading, none registered) "
                                              "before failing it with UNAVAILABLE")
+    progress_factor: PositiveFloat = Field(4.0, description="a stream whose worker sends no event within "
+                                           "progress_floor_s + this x the event's expected time (from the worker's "
+                                           "own step times) is cancelled and resumed elsewhere (a hung worker)")
+    progress_floor_s: PositiveFloat = Field(2.0, description="the least time a stream may go without an event")
+    progress_suspect_s: PositiveFloat = Field(10.0, description="a worker that stalled a stream gets no new work "
+                                              "for this long unless no other can take it (and a silent kvstore is "
+                                              "passed by this long)")
     max_prompt_bytes: NonNegativeInt = Field(0, description="the largest text prompt (or chat message text, or "
                                              "Tokenize text) in UTF-8 bytes, refused before tokenizing; 0 = 32 bytes "
                                              "per token of the model's context, at least 64 KiB")

@@ -55,7 +55,8 @@ LOAD_FIELDS = {"worker_id": "worker_id", "address": "address", "role": "role",
                "host": "host", "kv_pool": "kv_pool", "host_adapters": "host_adapters", "lora_slots": "lora_slots",
                "free_lora_slots": "free_lora_slots", "known_adapters": "known_adapters",
                "pinned_adapters": "pinned_adapters", "topology": "topology", "decode_s_floor": "decode_s_floor",
-               "tensor_parallel_size": "tensor_parallel_size", "cores": "cores"}
+               "tensor_parallel_size": "tensor_parallel_size", "cores": "cores",
+               "max_num_batched_tokens": "max_num_batched_tokens", "longest_step_s": "longest_step_s"}
 ADAPTER_FIELDS = ("adapters", "host_adapters", "known_adapters", "pinned_adapters")  # repeated: tuples in the view
 
 

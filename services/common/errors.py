@@ -13,6 +13,7 @@ class MeshError(Exception):
     peer = ""  # the address of the service that reported it, when it came from another
     retry_after_ms: int | None = None  # when trying again is sensible (None: no advice); gRPC trailing metadata
     # retry-after-ms, HTTP Retry-After (429 and 503)
+    stalled = False  # a stream the gateway cut because its worker made no progress (services.policy.progress)
 
 
 class InvalidRequest(MeshError):

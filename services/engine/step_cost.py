@@ -10,8 +10,8 @@ step time = base_s + per_seq_s x sequences + prefill tokens x prefill_s_per_toke
   PRIOR_SEQ_FRACTION of the fixed part (measured on the bench preset: 2.2 ms at 1 sequence,
   5.6 ms at 16 on one core).
 - prefill_s_per_token: from steps with at least min_prefill prompt tokens, what the step took
-  beyond its decode part, per prompt token (the whole step, before any decode-only step is seen:
-  a prefill worker never runs one).
+  beyond its decode part, per prompt token; on a prefill worker (which runs no decode-only step)
+  the slope of its steps' times against their prompt tokens.
 All 0 until first measured.
 """
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 PRIOR_SEQ_FRACTION = 0.125
 MIN_SIZE_VARIANCE = 1.0  # batch sizes must spread at least this much (squared sequences) to fit a slope
+MIN_PREFILL_VARIANCE = 256.0  # prompt steps must spread this much (squared tokens: 16 tokens) to fit a slope
 
 
 class StepCostFit:
@@ -28,6 +29,7 @@ class StepCostFit:
         self.prefill_s_per_token = 0.0
         self._s = [0.0] * 5  # weighted sums: 1, x, y, xx, xy over decode-only steps (x = sequences, y = seconds)
         self._line = None  # line's value until the next decode-only step
+        self._p = [0.0] * 5  # the same sums over prompt steps (x = prompt tokens), while no decode-only step is seen
 
     def update(self, num_seqs: int, num_tokens: int, step_s: float) -> None:
         prefill = num_tokens - num_seqs  # each sequence's first token counts as its decode share
@@ -38,11 +40,23 @@ class StepCostFit:
             self._s = [a * keep + b for a, b in zip(self._s, (1.0, x, y, x * x, x * y))]
             self._line = None
         elif prefill >= self.min_prefill:
-            # beyond the step's decode part; a prefill worker runs no decode-only step to measure that part by,
-            # and its whole step is prompt work: the whole step per prompt token (a slight overestimate)
-            decode_part = self.step_s(num_seqs) if self.decode_s_per_step > 0 else 0.0
-            per_token = max(step_s - decode_part, 0.0) / prefill
-            self.prefill_s_per_token = self._ewma(self.prefill_s_per_token, per_token)
+            if self.decode_s_per_step > 0:  # beyond the step's decode part
+                per_token = max(step_s - self.step_s(num_seqs), 0.0) / prefill
+                self.prefill_s_per_token = self._ewma(self.prefill_s_per_token, per_token)
+            else:
+                self._prefill_only(prefill, step_s)
+
+    def _prefill_only(self, prefill: int, step_s: float) -> None:
+        """A prefill worker runs no decode-only step to measure a step's fixed part by: the slope of its steps'
+        times against their prompt tokens, once their sizes spread enough (the whole step per token before: over
+        small prompts, several times the true cost)."""
+        keep = 1 - self.forget
+        x = float(prefill)
+        self._p = [a * keep + b for a, b in zip(self._p, (1.0, x, step_s, x * x, x * step_s))]
+        n, sx, sy, sxx, sxy = self._p
+        var = sxx / n - (sx / n) ** 2
+        slope = (sxy / n - sx / n * sy / n) / var if var >= MIN_PREFILL_VARIANCE else 0.0
+        self.prefill_s_per_token = slope if slope > 0 else self._ewma(self.prefill_s_per_token, step_s / prefill)
 
     @property
     def line(self) -> tuple[float, float]:

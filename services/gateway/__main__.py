@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import os
+import time
 from pathlib import Path
 
 import grpc
@@ -20,13 +21,15 @@ from services.common.tokenizer import Tokenizer
 from services.gateway.admission import Admission
 from services.gateway.credits import CreditPool
 from services.gateway.server import GatewayServicer, ModelInfo, SizeBounds, add_to_server
+from services.policy.progress import ProgressWatch
 from services.policy.tenants import CACHE_SECRET_ENV, Authenticator, cache_secret
 
 log = logging.getLogger("meshserve.gateway")
 
 
 async def watch_mesh(server: rpc.Server, routers: list, mode: str, admission: Admission,
-                     period_s: float = 0.25, from_zero: frozenset = frozenset()) -> None:
+                     period_s: float = 0.25, from_zero: frozenset = frozenset(),
+                     progress: ProgressWatch | None = None) -> None:
     """Poll the routers' view of the workers (the first that answers): readiness (SERVING while a router answers
     and has the workers this mode needs) and the admission queue's capacity and cost model. Roles in from_zero
     (configured to start with no worker: the autoscaler starts one when a request waits for it) are not needed:
@@ -40,6 +43,8 @@ async def watch_mesh(server: rpc.Server, routers: list, mode: str, admission: Ad
             except grpc.aio.AioRpcError:
                 continue
             admission.update_view(workers, "unified" if mode == "unified" else "decode")  # a view before SERVING
+            if progress is not None:  # the workers' step times bound their streams' progress
+                progress.update(workers, time.monotonic())
             await server.set_serving(need <= {w.role for w in workers})
             break
         else:
@@ -59,7 +64,9 @@ async def serve(args, config: MeshConfig) -> None:
     routers = args.router.split(",")
     servicer = GatewayServicer(model, Tokenizer(args.model), routers, args.kvstore, Authenticator(tenants),
                                admission, SizeBounds.for_model(model.max_model_len, adm.max_prompt_bytes), secret,
-                               no_worker_grace_s=adm.no_worker_grace_s)
+                               no_worker_grace_s=adm.no_worker_grace_s,
+                               progress=ProgressWatch(adm.progress_factor, adm.progress_floor_s,
+                                                      suspect_s=adm.progress_suspect_s))
     admission.credits = CreditPool(servicer.channels, admission.pump)  # follows the workers watch_mesh finds
     if args.record_trace:
         from services.gateway.record import TraceRecorder
@@ -70,7 +77,8 @@ async def serve(args, config: MeshConfig) -> None:
     server = rpc.Server(["Generation"], args.port, args.host, public=True, public_tls=public_tls)
     add_to_server(servicer, server.server)
     from_zero = frozenset(r for r in ("prefill", "decode", "unified") if getattr(config.mesh, r) == 0)
-    tasks = [asyncio.create_task(watch_mesh(server, routers, args.mode, admission, from_zero=from_zero)),
+    tasks = [asyncio.create_task(watch_mesh(server, routers, args.mode, admission, from_zero=from_zero,
+                                            progress=servicer.progress)),
              asyncio.create_task(admission.tick()),
              asyncio.create_task(servicer.adapters.run())]
     http = None

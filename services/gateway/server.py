@@ -13,6 +13,7 @@ import contextlib
 import itertools
 import json
 import logging
+import math
 import secrets
 import time
 import uuid
@@ -44,6 +45,7 @@ from services.gateway.adapters import AdapterCatalog
 from services.gateway.admission import Admission
 from services.policy.admission_core import Slo
 from services.policy.bands import band_of
+from services.policy.progress import ProgressWatch, Watched
 from services.policy.tenants import Authenticator, wire_salt
 
 log = logging.getLogger("meshserve.gateway")
@@ -54,6 +56,10 @@ MAX_STOP_STRINGS, MAX_STOP_BYTES = 16, 256  # stop strings per request, and byte
 MAX_ATTEMPTS, RESUME_BACKOFF_S, MAX_BACKOFF_S = 9, 0.1, 2.0  # a request failed by a dead service is resumed 8
 # times at most, after 0.1, 0.2, 0.4 ... 2 s (9.1 s in all, bounded by its deadline): under `meshserve up` a killed
 # service is back within ~5 s
+ROUTE_TIMEOUT_S = 5.0  # a Route call unanswered this long: the router is hung; the next router, or a resume
+STALL_POLL_S = 0.25  # how often the watchdog checks every stream's progress (services.policy.progress)
+KVSTORE_PROBE_S = 2.0  # a stalled handoff asks the kvstore for its stats within this; silent: passed by for a while
+RELEASE_RETRY_S = 60.0  # a transfer's release is retried this long while the kvstore does not answer (it may be hung)
 NO_WORKER_RETRY_MS = 5000  # the Retry-After of a request no worker took within the grace: a killed worker is back
 # within ~5 s under `meshserve up`, and a pool scaled from zero serves 4-6 s after its first request (SmolLM2)
 
@@ -153,8 +159,14 @@ class GatewayServicer(pb_grpc.GenerationServicer):
     def __init__(self, model: ModelInfo, tokenizer: Tokenizer, routers: list[str], kvstore: str,
                  auth: Authenticator | None = None, admission: Admission | None = None,
                  bounds: SizeBounds | None = None,
-                 cache_secret: bytes = b"", no_worker_grace_s: float = 30.0):
+                 cache_secret: bytes = b"", no_worker_grace_s: float = 30.0,
+                 progress: ProgressWatch | None = None):
         self.model, self.tokenizer, self.kvstore = model, tokenizer, kvstore
+        self.progress = progress or ProgressWatch()  # every stream's bound on its next event; fed by watch_mesh
+        self._watchdog: asyncio.Task | None = None
+        self._checking: asyncio.Task | None = None  # the watchdog's check of overdue handoffs
+        self._probe: asyncio.Task | None = None  # the kvstore probe in flight
+        self.kvstore_silent_until = 0.0  # a stalled handoff found the kvstore silent: decode workers compute prompts
         self.no_worker_grace_s = no_worker_grace_s  # how long a request is held while no worker can take it
         self.cache_secret = cache_secret or secrets.token_bytes(32)
         self.bounds = bounds or SizeBounds.for_model(model.max_model_len)
@@ -168,6 +180,8 @@ class GatewayServicer(pb_grpc.GenerationServicer):
         meter = metrics.get_meter("meshserve.gateway")
         self.resumes = meter.create_counter(
             "meshserve.gateway.resumes", description="requests resumed on another worker after a failure")
+        self.stalls = meter.create_counter(
+            "meshserve.gateway.stalls", description="streams cancelled because their worker made no progress")
         self.waiting_for_worker: dict[str, int] = {}  # pool -> requests held because it has no worker at all
         meter.create_observable_gauge(
             WAITING_FOR_WORKER, [self._observe_waiting], unit="{request}",
@@ -347,7 +361,8 @@ class GatewayServicer(pb_grpc.GenerationServicer):
                                                                  max_tokens=now.sampling.max_tokens,
                         prompt_u32=packed, block_hashes=b"".join(hashes), hash_block_size=bs if hashes else 0,
                         adapter=work.adapter, cache_salt=work.cache_salt,
-                        avoid=sorted(avoid.union(self.admission.avoid()))), _left(spec.deadline_s,
+                        avoid=sorted(avoid.union(self.admission.avoid(), self.progress.avoid(time.monotonic())))),
+                        _left(spec.deadline_s,
                                                                                   "in the admission queue"))
                     held.leave()  # routed: a worker is there
                     if ticket is not None:
@@ -383,13 +398,25 @@ class GatewayServicer(pb_grpc.GenerationServicer):
         """Route calls spread over the routers (stateless: each sees every worker's heartbeats and the Redis
         index); an unavailable router fails over to the next at once."""
         start = next(self._route_turn)
+        limit = ROUTE_TIMEOUT_S if timeout is None else min(timeout, ROUTE_TIMEOUT_S)
         for i in range(len(self.routers)):
             address = self.routers[(start + i) % len(self.routers)]
             try:
-                return await pb_grpc.RouterStub(self.channels.get(address)).Route(request, timeout=timeout)
+                return await pb_grpc.RouterStub(self.channels.get(address)).Route(request, timeout=limit)
             except grpc.aio.AioRpcError as e:
-                if e.code() != grpc.StatusCode.UNAVAILABLE or i + 1 == len(self.routers):
+                hung = e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and limit == ROUTE_TIMEOUT_S
+                if (e.code() != grpc.StatusCode.UNAVAILABLE and not hung) or i + 1 == len(self.routers):
+                    if hung:  # the request's own deadline is not what ran out: resumable, as a dead router
+                        log.warning("router %s did not answer a Route call within %g s", address, ROUTE_TIMEOUT_S)
+                        self.stalls.add(1, {"role": "router", "reason": "no answer"})
+                        err = Unavailable(f"the router made no progress (no answer within {ROUTE_TIMEOUT_S:g} s)")
+                        err.peer = address
+                        raise err from None
                     raise rpc.forward_rpc_error(e, address) from None
+                if hung:
+                    log.warning("router %s did not answer a Route call within %g s; trying the next",
+                                address, ROUTE_TIMEOUT_S)
+                    self.stalls.add(1, {"role": "router", "reason": "no answer"})
 
     async def _list_workers(self) -> list:
         """The live workers (ListWorkers, failing over between routers like Route)."""
@@ -404,14 +431,20 @@ class GatewayServicer(pb_grpc.GenerationServicer):
         return []
 
     async def _events(self, decision, work, timeout):
-        if decision.mode == "unified":
-            call = self.worker(decision.decode_worker).Generate(work, timeout=timeout)
-            async for ev in self._stream(call, decision.decode_worker):
+        prompt_tokens = len(work.prompt_token_ids)
+        if decision.mode == "unified" or time.monotonic() < self.kvstore_silent_until:
+            # unified; or the kvstore was found silent: the decode worker computes the prompt itself
+            if decision.mode != "unified":
+                work.transfer_id = ""
+                call = self.worker(decision.decode_worker).Decode(work, timeout=timeout)
+            else:
+                call = self.worker(decision.decode_worker).Generate(work, timeout=timeout)
+            async for ev in self._stream(call, decision.decode_worker, decision.mode, prompt_tokens):
                 yield ev
             return
         prefill = self.worker(decision.prefill_worker).Prefill(work, timeout=timeout)
         decode = self.worker(decision.decode_worker).Decode(work, timeout=timeout)
-        prefill_events = self._stream(prefill, decision.prefill_worker)
+        prefill_events = self._stream(prefill, decision.prefill_worker, "prefill", prompt_tokens)
         try:
             first = await anext(prefill_events)
             drain = asyncio.ensure_future(_drain(prefill_events))  # the call ends once its KV has landed
@@ -422,7 +455,9 @@ class GatewayServicer(pb_grpc.GenerationServicer):
                 return
             # A handoff that fails after the first token (the kvstore died, or refused the rest) is the decode
             # side's to see: its pull fails and it computes the prompt itself (services/worker/server.py Decode).
-            async for ev in self._stream(decode, decision.decode_worker):
+            # Its first event waits for the handoff: its bound runs from the handoff's end (and the prompt's cost,
+            # for a decode side that recomputes it).
+            async for ev in self._stream(decode, decision.decode_worker, "decode", prompt_tokens, after=drain):
                 ev.prompt_tokens, ev.cached_prompt_tokens = prompt.prompt_tokens, prompt.cached_prompt_tokens
                 yield ev
             try:
@@ -430,10 +465,39 @@ class GatewayServicer(pb_grpc.GenerationServicer):
             except MeshError as e:
                 log.info("request %s: the prefill side's KV handoff failed (%s); the decode side recomputed",
                          work.request_id, e)
+        except MeshError as e:
+            if e.stalled and not await self._kvstore_answers():  # a stalled attempt through a silent kvstore: the
+                self.progress.absolve(e.peer)  # kvstore hung, not the worker (it waited on it)
+            raise
         finally:
             for call in (prefill, decode):
                 call.cancel()
             asyncio.ensure_future(self._release(work.transfer_id))
+
+    def _kvstore_answers(self) -> asyncio.Future:
+        """Whether the kvstore answers its stats within KVSTORE_PROBE_S (one probe at a time, shared). A silent one
+        is passed by for progress.suspect_s: decode workers compute prompts themselves."""
+        if time.monotonic() < self.kvstore_silent_until:
+            done = asyncio.get_running_loop().create_future()
+            done.set_result(False)
+            return done
+        if self._probe is None or self._probe.done():
+            self._probe = asyncio.ensure_future(self._probe_kvstore())
+        return asyncio.shield(self._probe)
+
+    async def _probe_kvstore(self) -> bool:
+        try:
+            await pb_grpc.KVStoreStub(self.channels.get(self.kvstore)).Stats(pb.StatsRequest(),
+                                                                              timeout=KVSTORE_PROBE_S)
+            return True
+        except grpc.aio.AioRpcError as e:
+            if e.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
+                return True  # it answered
+            self.kvstore_silent_until = time.monotonic() + self.progress.suspect_s
+            self.stalls.add(1, {"role": "kvstore", "reason": "no answer"})
+            log.warning("the kvstore %s did not answer within %g s (%s): decode workers compute prompts themselves "
+                        "for %g s", self.kvstore, KVSTORE_PROBE_S, e.code().name, self.progress.suspect_s)
+            return False
 
     def _handoff_ended(self, drain: asyncio.Future, transfer_id: str) -> None:
         """The prefill call ended. If it failed (its worker died after the first token), its KV may never reach the
@@ -446,18 +510,80 @@ class GatewayServicer(pb_grpc.GenerationServicer):
     async def _release(self, transfer_id: str, abandoned: bool = False) -> None:
         """Drop the transfer; waits up to 5 s for a kvstore that is coming back (its new incarnation may already
         hold blocks a prefill put there while this gateway's channel was still reconnecting)."""
-        try:
-            await pb_grpc.KVStoreStub(self.channels.get(self.kvstore)).Release(
-                pb.ReleaseRequest(transfer_id=transfer_id, abandoned=abandoned), timeout=5, wait_for_ready=True)
-        except grpc.aio.AioRpcError:
-            pass  # the kvstore's TTL drops an unclaimed transfer anyway
+        give_up = time.monotonic() + RELEASE_RETRY_S
+        while True:
+            try:
+                await pb_grpc.KVStoreStub(self.channels.get(self.kvstore)).Release(
+                    pb.ReleaseRequest(transfer_id=transfer_id, abandoned=abandoned), timeout=5, wait_for_ready=True)
+                return
+            except grpc.aio.AioRpcError as e:
+                # a hung kvstore: again until it answers (its TTL would hold the transfer's blocks a minute)
+                if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED or time.monotonic() >= give_up:
+                    return  # the kvstore's TTL drops an unclaimed transfer anyway
 
-    async def _stream(self, call, peer: str):
+    async def _stream(self, call, peer: str, role: str = "", prompt_tokens: int = 0, after=None):
+        """The call's events, each held to the progress bound (services.policy.progress): a stream whose worker sends
+        nothing within it is cancelled by the watchdog and fails as UNAVAILABLE from `peer` (resumed elsewhere). The
+        first event's bound counts the prompt; with `after` (a future: the KV handoff it waits on), it runs only from
+        when that is done."""
+        watch, now = self.progress, time.monotonic()
+        first = watch.first_s(peer, role, prompt_tokens)
+        waits = after is not None and not after.done()
+        watched = watch.open(peer, role, math.inf if waits else first, now, call, handoff=after is not None,
+                             prompt_tokens=prompt_tokens)
+        if waits:
+            def start(_) -> None:
+                if not watched.events:  # the handoff is over: the first event is due within its bound from now
+                    watch.waiting(watched, first, time.monotonic())
+            after.add_done_callback(start)
+        self._watch_streams()
         try:
             async for ev in call:
+                watch.event(watched, time.monotonic())
+                watched.handoff = role == "prefill"  # after its first event, a prefill stream is its KV handoff
                 yield ev
+                watch.waiting(watched, watch.next_s(peer), time.monotonic())
         except grpc.aio.AioRpcError as e:
             raise rpc.forward_rpc_error(e, peer) from None
+        except asyncio.CancelledError:
+            if not watched.reason:
+                raise
+            who = "the kvstore" if watched.kvstore else f"the {role or 'worker'} worker {peer}"
+            err = Unavailable(f"{who} made no progress: {watched.reason}")
+            err.peer, err.stalled = self.kvstore if watched.kvstore else peer, True
+            raise err from None
+        finally:
+            watch.close(watched)
+
+    def _watch_streams(self) -> None:
+        """Start the watchdog (one task for every stream) if it is not running."""
+        if self._watchdog is None or self._watchdog.done():
+            self._watchdog = asyncio.ensure_future(self._watchdog_loop())
+
+    async def _watchdog_loop(self) -> None:
+        while self.progress.streams:
+            await asyncio.sleep(STALL_POLL_S)
+            stalled, overdue = self.progress.stalled(time.monotonic())
+            for watched in stalled:
+                self._stalled(watched)
+            if overdue and (self._checking is None or self._checking.done()):
+                self._checking = asyncio.ensure_future(self._check_handoffs(overdue))
+
+    async def _check_handoffs(self, overdue: list) -> None:
+        """Handoffs past their bound on workers that step: stalled if the kvstore is silent, else their bound runs
+        again."""
+        if await self._kvstore_answers():
+            self.progress.extend(overdue, time.monotonic())
+            return
+        for watched in self.progress.stall_on_kvstore(overdue, f"no answer within {KVSTORE_PROBE_S:g} s"):
+            self._stalled(watched)
+
+    def _stalled(self, watched: Watched) -> None:
+        who = "the kvstore" if watched.kvstore else f"the {watched.role} worker {watched.address}"
+        log.warning("%s made no progress: %s; cancelling its stream to resume it elsewhere", who, watched.reason)
+        self.stalls.add(1, {"role": "kvstore" if watched.kvstore else watched.role or "worker",
+                            "reason": "forgotten" if "heartbeats" in watched.reason else "no progress"})
+        watched.handle.cancel()
 
     @rpc.mapped
     async def ListModels(self, request, context):

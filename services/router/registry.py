@@ -13,7 +13,8 @@ from services.policy.routing.views import WorkerView
 BEAT_FIELDS = ("block_size", "index_member", "decode_tps", "adapters", "max_num_seqs", "prefill_s_per_token",
                "decode_s_per_step", "running", "waiting", "host", "kv_pool", "host_adapters", "known_adapters",
                "pinned_adapters", "lora_slots", "free_lora_slots", "topology",
-               "decode_s_floor", "tensor_parallel_size", "cores")  # what a heartbeat may set beyond the first five
+               "decode_s_floor", "tensor_parallel_size", "cores", "max_num_batched_tokens",
+               "longest_step_s")  # what a heartbeat may set beyond the first five
 
 
 class Registry:

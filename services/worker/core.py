@@ -13,6 +13,7 @@ exits non-zero so that its supervisor starts the worker again (services/worker/_
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
@@ -109,6 +110,17 @@ class CoreStats:
     load: object  # EngineLoad after the step
     lora_load_s: tuple = ()  # seconds of each adapter read finished since the previous stats
     floor_step_s: float = 0.0  # predicted decode step at the smallest batch deadline-aware batching runs
+    longest_step_s: float = 0.0  # its longest recent step, wall time (recent_longest)
+
+
+RECENT_STEPS, RECENT_SKIP = 32, 2
+
+
+def recent_longest(steps) -> float:
+    """The longest of the recent steps but the RECENT_SKIP longest: a step the process was paused in (SIGSTOP, a
+    swapped-out host) does not hold the gateway's progress bound up for the steps after it (0 with none)."""
+    ranked = sorted(steps, reverse=True)
+    return ranked[min(RECENT_SKIP, len(ranked) - 1)] if ranked else 0.0
 
 
 class KVExport:
@@ -223,6 +235,7 @@ class EngineCore:
         self.running = True
         self.step_log = StepLog.from_env()  # what the simulator's calibration fits (sim/cost.py)
         self.last_seen = None  # the engine's last StepStats counted
+        self.recent_steps: collections.deque = collections.deque(maxlen=RECENT_STEPS)  # wall seconds, floor included
         # Tests and benchmarks: every step takes at least this long (a sleep: the step times of a model far larger
         # than the one loaded, without its CPU; MESHSERVE_STEP_FLOOR_S)
         self.step_floor_s = float(os.environ.get("MESHSERVE_STEP_FLOOR_S") or 0)
@@ -366,6 +379,7 @@ class EngineCore:
         if last is not None and last is not self.last_seen:  # a step that scheduled nothing leaves the last one
             self.last_seen = last
             self.busy_s += last.step_s
+            self.recent_steps.append(time.monotonic() - t0)
             if self.step_log is not None:
                 self.step_log.record(last)
         outs = []
@@ -415,7 +429,7 @@ class EngineCore:
         return CoreStats(self.busy_s, self.tokens_out, self.aborted, self.cost.prefill_s_per_token,
                          self.cost.decode_s_per_step, self.engine.load(),
                          tuple(lora.drain_load_seconds()) if lora is not None else (),
-                         self.engine.scheduler.cap.floor_step_s)
+                         self.engine.scheduler.cap.floor_step_s, recent_longest(self.recent_steps))
 
     def run(self, conn, idle_poll_s: float = 0.05) -> None:
         """Serve commands and step until the pipe closes."""

@@ -46,6 +46,7 @@ class _Cost:
     prefill_s_per_token = 0.0
     decode_s_per_step = 0.0
     floor_step_s = 0.0  # a decode step at deadline-aware batching's smallest batch
+    longest_step_s = 0.0  # its longest recent step (services.worker.core.recent_longest)
 
 
 class EngineRunner:
@@ -215,7 +216,7 @@ class EngineRunner:
     def _on_step(self, outputs: list, stats: CoreStats) -> None:
         self.busy_s, self.tokens_out, self.aborted = stats.busy_s, stats.tokens_out, stats.aborted
         self.cost.prefill_s_per_token, self.cost.decode_s_per_step = stats.prefill_s_per_token, stats.decode_s_per_step
-        self.cost.floor_step_s = stats.floor_step_s
+        self.cost.floor_step_s, self.cost.longest_step_s = stats.floor_step_s, stats.longest_step_s
         self.load = stats.load
         if self.metrics is not None:  # first: forget() below drops a finished request's last token time
             self.metrics.on_step(outputs, stats.load, self.clock())

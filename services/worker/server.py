@@ -283,10 +283,17 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     async def Decode(self, request, context):
         """Import the prefilled KV and decode; when the transfer fails (the kvstore died, the prefill side gave up,
         a block failed its checksum), compute the prompt here instead: the first token, already streamed by the
-        prefill side, is computed again (greedy and seeded sampling repeat it) and not sent twice."""
+        prefill side, is computed again (greedy and seeded sampling repeat it) and not sent twice. Without a
+        transfer id, no prefill side ran: the prompt is computed here and every token sent."""
         rpc.require_peer(context, "gateway")
         self._check_role("decode", "unified")
         req_id = request.request_id
+        if not request.transfer_id:  # no handoff (the gateway found the kvstore silent): the whole prompt here
+            q = await self._registered(req_id, self.runner.add(spec_from_work(request, self.runner.clock)))
+            async with contextlib.aclosing(self._stream(req_id, q, 0)) as events:
+                async for ev in events:
+                    yield ev
+            return
         link = self.links.get(request.kvstore)
         await self._begin_import(request)
         skip = 0
@@ -463,6 +470,8 @@ async def heartbeat_loop(runner: EngineRunner, router: str, worker_id: str, addr
                 decode_s_per_step=runner.cost.decode_s_per_step, decode_s_floor=runner.cost.floor_step_s,
                 tensor_parallel_size=runner.config.tensor_parallel_size,
                 cores=runner.config.tensor_parallel_size * (runner.config.num_threads or 1),
+                max_num_batched_tokens=runner.config.scheduler.max_num_batched_tokens,
+                longest_step_s=runner.cost.longest_step_s,
                 **lora_fields(load)), timeout=2.0)
             interval = max(reply.interval_ms, 50) / 1000
             if first and on_first:
@@ -470,6 +479,8 @@ async def heartbeat_loop(runner: EngineRunner, router: str, worker_id: str, addr
             first = False
         except grpc.aio.AioRpcError as e:
             log.warning("heartbeat to router %s failed: %s", router, e.code().name)
+        except Exception:  # a bug here must not end the beats silently (the router would drop a serving worker)
+            log.exception("heartbeat to router %s failed", router)
         await asyncio.sleep(interval)
 
 

@@ -55,6 +55,13 @@ def test_step_cost_fit():
     assert 0.01 < fit.step_s(2) < 0.02
 
 
+def test_a_prefill_workers_prompt_cost_is_the_slope_of_its_steps():
+    fit = StepCostFit(alpha=1.0, forget=0.0)
+    for tokens in (40, 200, 64, 900, 120) * 3:  # a fixed 50 ms a step, 0.3 ms a prompt token; no decode-only step
+        fit.update(2, 2 + tokens, 0.05 + 0.0003 * tokens)
+    assert fit.prefill_s_per_token == pytest.approx(0.0003)  # the whole step per token would say 0.55 ms at 200
+
+
 def test_step_cost_fit_learns_the_cost_of_a_sequence_from_varied_batches():
     fit = StepCostFit(alpha=1.0, forget=0.0)
     for b in (1, 2, 4, 8, 16) * 4:

@@ -331,7 +331,7 @@ class WorkerId(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("worker_id", "address", "role", "outstanding_tokens", "kv_capacity_tokens", "kv_used_tokens", "running", "waiting", "adapters", "block_size", "index_member", "decode_tokens_per_s", "max_num_seqs", "prefill_s_per_token", "decode_s_per_step", "host", "kv_pool", "host_adapters", "lora_slots", "free_lora_slots", "known_adapters", "pinned_adapters", "topology", "decode_s_floor", "tensor_parallel_size", "cores")
+    __slots__ = ("worker_id", "address", "role", "outstanding_tokens", "kv_capacity_tokens", "kv_used_tokens", "running", "waiting", "adapters", "block_size", "index_member", "decode_tokens_per_s", "max_num_seqs", "prefill_s_per_token", "decode_s_per_step", "host", "kv_pool", "host_adapters", "lora_slots", "free_lora_slots", "known_adapters", "pinned_adapters", "topology", "decode_s_floor", "tensor_parallel_size", "cores", "max_num_batched_tokens", "longest_step_s")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -358,6 +358,8 @@ class WorkerLoad(_message.Message):
     DECODE_S_FLOOR_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     CORES_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LONGEST_STEP_S_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     role: str
@@ -384,7 +386,9 @@ class WorkerLoad(_message.Message):
     decode_s_floor: float
     tensor_parallel_size: int
     cores: int
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[str] = ..., outstanding_tokens: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., adapters: _Optional[_Iterable[str]] = ..., block_size: _Optional[int] = ..., index_member: _Optional[str] = ..., decode_tokens_per_s: _Optional[float] = ..., max_num_seqs: _Optional[int] = ..., prefill_s_per_token: _Optional[float] = ..., decode_s_per_step: _Optional[float] = ..., host: _Optional[str] = ..., kv_pool: _Optional[bool] = ..., host_adapters: _Optional[_Iterable[str]] = ..., lora_slots: _Optional[int] = ..., free_lora_slots: _Optional[int] = ..., known_adapters: _Optional[_Iterable[str]] = ..., pinned_adapters: _Optional[_Iterable[str]] = ..., topology: _Optional[str] = ..., decode_s_floor: _Optional[float] = ..., tensor_parallel_size: _Optional[int] = ..., cores: _Optional[int] = ...) -> None: ...
+    max_num_batched_tokens: int
+    longest_step_s: float
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[str] = ..., outstanding_tokens: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., adapters: _Optional[_Iterable[str]] = ..., block_size: _Optional[int] = ..., index_member: _Optional[str] = ..., decode_tokens_per_s: _Optional[float] = ..., max_num_seqs: _Optional[int] = ..., prefill_s_per_token: _Optional[float] = ..., decode_s_per_step: _Optional[float] = ..., host: _Optional[str] = ..., kv_pool: _Optional[bool] = ..., host_adapters: _Optional[_Iterable[str]] = ..., lora_slots: _Optional[int] = ..., free_lora_slots: _Optional[int] = ..., known_adapters: _Optional[_Iterable[str]] = ..., pinned_adapters: _Optional[_Iterable[str]] = ..., topology: _Optional[str] = ..., decode_s_floor: _Optional[float] = ..., tensor_parallel_size: _Optional[int] = ..., cores: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., longest_step_s: _Optional[float] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("interval_ms",)

@@ -51,6 +51,8 @@ class WorkerView:
     topology: str = ""  # rack/node/domain (services.common.host.topology; "" = unknown)
     tensor_parallel_size: int = 1  # ranks of its engine (one replica, one group)
     cores: int = 0  # cores its ranks use (0 = not reported)
+    max_num_batched_tokens: int = 0  # prompt tokens a step takes at most (0 = not reported)
+    longest_step_s: float = 0.0  # its longest recent step (services.policy.progress; 0 = none yet)
 
     @property
     def tokens(self) -> int:
