@@ -35,7 +35,9 @@ make_engine() {
     if ! DOCKER_HOST=unix://$SOCKET timeout 20 docker info > /dev/null 2>&1; then
         say "starting the Docker API: podman system service on $SOCKET (log: /tmp/podman-service.log)"
         mkdir -p "$(dirname "$SOCKET")"
-        setsid nohup podman system service --time=0 "unix://$SOCKET" > /tmp/podman-service.log 2>&1 < /dev/null &
+        # from /: a service started in a clone's folder broke every later check once that folder was deleted
+        setsid nohup bash -c 'cd / && exec podman system service --time=0 "$0"' "unix://$SOCKET" \
+            > /tmp/podman-service.log 2>&1 < /dev/null &
         for _ in $(seq 100); do
             DOCKER_HOST=unix://$SOCKET timeout 5 docker info > /dev/null 2>&1 && break
             sleep 0.2
@@ -55,6 +57,7 @@ start_health_ticker() {
     fi
     say "no systemd: healthchecks run by a ticker (log: /tmp/podman-health-ticker.log)"
     setsid nohup bash -c '
+        cd /  # as the service: not in a folder that may be deleted while it runs
         n=0
         while true; do
             filter="--filter health=starting --filter health=unhealthy"
