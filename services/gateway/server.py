@@ -362,8 +362,7 @@ class GatewayServicer(pb_grpc.GenerationServicer):
                         prompt_u32=packed, block_hashes=b"".join(hashes), hash_block_size=bs if hashes else 0,
                         adapter=work.adapter, cache_salt=work.cache_salt,
                         avoid=sorted(avoid.union(self.admission.avoid(), self.progress.avoid(time.monotonic())))),
-                        _left(spec.deadline_s,
-                                                                                  "in the admission queue"))
+                        _left(spec.deadline_s, "in the admission queue"))
                     held.leave()  # routed: a worker is there
                     if ticket is not None:
                         work.credit_from = self.admission.routed(ticket, decision.decode_worker)
@@ -508,8 +507,9 @@ class GatewayServicer(pb_grpc.GenerationServicer):
             asyncio.ensure_future(self._release(transfer_id, abandoned=True))
 
     async def _release(self, transfer_id: str, abandoned: bool = False) -> None:
-        """Drop the transfer; waits up to 5 s for a kvstore that is coming back (its new incarnation may already
-        hold blocks a prefill put there while this gateway's channel was still reconnecting)."""
+        """Drop the transfer; waits up to 5 s a try for a kvstore that is coming back (its new incarnation may already
+        hold blocks a prefill put there while this gateway's channel was still reconnecting), and tries again for up
+        to RELEASE_RETRY_S while it does not answer (coming back, or hung)."""
         give_up = time.monotonic() + RELEASE_RETRY_S
         while True:
             try:
