@@ -12,7 +12,6 @@ import asyncio
 import os
 import signal
 import time
-from pathlib import Path
 
 import grpc
 import pytest
@@ -22,6 +21,7 @@ from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.mesh.launcher import MeshSpec
 from tests.integration.conftest import supervised
 from tests.integration.test_faults import idle
+from tests.support.procs import children
 from tests.support.reference import random_prompts
 from tests.support.streams import greedy_streams
 from tests.support.wait import wait_for
@@ -49,20 +49,6 @@ def reference(mesh, prompts):
     got = asyncio.run(greedy_streams(mesh.gateway, prompts, NEW))
     assert all(status is None for _, status in got), got
     return [tokens for tokens, _ in got], time.monotonic() - start
-
-
-def children(pid: int) -> list[int]:
-    """The processes whose parent is pid (a worker's engine core)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry.name))
-    return found
 
 
 def victims(mesh, which: str) -> list[int]:

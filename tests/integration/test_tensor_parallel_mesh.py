@@ -15,6 +15,7 @@ from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.mesh.launcher import MeshSpec, client_channel, serving
 from tests.integration.conftest import ENGINE, supervised
+from tests.support.procs import children
 from tests.support.reference import greedy, make_engine, random_prompts, run_all
 from tests.support.streams import greedy_streams
 from tests.support.wait import wait_for
@@ -38,19 +39,6 @@ def prompts():
 @pytest.fixture(scope="module")
 def reference(tiny_model, prompts):
     return run_all(make_engine(tiny_model), prompts, greedy(NEW))
-
-
-def children(pid: int) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(entry.name))
-    return out
 
 
 def ranks_of(worker_pid: int) -> list[int]:

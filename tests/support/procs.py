@@ -1,0 +1,19 @@
+"""Processes a test started, found by their parent (fault tests signal only their own pids)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is pid (a worker's engine core, a core's tensor-parallel ranks)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
