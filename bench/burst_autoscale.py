@@ -34,7 +34,7 @@ import yaml
 from bench.common import default_model, log, machine, print_table, write_result
 from bench.latency import percentile
 from bench.online import run_online, warm
-from services.common.telemetry import METRICS_ENDPOINT_ENV
+from services.common import envs
 from services.mesh import supervisor
 from services.mesh.launcher import Mesh, MeshSpec, free_port
 
@@ -111,7 +111,7 @@ class Run:
             cfg_file = Path(self.tmp.name) / "mesh.yaml"
             cfg_file.write_text(yaml.safe_dump(config))
             self.autoscaler_port = free_port()
-            env = {METRICS_ENDPOINT_ENV: f"http://127.0.0.1:{self.autoscaler_port}",
+            env = {envs.OTLP_METRICS_ENDPOINT.name: f"http://127.0.0.1:{self.autoscaler_port}",
                    "OTEL_METRIC_EXPORT_INTERVAL": "500"}
         self.mesh = Mesh(MeshSpec(str(model_dir), mode="unified", unified=workers, engine_args=engine,
                                   config_file=str(cfg_file) if cfg_file else None, env=env))

@@ -96,7 +96,7 @@ def ratios(systems: dict) -> dict:
 
 
 def engine_for(model_dir: Path, args, quantization: str = "none"):
-    from services.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from services.config.engine import CacheConfig, EngineConfig, SchedulerConfig
     from services.engine.engine import LLMEngine
 
     return LLMEngine(EngineConfig(

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from services.common.sampling import SamplingParams
-from services.engine.config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig
+from services.config.engine import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig
 from services.engine.engine import LLMEngine
 
 ROOT = Path.home() / ".cache" / "meshserve" / "adapters" / "bench-64"

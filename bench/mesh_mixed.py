@@ -108,8 +108,9 @@ def in_process(model_dir: Path, reqs: list, arrivals: list | None) -> dict:
 
     import torch
 
-    from services.common.config import add_section_flags, flag_overrides, load_mesh_config
     from services.common.sampling import SamplingParams
+    from services.config.flags import add_section_flags, flag_overrides
+    from services.config.loader import load_mesh_config
     from services.engine.engine import LLMEngine
 
     torch.set_num_threads(1)

@@ -34,7 +34,7 @@ def add_flags(p) -> None:
 
 
 def _engine(model_dir: Path, args, ranks: int, threads: int):
-    from services.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from services.config.engine import CacheConfig, EngineConfig, SchedulerConfig
     from services.engine.engine import LLMEngine
 
     return LLMEngine(EngineConfig(

@@ -9,8 +9,9 @@ import os
 import sys
 from pathlib import Path
 
-from services.common.config import add_config_flag, add_section_flags, config_from_args
+from services.common import envs
 from services.common.errors import MeshError
+from services.config.flags import add_config_flag, add_section_flags, config_from_args
 
 
 def cmd_model_init(args) -> int:
@@ -169,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault(envs.HF_HUB_OFFLINE.name, "1")
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["health"]:  # probed every few seconds: without the whole parser (the benchmarks import torch)
         ap = argparse.ArgumentParser(prog="meshserve")

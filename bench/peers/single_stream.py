@@ -54,7 +54,7 @@ def complete(base_url: str, model: str, text: str, max_tokens: int, ban: bool) -
 def in_process(model_dir: str, quantization: str):
     """complete() over an LLMEngine in this process."""
     from services.common.sampling import SamplingParams
-    from services.engine.config import EngineConfig
+    from services.config.engine import EngineConfig
     from services.engine.engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(model_dir, quantization=quantization, num_threads=2))

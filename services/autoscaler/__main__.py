@@ -20,17 +20,10 @@ from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2_grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 
 from services.autoscaler.server import Autoscaler, DroppedTraces
-from services.common import rpc
-from services.common.config import (
-    AutoscalerSection,
-    add_config_flag,
-    add_section_flags,
-    announce,
-    config_from_args,
-    service_pairs,
-    workload_pairs,
-)
-from services.common.telemetry import METRICS_ENDPOINT_ENV, add_metrics_flag, setup_telemetry
+from services.common import envs, rpc
+from services.common.telemetry import add_metrics_flag, setup_telemetry
+from services.config.flags import add_config_flag, add_section_flags, announce, config_from_args
+from services.config.sections import AutoscalerSection, service_pairs, workload_pairs
 from services.mesh.actuators import ComposeActuator, KubernetesActuator, LocalActuator
 
 log = logging.getLogger("meshserve.autoscaler")
@@ -69,7 +62,7 @@ async def serve(args, section: AutoscalerSection, roles: dict) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m services.autoscaler", description=__doc__)
-    rpc.add_server_flags(ap, "AUTOSCALER_PORT", grace_s=1.0, default_port=DEFAULT_PORT)
+    rpc.add_server_flags(ap, envs.AUTOSCALER_PORT, grace_s=1.0, default_port=DEFAULT_PORT)
     add_config_flag(ap)
     add_section_flags(ap, "autoscaler")
     add_metrics_flag(ap)
@@ -80,8 +73,9 @@ def main() -> None:
         roles = {pool: cfg.pool_role(pool) for pool in section.scaled_pools.split(",")}
     except ValueError as e:
         raise SystemExit(f"autoscaler: {e}") from None
-    if os.environ.get(METRICS_ENDPOINT_ENV, "").endswith(f":{args.port}"):
-        del os.environ[METRICS_ENDPOINT_ENV]  # the mesh's services export here; the autoscaler itself does not
+    if (envs.OTLP_METRICS_ENDPOINT.get() or "").endswith(f":{args.port}"):
+        # the mesh's services export here; the autoscaler itself does not
+        del os.environ[envs.OTLP_METRICS_ENDPOINT.name]
     setup_telemetry("autoscaler", args.metrics_port, args.host)
     announce("autoscaler", cfg, "autoscaler")
     asyncio.run(serve(args, section, roles))

@@ -13,10 +13,7 @@ from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metric
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from services.autoscaler.signals import PoolSignals
-from services.common.config import (
-    AutoscalerSection,
-    PoolSection,
-)
+from services.config.sections import AutoscalerSection, PoolSection
 from services.policy.scaling import POLICIES, SignalWindow
 
 log = logging.getLogger("meshserve.autoscaler")

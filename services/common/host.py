@@ -13,16 +13,17 @@ by default the node is this host and the rack and domain are unknown (""). dista
 
 from __future__ import annotations
 
-import os
 import socket
 from functools import cache
 from pathlib import Path
 
+from services.common import envs
+
 
 @cache
 def host_id() -> str:
-    if os.environ.get("MESHSERVE_HOST_ID"):
-        return os.environ["MESHSERVE_HOST_ID"]
+    if envs.HOST_ID.get():
+        return envs.HOST_ID.get()
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()[:8]
     except OSError:
@@ -30,18 +31,17 @@ def host_id() -> str:
     return f"{socket.gethostname()}:{boot}"
 
 
-TOPOLOGY_ENV = "MESHSERVE_TOPOLOGY"
 FAR = 3  # distance between places in different racks, or where either is unknown
 
 
 def topology() -> str:
     """This process's "rack/node/domain" (MESHSERVE_TOPOLOGY, else "/<host id>/"); ValueError naming the
     variable when it is not three levels."""
-    value = os.environ.get(TOPOLOGY_ENV)
+    value = envs.TOPOLOGY.get()
     if value is None:
         return f"/{host_id()}/"
     if value.count("/") != 2 or not value.split("/")[1]:
-        raise ValueError(f"{TOPOLOGY_ENV}={value!r}: expected rack/node/domain (the node not empty), "
+        raise ValueError(f"{envs.TOPOLOGY.name}={value!r}: expected rack/node/domain (the node not empty), "
                          f"e.g. rack-1/node-7/numa0")
     return value
 

@@ -24,6 +24,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.common import envs
 from services.common.errors import MeshError, NoWorker, PermissionDenied, Unavailable, bounded_message
 from services.common.pb import meshserve_pb2
 
@@ -37,7 +38,6 @@ CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_reconnect_backoff_ms", 1000)]
 
 
-TLS_DIR_ENV, TLS_NAME_ENV = "MESHSERVE_TLS_DIR", "MESHSERVE_TLS_NAME"
 
 
 def read_tls(folder: str, identity: str) -> tuple[bytes, bytes, bytes]:
@@ -54,8 +54,8 @@ def channel_credentials(files: tuple[bytes, bytes, bytes]) -> grpc.ChannelCreden
 @functools.cache
 def tls_files() -> tuple[bytes, bytes, bytes] | None:
     """This process's (CA, key, certificate) from the environment, or None when TLS is off."""
-    folder = os.environ.get(TLS_DIR_ENV)
-    return read_tls(folder, os.environ.get(TLS_NAME_ENV, "client")) if folder else None
+    folder = envs.TLS_DIR.get()
+    return read_tls(folder, envs.TLS_NAME.get()) if folder else None
 
 
 def peer_name(context) -> str | None:
@@ -165,7 +165,6 @@ async def finish_client_stream(call, peer: str):
 
 
 ANY_HOST = ("0.0.0.0", "::", "[::]", "")
-ADVERTISE_ENV = "MESHSERVE_ADVERTISE_HOST"
 
 
 def advertised_host(host: str) -> str:
@@ -173,7 +172,7 @@ def advertised_host(host: str) -> str:
     MESHSERVE_ADVERTISE_HOST, else this machine's hostname (a Compose service's container, a pod)."""
     if host not in ANY_HOST:
         return host
-    return os.environ.get(ADVERTISE_ENV) or socket.gethostname()
+    return envs.ADVERTISE_HOST.get() or socket.gethostname()
 
 
 class Server:
@@ -241,10 +240,10 @@ class ChannelPool:
 DEFAULT_PORTS = {"gateway": 50051, "router": 50052, "kvstore": 50053}  # docs/INTERFACES.md; workers: any
 
 
-def add_server_flags(ap, port_env: str, grace_s: float, default_port: int = 0) -> None:
+def add_server_flags(ap, port_var: envs.Var, grace_s: float, default_port: int = 0) -> None:
     """--host, --port (0 = any free port) and --grace-s, every service alike."""
-    ap.add_argument("--host", default=os.environ.get("MESHSERVE_HOST", "127.0.0.1"))
-    ap.add_argument("--port", type=int, default=int(os.environ.get(port_env, default_port)),
-                    help=f"gRPC port (0 = any free port; default {default_port}; env {port_env})")
+    ap.add_argument("--host", default=envs.HOST.get())
+    ap.add_argument("--port", type=int, default=port_var.get(default=default_port),
+                    help=f"gRPC port (0 = any free port; default {default_port}; env {port_var.name})")
     ap.add_argument("--grace-s", type=float, default=grace_s, help="time in-flight calls get on SIGTERM")
 

@@ -28,11 +28,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from opentelemetry import metrics, trace
 
+from services.common import envs
+
 log = logging.getLogger("meshserve.telemetry")
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 UNIT_SUFFIX = {"ms": "_milliseconds", "s": "_seconds", "By": "_bytes"}
 _reader = None  # the pull reader behind /metrics, once setup_metrics ran
-METRICS_ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"  # the SDK's variable for a metrics-only endpoint
 POOL_ATTRIBUTE = "meshserve.pool"  # a worker's resource attribute: the pool the autoscaler counts it in
 WAITING_FOR_WORKER = "meshserve.gateway.waiting_for_worker"  # a gateway's gauge, per pool: requests it holds because
 # that pool has no worker at all (the autoscaler's signal to scale a pool from zero)
@@ -56,7 +57,7 @@ def _resource(service_name: str, attributes: dict | None):
 
 
 def setup_tracing(service_name: str, attributes: dict | None = None) -> None:
-    if not os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+    if not envs.OTLP_ENDPOINT.get():
         return
     from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
     from opentelemetry.instrumentation.grpc import GrpcAioInstrumentorClient, GrpcAioInstrumentorServer
@@ -82,10 +83,10 @@ def setup_metrics(service_name: str, interval_ms: int | None = None, attributes:
 
     _reader = InMemoryMetricReader()
     readers = [_reader]
-    if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get(METRICS_ENDPOINT_ENV):
+    if envs.OTLP_ENDPOINT.get() or envs.OTLP_METRICS_ENDPOINT.get():
         from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
 
-        interval = interval_ms or int(os.environ.get("OTEL_METRIC_EXPORT_INTERVAL", "5000"))
+        interval = interval_ms or envs.METRIC_EXPORT_INTERVAL.get()
         readers.append(PeriodicExportingMetricReader(OTLPMetricExporter(insecure=True),
                                                      export_interval_millis=interval))
     metrics.set_meter_provider(MeterProvider(resource=_resource(service_name, attributes), metric_readers=readers))
@@ -106,12 +107,12 @@ def setup_telemetry(service_name: str, metrics_port: int | None = None, host: st
     return port
 
 
-METRICS_PORT_ENV = "MESHSERVE_METRICS_PORT"
 
 
-def add_metrics_flag(ap, env: str = METRICS_PORT_ENV) -> None:
-    ap.add_argument("--metrics-port", type=int, default=int(os.environ.get(env, "-1")),
-                    help=f"serve Prometheus text at GET /metrics on this port (0 = any free port; -1 = off; env {env})")
+def add_metrics_flag(ap) -> None:
+    ap.add_argument("--metrics-port", type=int, default=envs.METRICS_PORT.get(),
+                    help="serve Prometheus text at GET /metrics on this port (0 = any free port; -1 = off; env "
+                         f"{envs.METRICS_PORT.name})")
 
 
 # ---- Prometheus text ------------------------------------------------------------------------

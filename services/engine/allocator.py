@@ -15,7 +15,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
-import os
+
+from services.common import envs
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +28,7 @@ TRIM_THRESHOLD = 256 * 1024**2  # free heap kept before memory goes back to the 
 def keep_large_buffers() -> bool:
     """Set the thresholds above (each engine calls it at construction; setting them again changes nothing;
     MESHSERVE_MALLOPT=0 leaves glibc's defaults). False where the C library is not glibc or refuses."""
-    if os.environ.get("MESHSERVE_MALLOPT", "1") == "0":
+    if envs.MALLOPT.is_off():
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")

@@ -21,12 +21,13 @@ methods over the same pool layout.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from services.common import envs
 
 
 def prompt_kernel_runs(kernel, dtype: torch.dtype, head_dim: int) -> bool:
@@ -41,7 +42,7 @@ def _why_no_prompt_kernel(kernel, dtype: torch.dtype, head_dim: int) -> str:
         return "no compiled kernel"
     if dtype not in (torch.float32, torch.bfloat16) or head_dim != 64:
         return f"the kernel takes float32 or bfloat16 with head size 64, not {str(dtype)[6:]} with {head_dim}"
-    if os.environ.get("MESHSERVE_PROMPT_KERNEL", "1") == "0":
+    if envs.PROMPT_KERNEL.is_off():
         return "MESHSERVE_PROMPT_KERNEL=0"
     return "" if kernel.prefill_ready(dtype == torch.bfloat16) else "a generic build (no vector ISA)"
 

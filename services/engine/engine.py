@@ -22,11 +22,11 @@ import torch
 
 from services.common.errors import RankDied
 from services.common.tokenizer import Tokenizer
+from services.config.engine import EngineConfig
 from services.engine.allocator import keep_large_buffers
 from services.engine.attention import KVCache, SeqLayout, ShardedKVCache, TensorBlocks, TorchAttention
 from services.engine.base import EngineBase, EngineLoad, RequestOutput, RuntimeInfo, StepStats  # noqa: F401 (API)
 from services.engine.block_pool import BlockPool
-from services.engine.config import EngineConfig
 from services.engine.guided import Grammars
 from services.engine.kernels import lora as lora_kernel
 from services.engine.kernels import paged_attention, sampler

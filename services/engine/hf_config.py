@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from services.common.errors import ModelLoadError
-from services.engine.config import ModelConfig, RopeConfig
+from services.config.engine import ModelConfig, RopeConfig
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
 

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+from services.common import envs
+
 log = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 
@@ -118,7 +120,7 @@ def host_flags() -> frozenset:
 
 
 def host_isa() -> str:
-    return pick_isa(host_flags(), os.environ.get("MESHSERVE_ISA"))
+    return pick_isa(host_flags(), envs.ISA.get())
 
 
 def _put_ninja_on_path() -> None:
@@ -142,7 +144,7 @@ def build_directory(name: str) -> Path:
     import torch
     from torch.utils.cpp_extension import get_default_build_root
 
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    root = Path(envs.TORCH_EXTENSIONS_DIR.get() or get_default_build_root())
     tag = hashlib.sha256(str(Path(torch.__file__).resolve().parent).encode()).hexdigest()[:10]
     return root / f"meshserve-torch-{tag}" / name
 
@@ -184,7 +186,7 @@ class _BuildLock:
 
 def _build(name: str, source: str, cflags: list[str], what: str):
     """The compiled module, or None when disabled or the build fails (the reason is logged)."""
-    if os.environ.get("MESHSERVE_KERNELS", "1") == "0":
+    if envs.KERNELS.is_off():
         return None
     try:
         from torch.utils.cpp_extension import load
@@ -283,10 +285,10 @@ def summary(isa: str | None = None) -> str:
     """Which code each kernel runs here, for a process's start-up line: the level picked and why, and each kernel's
     level where its build is on disk (nothing is loaded or built here: a start pays only for the kernels it uses),
     else that it runs PyTorch's path until one builds."""
-    if os.environ.get("MESHSERVE_KERNELS", "1") == "0":
+    if envs.KERNELS.is_off():
         return "compiled kernels off (MESHSERVE_KERNELS=0): every layer runs PyTorch's path"
     isa = isa or host_isa()
-    forced = os.environ.get("MESHSERVE_ISA")
+    forced = envs.ISA.get()
     why = f"MESHSERVE_ISA={forced}" if forced else f"the widest this CPU runs of {', '.join(ISA_LEVELS)}"
     parts = []
     for spec in SPECS.values():
@@ -319,7 +321,7 @@ def main() -> int:
     or for one. --strict: a kernel that does not build fails (the image) instead of running PyTorch's path."""
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     args = sys.argv[1:]
-    if os.environ.get("MESHSERVE_KERNELS", "1") == "0":
+    if envs.KERNELS.is_off():
         print("MESHSERVE_KERNELS=0: the kernels are off; nothing to build")
         return 0
     if "--all-levels" in args:

@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 
 from services.common.errors import ModelLoadError
-from services.engine.config import ModelConfig
+from services.config.engine import ModelConfig
 from services.engine.hf_config import eos_ids, parse_config, read_json  # noqa: F401 (read_json: API)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -31,7 +31,7 @@ import torch
 from safetensors import safe_open
 
 from services.common.errors import InvalidRequest
-from services.engine.config import LoRAConfig, ModelConfig
+from services.config.engine import LoRAConfig, ModelConfig
 from services.engine.lora_residency import TARGETS, AdapterInfo, AdapterResidency, adapter_error, read_adapter_config
 
 log = logging.getLogger("meshserve.lora")

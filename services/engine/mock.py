@@ -34,9 +34,9 @@ from functools import partial
 from pathlib import Path
 
 from services.common.errors import InvalidRequest
+from services.config.engine import EngineConfig
 from services.engine.base import EngineBase, RequestOutput, RuntimeInfo
 from services.engine.block_pool import BlockPool
-from services.engine.config import EngineConfig
 from services.engine.cost_model import cost_model
 from services.engine.hf_config import eos_ids, parse_config, read_json
 from services.engine.kv_manager import KVCacheManager

@@ -12,14 +12,14 @@ with the same rounding.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from services.common import envs
 from services.common.errors import ModelLoadError
-from services.engine.config import ModelConfig
+from services.config.engine import ModelConfig
 from services.engine.kernels import layer_ops
 from services.engine.parallel import LM_HEAD_SHARD
 from services.engine.quant import QuantizedWeight, concat, fusable
@@ -97,7 +97,7 @@ def _pick_linear():
     On the CPUs measured (docs/BENCHMARKS.md, `python -m bench.linear_probe`) torch's default float32 linear goes
     through MKL, which on AMD processors skips its widest code paths; oneDNN (what vLLM's CPU
     build uses) runs the engine's shapes 2-2.7x faster on AVX-512 with results equal to ~3e-6."""
-    if os.environ.get("MESHSERVE_ONEDNN", "1") == "0" or not torch.backends.mkldnn.is_available():
+    if envs.ONEDNN.is_off() or not torch.backends.mkldnn.is_available():
         return F.linear
     try:
         probe = torch.ones(2, 4)

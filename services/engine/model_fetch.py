@@ -21,6 +21,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.common import envs
 from services.common.errors import ModelLoadError
 
 
@@ -44,9 +45,9 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
 def cache_dir() -> Path:
-    if os.environ.get("MESHSERVE_CACHE_DIR"):
-        return Path(os.environ["MESHSERVE_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    if envs.CACHE_DIR.get():
+        return Path(envs.CACHE_DIR.get())
+    base = envs.XDG_CACHE_HOME.get() or Path.home() / ".cache"
     return Path(base) / "meshserve"
 
 

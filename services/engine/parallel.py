@@ -47,8 +47,8 @@ import torch
 
 from services.common.errors import ModelLoadError, RankDied
 from services.common.host import free_port
+from services.config.engine import EngineConfig, ModelConfig
 from services.engine.attention import SeqLayout
-from services.engine.config import EngineConfig, ModelConfig
 from services.engine.lora import LoRABatch
 
 log = logging.getLogger("meshserve.parallel")

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from services.engine.config import RopeConfig
+from services.config.engine import RopeConfig
 
 
 def inv_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:

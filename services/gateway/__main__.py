@@ -5,24 +5,24 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import time
 from pathlib import Path
 
 import grpc
 
-from services.common import rpc
-from services.common.config import MeshConfig, add_config_flag, add_section_flags, announce, config_from_args
+from services.common import envs, rpc
 from services.common.errors import ModelLoadError
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.common.telemetry import add_metrics_flag, setup_telemetry
 from services.common.tokenizer import Tokenizer
+from services.config.flags import add_config_flag, add_section_flags, announce, config_from_args
+from services.config.sections import MeshConfig
 from services.gateway.admission import Admission
 from services.gateway.credits import CreditPool
 from services.gateway.server import GatewayServicer, ModelInfo, SizeBounds, add_to_server
 from services.policy.progress import ProgressWatch
-from services.policy.tenants import CACHE_SECRET_ENV, Authenticator, cache_secret
+from services.policy.tenants import Authenticator, cache_secret
 
 log = logging.getLogger("meshserve.gateway")
 
@@ -57,10 +57,10 @@ async def serve(args, config: MeshConfig) -> None:
     admission = Admission(adm.policy, adm.starvation_s, queue_bursts=adm.queue_bursts,
                           share_preemption=adm.share_preemption)
     model = ModelInfo.from_dir(args.model, args.served_model_name or ())
-    secret, given = cache_secret(os.environ)
+    secret, given = cache_secret(envs.CACHE_SECRET.get())
     if tenants and not given:
         log.warning("%s is not set: tenants' prefix caches are salted with a secret of this process only (lost on "
-                    "restart, not shared with other gateways)", CACHE_SECRET_ENV)
+                    "restart, not shared with other gateways)", envs.CACHE_SECRET.name)
     routers = args.router.split(",")
     servicer = GatewayServicer(model, Tokenizer(args.model), routers, args.kvstore, Authenticator(tenants),
                                admission, SizeBounds.for_model(model.max_model_len, adm.max_prompt_bytes), secret,
@@ -103,35 +103,30 @@ async def serve(args, config: MeshConfig) -> None:
         servicer.recorder.close()
 
 
-def _env_int(name: str) -> int | None:
-    value = os.environ.get(name)
-    return int(value) if value else None
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m services.gateway", description=__doc__)
-    ap.add_argument("--model", default=os.environ.get("MESHSERVE_MODEL"),
+    ap.add_argument("--model", default=envs.MODEL.get(),
                     help="the served model folder, config.json and tokenizer.json are read here (config mesh.model; "
                          "env MESHSERVE_MODEL)")
     ap.add_argument("--served-model-name", nargs="+", metavar="NAME",
                     help="the model name(s) requests use (the first is reported; default: the folder's name; config "
                          "mesh.served_model_name)")
-    ap.add_argument("--router", default=os.environ.get("ROUTER_ADDR", f"127.0.0.1:{rpc.DEFAULT_PORTS['router']}"),
+    ap.add_argument("--router", default=envs.ROUTER_ADDR.get(default=f"127.0.0.1:{rpc.DEFAULT_PORTS['router']}"),
                     help="router address, or several separated by commas (Route calls spread over them and fail over)")
-    ap.add_argument("--kvstore", default=os.environ.get("KVSTORE_ADDR", f"127.0.0.1:{rpc.DEFAULT_PORTS['kvstore']}"))
-    ap.add_argument("--mode", default=os.environ.get("ROUTER_MODE"), choices=["disaggregated", "unified"],
+    ap.add_argument("--kvstore", default=envs.KVSTORE_ADDR.get(default=f"127.0.0.1:{rpc.DEFAULT_PORTS['kvstore']}"))
+    ap.add_argument("--mode", default=envs.ROUTER_MODE.get(), choices=["disaggregated", "unified"],
                     help="which workers readiness waits for (config mesh.mode; env ROUTER_MODE)")
     add_config_flag(ap)
     add_section_flags(ap, "admission", prefix="admission-")
-    ap.add_argument("--record-trace", default=os.environ.get("GATEWAY_RECORD_TRACE"), metavar="FILE",
+    ap.add_argument("--record-trace", default=envs.RECORD_TRACE.get(), metavar="FILE",
                     help="append one line per request answered to this JSONL trace (the simulator's format: "
                          "`meshserve sim --trace FILE` replays it)")
-    ap.add_argument("--http-port", type=int, default=_env_int("GATEWAY_HTTP_PORT"),
+    ap.add_argument("--http-port", type=int, default=envs.GATEWAY_HTTP_PORT.get(),
                     help="serve the OpenAI-compatible HTTP API on this port (0 = any free port; default: off)")
-    ap.add_argument("--tls-cert", default=os.environ.get("GATEWAY_TLS_CERT"),
+    ap.add_argument("--tls-cert", default=envs.GATEWAY_TLS_CERT.get(),
                     help="serve the public gRPC and HTTP ports over TLS with this PEM certificate (chain) ...")
-    ap.add_argument("--tls-key", default=os.environ.get("GATEWAY_TLS_KEY"), help="... and this PEM private key")
-    rpc.add_server_flags(ap, "GATEWAY_PORT", grace_s=10.0, default_port=rpc.DEFAULT_PORTS["gateway"])
+    ap.add_argument("--tls-key", default=envs.GATEWAY_TLS_KEY.get(), help="... and this PEM private key")
+    rpc.add_server_flags(ap, envs.GATEWAY_PORT, grace_s=10.0, default_port=rpc.DEFAULT_PORTS["gateway"])
     add_metrics_flag(ap)
     args = ap.parse_args()
     if bool(args.tls_cert) != bool(args.tls_key):

@@ -11,13 +11,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 
-from services.common import rpc
+from services.common import envs, rpc
 from services.common.arena import check_instance, reclaim
-from services.common.config import KVSection, add_config_flag, announce, config_from_args
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.common.telemetry import add_metrics_flag, setup_telemetry
+from services.config.flags import add_config_flag, announce, config_from_args
+from services.config.sections import KVSection
 from services.kvstore.server import TRANSPORTS, KVStoreServicer, publish_loop
 
 log = logging.getLogger("meshserve.kvstore")
@@ -53,20 +53,20 @@ async def serve(args, kv: KVSection) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m services.kvstore", description=__doc__)
-    rpc.add_server_flags(ap, "KVSTORE_PORT", grace_s=5.0, default_port=rpc.DEFAULT_PORTS["kvstore"])
+    rpc.add_server_flags(ap, envs.KVSTORE_PORT, grace_s=5.0, default_port=rpc.DEFAULT_PORTS["kvstore"])
     add_config_flag(ap)
-    ap.add_argument("--byte-budget-gb", type=float, default=_env_float("KVSTORE_BUDGET_GB"),
+    ap.add_argument("--byte-budget-gb", type=float, default=envs.KVSTORE_BUDGET_GB.get(),
                     help="bytes of KV the pool holds, reserved in shared memory when the arena is formatted (config "
                          "kv.budget_gb; env KVSTORE_BUDGET_GB)")
     ap.add_argument("--ttl-s", type=float, help="drop transfers never released after this long (config "
                                                 "kv.transfer_ttl_s)")
-    ap.add_argument("--instance", default=os.environ.get("KVSTORE_INSTANCE"),
+    ap.add_argument("--instance", default=envs.KVSTORE_INSTANCE.get(),
                     help="names this kvstore's shared-memory segments, so that a restart reclaims its predecessor's "
                          "(default: port<PORT>)")
-    ap.add_argument("--transport", choices=TRANSPORTS, default=os.environ.get("KVSTORE_TRANSPORT"),
+    ap.add_argument("--transport", choices=TRANSPORTS, default=envs.KVSTORE_TRANSPORT.get(),
                     help="grpc: never offer shared memory; shm/auto: offer it to workers on this host (config "
                          "kv.transport; env KVSTORE_TRANSPORT)")
-    ap.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
+    ap.add_argument("--redis-url", default=envs.REDIS_URL.get(),
                     help="publish the pool's blocks to the prefix index here (env REDIS_URL)")
     add_metrics_flag(ap)
     args = ap.parse_args()
@@ -76,11 +76,6 @@ def main() -> None:
     setup_telemetry("kvstore", args.metrics_port, args.host)
     announce("kvstore", cfg, "kv")
     asyncio.run(serve(args, cfg.kv))
-
-
-def _env_float(name: str) -> float | None:
-    value = os.environ.get(name)
-    return float(value) if value else None
 
 
 if __name__ == "__main__":

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 
 from opentelemetry import metrics, trace
 
-from services.common import rpc
+from services.common import envs, rpc
 from services.common.arena import Arena
 from services.common.errors import InvalidRequest, MeshError
 from services.common.host import host_id
@@ -77,7 +76,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         self.block_bytes = 0
         # A testing aid (env KVSTORE_HOLD_META_S): every Get holds its transfer's metadata back this long, so a test
         # can kill the kvstore while a transfer is surely in flight.
-        self.hold_meta_s = float(os.environ.get("KVSTORE_HOLD_META_S", "0"))
+        self.hold_meta_s = envs.KVSTORE_HOLD_META_S.get()
         self.metrics = KVStoreMetrics(self)
 
     def format(self, block_bytes: int) -> BlockStore:

@@ -31,13 +31,12 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.host import TOPOLOGY_ENV, free_port
-from services.common.rpc import ADVERTISE_ENV, TLS_DIR_ENV, TLS_NAME_ENV, channel_credentials, read_tls
+from services.common import envs
+from services.common.host import free_port
+from services.common.rpc import channel_credentials, read_tls
 from services.policy.placement import Group, Host, free_cores, place
-from services.policy.tenants import CACHE_SECRET_ENV
 
 PORT_TAKEN = "Address already in use"  # in a service's log when its port was taken before it could bind it
-REDIS_URL_ENV = "REDIS_URL"  # what the kvstore, router and workers read when --redis-url is not given
 METRICS_LINE = re.compile(r" metrics on (http://\S+/metrics)")  # what services.common.telemetry prints
 
 
@@ -89,23 +88,6 @@ class RestartLimit(RuntimeError):
     """A service keeps dying right after it starts."""
 
 
-@dataclass(frozen=True)
-class HostSpec:
-    """A host workers may be placed on (services.policy.placement decides which): its cores, the address its
-    workers bind and advertise, and the network namespace they run in ("" = this machine's own: its workers keep
-    this machine's host identity, so the kvstore serves their KV through shared memory)."""
-
-    name: str
-    cores: int
-    address: str = "127.0.0.1"
-    netns: str = ""
-    rack: str = ""
-
-    def placement(self) -> Host:
-        # the kvstore runs on this machine: only its own network's workers reach it (and each other) by shared memory
-        return Host(self.name, self.cores, self.rack, shm_kv=not self.netns)
-
-
 def flag_value(args: list, flag: str, default: int) -> int:
     """The last value given to an integer flag in a command line (default when absent)."""
     value = default
@@ -150,7 +132,7 @@ class MeshSpec:
     kvstore_budget_gb: float = 1.0  # the kvstore's pool, reserved in /dev/shm once the first worker attaches
     drain_grace_s: float = 10.0  # a worker told to stop lets its in-flight requests finish for up to this long
     worker_pools: dict = field(default_factory=dict)  # named groups beside the roles': name -> {role, replicas, args}
-    hosts: list = field(default_factory=list)  # HostSpec: place every worker on one of these (empty: all here)
+    hosts: list = field(default_factory=list)  # Host: place every worker on one of these (empty: all here)
     control_address: str = ""  # with hosts in other network namespaces: the control plane's address they reach
     #                            (Redis, kvstore, routers, gateway then listen on every interface)
 
@@ -166,7 +148,7 @@ class Mesh:
         self.redis_url = spec.redis_url
         self.ports: set[int] = set()  # handed out to this mesh's processes
         # The gateway's cache-salt secret: one per mesh, so a restarted gateway salts (and finds) the same prefixes.
-        self.cache_secret = os.environ.get(CACHE_SECRET_ENV) or secrets.token_hex(32)
+        self.cache_secret = envs.CACHE_SECRET.get() or secrets.token_hex(32)
         self.tls_dir = ""  # the mesh's certificates (services.common.certs) when spec.tls
         self.redis_password = secrets.token_urlsafe(24) if spec.tls else ""
         self.kv_instance = "mesh" + secrets.token_hex(6)  # names the kvstore's segments (a restart reclaims them)
@@ -181,17 +163,18 @@ class Mesh:
         return port
 
     def _spawn(self, name: str, args: list, port: int, grpc_health: bool = True, identity: str = "",
-               host: HostSpec | None = None) -> Proc:
+               host: Host | None = None) -> Proc:
         log = self.log_dir / f"{name}.log"
         identity = identity if self.tls_dir else ""
         tls_health = bool(identity) and (identity != "gateway" or self.spec.public_tls)
         if host is not None:  # a worker placed on one of the hosts: its address, identity and place are the host's
-            env = {"MESHSERVE_HOST": host.address, ADVERTISE_ENV: host.address, TOPOLOGY_ENV: host.placement().topology}
+            env = {envs.HOST.name: host.address, envs.ADVERTISE_HOST.name: host.address,
+                   envs.TOPOLOGY.name: host.topology}
             if host.netns:  # another host: its own identity (this machine's keeps the kvstore's, for shared memory)
-                env["MESHSERVE_HOST_ID"] = host.name
+                env[envs.HOST_ID.name] = host.name
             prefix, address = (["ip", "netns", "exec", host.netns] if host.netns else []), host.address
         elif self.spec.control_address:
-            env, prefix = {"MESHSERVE_HOST": "0.0.0.0", ADVERTISE_ENV: self.spec.control_address}, []
+            env, prefix = {envs.HOST.name: "0.0.0.0", envs.ADVERTISE_HOST.name: self.spec.control_address}, []
             address = self.spec.control_address
         else:
             env, prefix, address = {}, [], "127.0.0.1"
@@ -203,14 +186,14 @@ class Mesh:
 
     def _popen(self, args: list, log: Path, mode: str, identity: str = "", own_env: dict | None = None,
                prefix: list | None = None) -> subprocess.Popen:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", CACHE_SECRET_ENV: self.cache_secret,
-               **self.spec.env, **(own_env or {})}
-        for var in (TLS_DIR_ENV, TLS_NAME_ENV, REDIS_URL_ENV):
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", envs.HF_HUB_OFFLINE.name: "1",
+               envs.CACHE_SECRET.name: self.cache_secret, **self.spec.env, **(own_env or {})}
+        for var in (envs.TLS_DIR.name, envs.TLS_NAME.name, envs.REDIS_URL.name):
             env.pop(var, None)
         if self.redis_url:  # the prefix index for the services that use one (readable by this user only, unlike argv)
-            env[REDIS_URL_ENV] = self.redis_url
+            env[envs.REDIS_URL.name] = self.redis_url
         if identity:
-            env.update({TLS_DIR_ENV: self.tls_dir, TLS_NAME_ENV: identity})
+            env.update({envs.TLS_DIR.name: self.tls_dir, envs.TLS_NAME.name: identity})
         guarded = [*(prefix or []), sys.executable, "-m", "services.common.die_with_parent", str(os.getpid()),
                    *map(str, args)]
         with open(log, mode) as out:  # no preexec_fn: unsafe with threads (services/common/die_with_parent.py)
@@ -246,7 +229,7 @@ class Mesh:
                 p.healthy_s, p.metrics_url = None, ""  # starting again: not ready, its start-up measured afresh
                 say(f"{p.name} started again (restart {p.restarts})")
 
-    def _service(self, name: str, module: str, *flags, port: int = 0, host: HostSpec | None = None) -> Proc:
+    def _service(self, name: str, module: str, *flags, port: int = 0, host: Host | None = None) -> Proc:
         port = port or self._free_port()
         # The metrics port is bound by the service itself (0) and read back from its log once it is
         # healthy: a port probed here could be taken meanwhile as a client connection's local port.
@@ -342,7 +325,7 @@ class Mesh:
         """The host for one more replica of `pool` (services.policy.placement: whole, beside its partner role,
         packed), among the groups the live workers hold."""
         placed = [p.group for p in self.procs if p.group is not None and not p.draining]
-        hosts = [h.placement() for h in self.spec.hosts]
+        hosts = self.spec.hosts
         got = place(hosts, placed, pool, role, cores, 1)
         if got.unplaced:
             free = free_cores(hosts, placed)

@@ -12,13 +12,14 @@ from pathlib import Path
 
 import grpc
 
-from services.common import rpc
-from services.common.config import ConfigError, MeshConfig, load_mesh_config
+from services.common import envs, rpc
 from services.common.convert import request_from_line
 from services.common.errors import MeshError
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.common.prefix_index import redacted
+from services.config.loader import ConfigError, load_mesh_config
+from services.config.sections import MeshConfig
 
 TINY_MODEL = Path("models/tiny")  # `--model tiny`, and the fallback when the default cannot be fetched
 MESH_KV_CACHE_GB = 0.25  # per worker, when the file does not say: three workers fit a small machine
@@ -63,7 +64,7 @@ def mesh_spec(cfg: MeshConfig, model: Path, args, chosen: dict | None = None):
     service also reads the config file itself; the flags here carry what `up` decides beyond it: the engine
     settings it chose for the machine (chosen: machine_defaults'; threads go by MeshSpec.threads), a default KV
     pool."""
-    from services.mesh.launcher import HostSpec, MeshSpec
+    from services.mesh.launcher import MeshSpec
 
     set_keys = cfg.engine.model_fields_set
     engine_args = [] if {"kv_cache_gb", "num_blocks"} & set_keys else ["--kv-cache-gb", str(default_kv_gb(model))]
@@ -81,7 +82,7 @@ def mesh_spec(cfg: MeshConfig, model: Path, args, chosen: dict | None = None):
                     kv_pool=cfg.kv.pool, kvstore_budget_gb=cfg.kv.budget_gb,
                     worker_pools={name: group.model_dump() for name, group in m.worker_pools.items()},
                     tensor_parallel_size=cfg.engine.tensor_parallel_size,
-                    hosts=[HostSpec(**h.model_dump()) for h in m.hosts], control_address=m.control_address)
+                    hosts=[h.host() for h in m.hosts], control_address=m.control_address)
 
 
 def default_kv_gb(model: Path) -> float:
@@ -163,15 +164,14 @@ def cmd_up(args) -> int:
     scaling = cfg.autoscaler
     autoscaler_port = 0
     if scaling.enabled:
-        from services.common.telemetry import METRICS_ENDPOINT_ENV
         from services.mesh.launcher import free_port
 
-        if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get(METRICS_ENDPOINT_ENV):
+        if envs.OTLP_ENDPOINT.get() or envs.OTLP_METRICS_ENDPOINT.get():
             print("the autoscaler needs the workers' metrics: OTLP already goes elsewhere, so have your collector "
                   "send metrics to the autoscaler's port too", flush=True)
         else:
             autoscaler_port = args.autoscaler_port or free_port()
-            spec.env.update({METRICS_ENDPOINT_ENV: f"http://127.0.0.1:{autoscaler_port}",
+            spec.env.update({envs.OTLP_METRICS_ENDPOINT.name: f"http://127.0.0.1:{autoscaler_port}",
                              "OTEL_METRIC_EXPORT_INTERVAL": str(scaling.export_interval_ms)})
     mesh = Mesh(spec)
     stop = threading.Event()
@@ -325,9 +325,9 @@ def add_parsers(sub) -> None:
     scale.add_argument("replicas", type=int)
     scale.add_argument("--supervisor", default=f"127.0.0.1:{DEFAULT_PORTS['supervisor']}",
                        help="the Supervisor address `meshserve up` printed")
-    scale.add_argument("--tls-dir", default=os.environ.get(rpc.TLS_DIR_ENV, ""),
+    scale.add_argument("--tls-dir", default=envs.TLS_DIR.get(default=""),
                        help="the mesh's certificates folder `meshserve up` printed (its Supervisor speaks mutual TLS; "
-                            f"env {rpc.TLS_DIR_ENV})")
+                            f"env {envs.TLS_DIR.name})")
     scale.set_defaults(func=cmd_scale)
     client = sub.add_parser("client", help="send JSONL requests through a running gateway")
     client.add_argument("--target", required=True, help="gateway HOST:PORT")

@@ -37,10 +37,21 @@ PARTNER = {"prefill": "decode", "decode": "prefill"}  # unified workers have non
 
 @dataclass(frozen=True)
 class Host:
+    """A host groups may be placed on: its cores and rack, whether KV moves between its workers through shared
+    memory, and, for the workers `meshserve up` starts on it (the mesh file's `mesh.hosts`), the address they bind
+    and advertise and the network namespace they run in ("" = this machine's own network: its workers keep this
+    machine's host identity, so the kvstore serves their KV through shared memory)."""
+
     name: str
     cores: int  # cores (or devices) its groups may use
     rack: str = ""
-    shm_kv: bool = True  # KV moves between workers on this host through shared memory
+    shm_kv: bool | None = None  # KV moves between workers on this host through shared memory (default: unless netns)
+    address: str = "127.0.0.1"
+    netns: str = ""
+
+    def __post_init__(self):
+        if self.shm_kv is None:  # the kvstore runs on this machine: only its own network's workers share memory
+            object.__setattr__(self, "shm_kv", not self.netns)
 
     @property
     def topology(self) -> str:

@@ -1,6 +1,6 @@
 """Tenants: who may call the mesh, with what share, under which limits. Pure: the clock is injected.
 
-From the mesh config file's `tenants` list (validated at start by services/common/config.py TenantSection; errors name
+From the mesh config file's `tenants` list (validated at start by services/config/sections.py TenantSection; errors name
 the tenant and key):
 
     tenants:
@@ -99,9 +99,6 @@ class Tenant:
 OPEN_TENANT = Tenant(DEFAULT_TENANT, admin=True)  # no tenants configured: one open tenant, one shared cache
 
 
-CACHE_SECRET_ENV = "MESHSERVE_CACHE_SECRET"  # the gateway's key for cache salts (`meshserve up` makes one per run)
-
-
 def wire_salt(secret: bytes, cache_salt: str) -> str:
     """The salt that travels with a request and keys its prefix-cache blocks: an HMAC of the tenant's isolation
     domain under the gateway's secret, so that knowing a tenant's name (its domain is "tenant:<name>") is not enough
@@ -111,10 +108,10 @@ def wire_salt(secret: bytes, cache_salt: str) -> str:
     return hmac.new(secret, cache_salt.encode(), hashlib.sha256).hexdigest()[:32]
 
 
-def cache_secret(environ) -> tuple[bytes, bool]:
-    """The cache-salt secret from the environment, or a fresh random one (then False: salts, hence the tenants'
-    prefix caches, do not outlive this process nor match another gateway's)."""
-    value = environ.get(CACHE_SECRET_ENV, "")
+def cache_secret(value: str | None) -> tuple[bytes, bool]:
+    """The cache-salt secret as configured (`MESHSERVE_CACHE_SECRET`; `meshserve up` makes one per run), or a fresh
+    random one (then False: salts, hence the tenants' prefix caches, do not outlive this process nor match another
+    gateway's)."""
     return (value.encode(), True) if value else (secrets.token_bytes(32), False)
 
 

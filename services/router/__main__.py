@@ -7,16 +7,16 @@ import asyncio
 import functools
 import gc
 import logging
-import os
 import time
 
 from grpc_health.v1 import health_pb2
 
-from services.common import rpc
-from services.common.config import RoutingSection, add_config_flag, add_section_flags, announce, config_from_args
+from services.common import envs, rpc
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.common.prefix_index import PrefixIndex, connect_lookup, redacted
 from services.common.telemetry import add_metrics_flag, setup_telemetry
+from services.config.flags import add_config_flag, add_section_flags, announce, config_from_args
+from services.config.sections import RoutingSection
 from services.policy.routing.adapter_placement import AdapterPlacement
 from services.policy.routing.policies import make_policy
 from services.router.registry import Registry
@@ -68,12 +68,12 @@ async def serve(args, routing: RoutingSection, mode: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m services.router", description=__doc__)
-    rpc.add_server_flags(ap, "ROUTER_PORT", grace_s=2.0, default_port=rpc.DEFAULT_PORTS["router"])
+    rpc.add_server_flags(ap, envs.ROUTER_PORT, grace_s=2.0, default_port=rpc.DEFAULT_PORTS["router"])
     add_config_flag(ap)
     add_section_flags(ap, "routing")
-    ap.add_argument("--mode", default=os.environ.get("ROUTER_MODE"), choices=["disaggregated", "unified"],
+    ap.add_argument("--mode", default=envs.ROUTER_MODE.get(), choices=["disaggregated", "unified"],
                     help="the mesh's mode (config mesh.mode; env ROUTER_MODE)")
-    ap.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
+    ap.add_argument("--redis-url", default=envs.REDIS_URL.get(),
                     help="the prefix index (env REDIS_URL); without it prefix-aware routes by load")
     add_metrics_flag(ap)
     args = ap.parse_args()

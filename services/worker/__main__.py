@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sys
 
-from services.common import rpc
-from services.common.config import add_config_flag, add_section_flags, announce, config_from_args
+from services.common import envs, rpc
 from services.common.errors import ModelLoadError
 from services.common.host import topology
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.common.telemetry import POOL_ATTRIBUTE, add_metrics_flag, setup_telemetry
+from services.config.flags import add_config_flag, add_section_flags, announce, config_from_args
 from services.engine.model_fetch import local_model
 from services.worker.metrics import WorkerMetrics
 from services.worker.runner import EngineRunner
@@ -92,26 +91,26 @@ def parser(role: str | None = None) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=f"python -m services.{role or 'worker'}", description=__doc__)
     if role is None:
         ap.add_argument("--role", required=True, choices=ROLES)
-    ap.add_argument("--model", default=os.environ.get("MESHSERVE_MODEL"),
+    ap.add_argument("--model", default=envs.MODEL.get(),
                     help="the model folder, or a fetched known model's name (config mesh.model; env MESHSERVE_MODEL)")
-    ap.add_argument("--router", default=os.environ.get("ROUTER_ADDR", f"127.0.0.1:{rpc.DEFAULT_PORTS['router']}"),
+    ap.add_argument("--router", default=envs.ROUTER_ADDR.get(default=f"127.0.0.1:{rpc.DEFAULT_PORTS['router']}"),
                     help="router address, or several separated by commas (heartbeats go to each)")
-    rpc.add_server_flags(ap, "WORKER_PORT", grace_s=10.0)
+    rpc.add_server_flags(ap, envs.WORKER_PORT, grace_s=10.0)
     ap.add_argument("--worker-id")
-    ap.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
+    ap.add_argument("--redis-url", default=envs.REDIS_URL.get(),
                     help="publish KV block events to the prefix index here (prefill and unified roles; env REDIS_URL)")
-    ap.add_argument("--kv-transport", choices=("auto", "grpc", "shm"), default=os.environ.get("KV_TRANSPORT"),
+    ap.add_argument("--kv-transport", choices=("auto", "grpc", "shm"), default=envs.KV_TRANSPORT.get(),
                     help="KV blocks to and from the kvstore: auto = shared memory on its host, else gRPC; grpc or shm "
                          "forces one (shm fails where the kvstore is on another host; config kv.transport; env "
                          "KV_TRANSPORT)")
     ap.add_argument("--kv-pool", action=argparse.BooleanOptionalAction,
-                    default=os.environ.get("KV_POOL", "").lower() in ("1", "true") or None,
+                    default=envs.KV_POOL.get() or None,
                     help="take a prompt's blocks from the kvstore's pool when it holds more of them than this engine "
                          "caches, and (unified role) push computed prompt blocks there (config kv.pool; env KV_POOL)")
-    ap.add_argument("--pool", default=os.environ.get("MESHSERVE_POOL", ""),
+    ap.add_argument("--pool", default=envs.POOL.get(),
                     help="the pool it belongs to, for the autoscaler (its metrics carry the resource attribute "
                          "meshserve.pool): a named group of workers such as one adapter group's; default: its role")
-    ap.add_argument("--startup-delay-s", type=float, default=float(os.environ.get("MESHSERVE_STARTUP_DELAY_S", "0")),
+    ap.add_argument("--startup-delay-s", type=float, default=envs.STARTUP_DELAY_S.get(),
                     help="wait this long after the model loads before serving: emulates a slow load (benchmarks of "
                          "the autoscaler; env MESHSERVE_STARTUP_DELAY_S)")
     add_config_flag(ap)

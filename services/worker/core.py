@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.common import envs
 from services.common.errors import MeshError, RankDied
 from services.worker.protocol import Abort, Add, EndImport, Stop, command, message
 
@@ -195,7 +196,7 @@ class StepLog:
 
     @classmethod
     def from_env(cls) -> StepLog | None:
-        folder = os.environ.get("MESHSERVE_STEP_LOG")
+        folder = envs.STEP_LOG.get()
         return cls(Path(folder) / f"steps-{os.getpid()}.jsonl") if folder else None
 
     def record(self, step) -> None:
@@ -238,7 +239,7 @@ class EngineCore:
         self.recent_steps: collections.deque = collections.deque(maxlen=RECENT_STEPS)  # wall seconds, floor included
         # Tests and benchmarks: every step takes at least this long (a sleep: the step times of a model far larger
         # than the one loaded, without its CPU; MESHSERVE_STEP_FLOOR_S)
-        self.step_floor_s = float(os.environ.get("MESHSERVE_STEP_FLOOR_S") or 0)
+        self.step_floor_s = envs.STEP_FLOOR_S.get()
         self.calls = calls(engine, self)  # what a Call may reach: protocol.ENGINE_CALLS and CORE_CALLS, bound
 
     def handle(self, msg: tuple) -> None:

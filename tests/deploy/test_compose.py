@@ -48,9 +48,9 @@ def test_every_variable_the_file_sets_is_one_the_code_reads():
         for var in service.get("environment", {}):
             # the autoscaler also passes on variables the file substitutes: its own Compose reads them
             assert read_by_code(var) or (name == "autoscaler" and "${" + var in text), f"{name}: nothing reads {var}"
-    from services.common.config import ENV_PREFIX
+    from services.common.envs import CONFIG_PREFIX
 
-    assert ENV_PREFIX == "MESHSERVE_"
+    assert CONFIG_PREFIX == "MESHSERVE_"
     example = [ln.split("=", 1)[0] for ln in (DEPLOY / ".env.example").read_text().splitlines()
                if ln and not ln.startswith("#")]
     text = (DEPLOY / "docker-compose.yml").read_text()
@@ -120,7 +120,7 @@ def test_the_collector_sends_where_the_services_listen():
 
 
 def test_the_mesh_file_validates_and_the_image_pins_torch_as_pyproject_does():
-    from services.common.config import load_mesh_config
+    from services.config.loader import load_mesh_config
 
     cfg = load_mesh_config(str(DEPLOY / "mesh.yaml"), env={})
     assert cfg.pool_role("decode") == "decode"

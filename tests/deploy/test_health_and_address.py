@@ -9,7 +9,7 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from services.common import rpc
+from services.common import envs, rpc
 
 
 def health_cmd(address: str) -> subprocess.CompletedProcess:
@@ -37,9 +37,9 @@ def test_health_exits_0_only_when_serving():
 
 
 def test_a_server_on_every_interface_advertises_its_hostname_or_the_given_name(monkeypatch):
-    monkeypatch.delenv(rpc.ADVERTISE_ENV, raising=False)
+    monkeypatch.delenv(envs.ADVERTISE_HOST.name, raising=False)
     assert rpc.advertised_host("127.0.0.1") == "127.0.0.1"
     assert rpc.advertised_host("0.0.0.0") == socket.gethostname()
-    monkeypatch.setenv(rpc.ADVERTISE_ENV, "decode-3.meshserve")
+    monkeypatch.setenv(envs.ADVERTISE_HOST.name, "decode-3.meshserve")
     assert rpc.advertised_host("::") == "decode-3.meshserve"
     assert rpc.advertised_host("10.0.0.5") == "10.0.0.5"  # a bound address is what it is

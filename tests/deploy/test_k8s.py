@@ -211,7 +211,7 @@ def test_the_gpu_overlay_places_decode_as_tensor_parallel_groups():
 def test_the_cpu_overlay_runs_decode_as_one_pod_per_tensor_parallel_group():
     """Each decode pod is a group of 2 ranks x 2 threads: it asks for exactly ranks x threads cores (the scheduler
     places the group whole on one node) and the engine section validates the sizes."""
-    from services.engine.config import EngineSection
+    from services.config.engine import EngineSection
 
     objects = built("cpu")
     c = pod_spec(named(objects, "Deployment")["decode"])["containers"][0]
@@ -225,7 +225,7 @@ def test_the_cpu_overlay_runs_decode_as_one_pod_per_tensor_parallel_group():
 def test_the_mesh_file_in_the_config_map_validates():
     import yaml
 
-    from services.common.config import MeshConfig
+    from services.config.sections import MeshConfig
 
     config = named(built("cpu"), "ConfigMap")["meshserve-config"]
     cfg = MeshConfig.model_validate(yaml.safe_load(config["data"]["mesh.yaml"]))

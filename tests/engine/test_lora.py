@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from services.common.errors import InvalidRequest, NotFound
-from services.engine.config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig
+from services.config.engine import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig
 from services.engine.engine import LLMEngine
 from services.engine.lora import LoRASlots
 from services.engine.lora_residency import AdapterResidency
@@ -229,7 +229,7 @@ class _Info:
 @given(st.lists(st.tuples(st.sampled_from(["claim", "release", "poll"]), st.integers(0, 5)), max_size=60),
        st.integers(1, 3), st.integers(1, 4))
 def test_eviction_never_removes_a_pinned_adapter(ops, slots, host):
-    from services.engine.config import ModelConfig
+    from services.config.engine import ModelConfig
 
     mc = ModelConfig(vocab_size=8, hidden_size=4, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=4,
                      intermediate_size=4, max_positions=16)

@@ -11,7 +11,7 @@ import pytest
 
 from services.common.errors import InvalidRequest, NotFound
 from services.common.sampling import Guided
-from services.engine.config import CacheConfig, EngineConfig, LoRAConfig, MockConfig
+from services.config.engine import CacheConfig, EngineConfig, LoRAConfig, MockConfig
 from services.engine.cost_model import PRESETS, CostModel
 from services.engine.mock import MockEngine
 from services.engine.request import SamplingParams
@@ -122,7 +122,7 @@ def test_an_unknown_profile_names_the_presets(tiny_model):
 
 
 def test_the_mock_engine_core_loads_no_torch(tiny_model):
-    code = ("import sys; from services.worker.core import make_engine; from services.engine.config import "
+    code = ("import sys; from services.worker.core import make_engine; from services.config.engine import "
             f"EngineConfig; make_engine(EngineConfig(model_dir={str(tiny_model)!r}, backend='mock'), 1); "
             "import services.worker.__main__; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

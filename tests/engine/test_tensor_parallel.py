@@ -15,7 +15,7 @@ import torch
 
 from services.common.errors import RankDied
 from services.common.request import RequestSpec
-from services.engine.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig
+from services.config.engine import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig
 from services.engine.engine import LLMEngine
 from services.engine.parallel import plan_shards, shard_weights
 from tests.support.lora import ADAPTERS, peft_greedy, save_peft_adapter

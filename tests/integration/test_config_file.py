@@ -12,7 +12,8 @@ import sys
 import pytest
 import yaml
 
-from services.common.config import MeshConfig, owned
+from services.config.flags import owned
+from services.config.sections import MeshConfig
 from services.mesh.launcher import free_port, signal_group
 from services.policy.tenants import new_key
 from tests.support.wait import wait_for

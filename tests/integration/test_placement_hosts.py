@@ -14,7 +14,8 @@ import pytest
 
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
-from services.mesh.launcher import HostSpec, Mesh, MeshSpec, client_channel
+from services.mesh.launcher import Mesh, MeshSpec, client_channel
+from services.policy.placement import Host
 from tests.integration.conftest import ENGINE
 from tests.integration.test_tensor_parallel_mesh import children
 from tests.support.reference import greedy, make_engine, random_prompts, run_all
@@ -58,9 +59,9 @@ def network():
 @pytest.fixture(scope="module")
 def mesh(tiny_model, network, tmp_path_factory):
     control, namespaces = network
-    hosts = [HostSpec("host-a", 3, address=namespaces[0][1], netns=namespaces[0][0], rack="r1"),
-             HostSpec("host-b", 4, address=namespaces[1][1], netns=namespaces[1][0], rack="r1"),
-             HostSpec("local", 1, rack="r1")]  # this machine's own network, beside the kvstore
+    hosts = [Host("host-a", 3, address=namespaces[0][1], netns=namespaces[0][0], rack="r1"),
+             Host("host-b", 4, address=namespaces[1][1], netns=namespaces[1][0], rack="r1"),
+             Host("local", 1, rack="r1")]  # this machine's own network, beside the kvstore
     spec = MeshSpec(str(tiny_model), mode="disaggregated", prefill=1, decode=2, engine_args=ENGINE, hosts=hosts,
                     control_address=control, worker_args={"prefill-0": ["--tensor-parallel-size", "2"]},
                     http_port=None)

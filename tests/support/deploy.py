@@ -3,7 +3,6 @@ exists and takes the flags it is given; the environment variables the code reads
 
 from __future__ import annotations
 
-import ast
 import os
 import re
 import subprocess
@@ -35,37 +34,24 @@ def command_problems(command: list) -> list[str]:
             if token.startswith("--") and not re.search(rf"(^|\s|\[){re.escape(token)}\b", text)]
 
 
-@cache
 def code_variables() -> frozenset:
-    """Environment variables the code reads: string constants in services/ used with os.environ, or held by a
-    constant whose name ends in _ENV."""
-    names = set()
-    for path in (ROOT / "services").rglob("*.py"):
-        tree = ast.parse(path.read_text())
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id.endswith("_ENV")
-                                                    for t in node.targets):
-                if isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
-                    names.add(node.value.value)
-            if isinstance(node, ast.Call) and ast.unparse(node.func) in ("os.environ.get", "os.getenv",
-                                                                         "os.environ.setdefault") and node.args:
-                if isinstance(node.args[0], ast.Constant):
-                    names.add(node.args[0].value)
-            if isinstance(node, ast.Subscript) and ast.unparse(node.value) == "os.environ":
-                if isinstance(node.slice, ast.Constant):
-                    names.add(node.slice.value)
-    return frozenset(names)
+    """Environment variables the code reads: the registry of services/common/envs.py (tests/unit/test_envs.py
+    checks that the code reads none outside it)."""
+    from services.common.envs import REGISTRY
+
+    return frozenset(REGISTRY)
 
 
 def read_by_code(name: str) -> bool:
     """The code reads it: a variable of code_variables(), one the OpenTelemetry SDK reads (OTEL_*), or a key of
     the config's environment layer (MESHSERVE_<SECTION>__<KEY>, with a real section and key)."""
-    from services.common.config import ENV_PREFIX, MeshConfig
+    from services.common.envs import CONFIG_PREFIX
+    from services.config.sections import MeshConfig
 
     if name in code_variables() or name.startswith("OTEL_"):
         return True
-    section, _, field = name.removeprefix(ENV_PREFIX).lower().partition("__")
-    model = MeshConfig.model_fields.get(section) if name.startswith(ENV_PREFIX) and field else None
+    section, _, field = name.removeprefix(CONFIG_PREFIX).lower().partition("__")
+    model = MeshConfig.model_fields.get(section) if name.startswith(CONFIG_PREFIX) and field else None
     return model is not None and field in model.annotation.model_fields
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from services.common.sampling import SamplingParams
-from services.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from services.config.engine import CacheConfig, EngineConfig, SchedulerConfig
 from services.engine.engine import LLMEngine
 
 TIE_GAP = 1e-5  # a greedy mismatch is tolerated only where the reference's top-2 logits are this close

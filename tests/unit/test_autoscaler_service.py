@@ -10,7 +10,7 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from services.autoscaler.server import Autoscaler
-from services.common.config import AutoscalerSection, PoolSection
+from services.config.sections import AutoscalerSection, PoolSection
 from services.mesh.actuators import ComposeActuator, PoolStatus
 from tests.unit.test_autoscaler_signals import step, worker
 
@@ -53,7 +53,7 @@ def test_a_round_scales_up_on_output_tokens_and_says_why():
 def test_an_adapter_groups_pool_scales_on_its_own_workers_traffic():
     """A named pool (the unified workers of one adapter group, mesh.worker_pools) is sized by its own workers'
     prompt tokens at the role's rates; the plain unified workers' traffic does not count for it."""
-    from services.common.config import load_mesh_config
+    from services.config.loader import load_mesh_config
 
     cfg = load_mesh_config(None, {"mesh": {"mode": "unified", "worker_pools": {"lora-a": {"role": "unified"}}},
                                   "autoscaler": {"interval_s": 1, "pools": {"lora-a": {

@@ -81,7 +81,7 @@ def test_sharded_checkpoint_gives_the_same_output(tiny_model, tmp_path):
 def test_bfloat16_loads_and_generates(tiny_model):
     loaded = load_model(tiny_model, dtype="bfloat16")
     assert loaded.weights["model.embed_tokens.weight"].dtype == torch.bfloat16
-    from services.engine.config import EngineConfig
+    from services.config.engine import EngineConfig
     from services.engine.engine import LLMEngine
     engine = LLMEngine(EngineConfig(str(tiny_model), dtype="bfloat16"))
     out = run_all(engine, random_prompts(3, vocab=4000), greedy(6))

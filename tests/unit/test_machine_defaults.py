@@ -3,7 +3,7 @@ products, one unified worker on fewer than 4 cores; and only where the config le
 
 import pytest
 
-from services.common.config import MeshConfig
+from services.config.sections import MeshConfig
 from services.mesh.up import machine_defaults
 from services.policy.machine import serving_defaults
 

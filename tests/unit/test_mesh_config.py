@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from services.common.config import ConfigError, load_mesh_config
+from services.config.loader import ConfigError, load_mesh_config
 
 
 def test_yaml_and_toml(tmp_path):
@@ -147,17 +147,18 @@ def test_up_places_workers_on_the_hosts_of_the_mesh_file(tmp_path):
     threads; duplicate host names are refused naming the key."""
     from argparse import Namespace
 
-    from services.mesh.launcher import HostSpec, flag_value
+    from services.mesh.launcher import flag_value
     from services.mesh.up import mesh_spec
+    from services.policy.placement import Host
 
     args = Namespace(port=0, http_port=0, router_port=0, kvstore_port=0, config=None, served_model_name=None)
     cfg = load_mesh_config(None, {"engine": {"tensor_parallel_size": 2, "threads": 2}, "mesh": {
         "control_address": "10.0.0.1", "hosts": [{"name": "a", "cores": 8, "address": "10.0.0.2", "netns": "nsa"},
                                                  {"name": "b", "cores": 4, "rack": "r2"}]}}, env={})
     spec = mesh_spec(cfg, tmp_path, args)
-    assert spec.hosts == [HostSpec("a", 8, "10.0.0.2", "nsa"), HostSpec("b", 4, rack="r2")]
+    assert spec.hosts == [Host("a", 8, address="10.0.0.2", netns="nsa"), Host("b", 4, rack="r2")]
     assert (spec.control_address, spec.tensor_parallel_size, spec.threads) == ("10.0.0.1", 2, 2)
-    assert spec.hosts[1].placement().topology == "r2/b/"
+    assert spec.hosts[1].topology == "r2/b/"
     assert flag_value(["--x", "1", "--tensor-parallel-size", "3"], "--tensor-parallel-size", 1) == 3
     assert flag_value(["--tensor-parallel-size=4"], "--tensor-parallel-size", 1) == 4
     with pytest.raises(ConfigError, match="host names must be unique"):

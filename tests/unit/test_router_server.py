@@ -9,6 +9,7 @@ import pytest
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
+from services.common import envs
 from services.common.block_hash import extra_keys, hash_blocks
 from services.common.pb import meshserve_pb2 as pb
 from services.common.prefix_index import IndexPublisher, PrefixIndex, connect, connect_lookup
@@ -270,13 +271,13 @@ def test_equally_loaded_decode_workers_go_nearest_the_prefill_worker_first(polic
 def test_topology_paths_and_their_distance(monkeypatch):
     from services.common import host
 
-    monkeypatch.setenv(host.TOPOLOGY_ENV, "rack-1/node-7/numa0")
+    monkeypatch.setenv(envs.TOPOLOGY.name, "rack-1/node-7/numa0")
     assert host.topology() == "rack-1/node-7/numa0"
     for bad in ("node-7", "rack-1//numa0", "a/b/c/d"):
-        monkeypatch.setenv(host.TOPOLOGY_ENV, bad)
+        monkeypatch.setenv(envs.TOPOLOGY.name, bad)
         with pytest.raises(ValueError, match="MESHSERVE_TOPOLOGY"):
             host.topology()
-    monkeypatch.delenv(host.TOPOLOGY_ENV)
+    monkeypatch.delenv(envs.TOPOLOGY.name)
     assert host.topology() == f"/{host.host_id()}/"  # on one machine: every worker on the same node
     assert [host.distance("r/n/d", other) for other in ("r/n/d", "r/n/e", "r/m/d", "s/n/d", "", "junk", "a/b/c/d")] == [
         0, 1, 2, 3, 3, 3, 3]

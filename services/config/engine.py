@@ -2,7 +2,7 @@
 
 Values found at run time (the KV pool's size, the EOS ids) live in runtime objects, never
 written back here. EngineSection is the engine section of the mesh file and the engine flags of
-every command that runs an engine (services/common/config.py generates them from it).
+every command that runs an engine (services/config/flags.py generates them from it).
 """
 
 from __future__ import annotations

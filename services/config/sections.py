@@ -1,26 +1,8 @@
-"""The mesh config: one validated model per section of the mesh file, and one override mechanism.
-
-A mesh file (YAML or TOML) has the sections mesh, engine, routing, admission, kv and tenants; each is
-a pydantic model that forbids unknown keys, so a typo is an error, never a silent default. Every
-service reads the one file (`--config FILE`, env MESHSERVE_CONFIG) and takes only its section:
-workers the engine section, the router the routing section, the gateway tenants and admission.
-
-Values are layered, later wins: the section's defaults, the file, environment variables
-`MESHSERVE_<SECTION>__<KEY>` (e.g. MESHSERVE_ENGINE__MAX_NUM_SEQS=64), then the service's flags,
-which are generated from the same models (`--max-num-seqs 64`). Every error names the file (or
-the environment variable, or the flag), the section and the key:
-`mesh.yaml: engine.max_num_seqs: must be greater than 0 (got -1)`.
-"""
+"""The mesh file's sections: one pydantic model each, unknown keys forbidden; MeshConfig holds them all."""
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import re
-import types
-import typing
-from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import (
@@ -32,15 +14,12 @@ from pydantic import (
     NonNegativeInt,
     PositiveFloat,
     PositiveInt,
-    ValidationError,
     ValidationInfo,
     field_validator,
     model_validator,
 )
 
-from services.engine.config import ArbitrationPolicyName, EngineSection
-
-ENV_PREFIX = "MESHSERVE_"
+from services.config.engine import ArbitrationPolicyName, EngineSection
 
 
 class Section(BaseModel):
@@ -77,6 +56,12 @@ class HostSection(Section):
     address: str = Field("127.0.0.1", description="the address its workers bind and advertise")
     netns: str = Field("", description="run its workers in this network namespace (`ip netns exec`)")
     rack: str = Field("", description="the rack of its place (rack/host/)")
+
+    def host(self):
+        """The host as placement and the launcher take it (services.policy.placement.Host)."""
+        from services.policy.placement import Host
+
+        return Host(**self.model_dump())
 
 
 class MeshSection(Section):
@@ -449,201 +434,3 @@ class MeshConfig(Section):
 
     def tenant_objects(self) -> list:
         return [t.tenant() for t in self.tenants]
-
-
-class ConfigError(ValueError):
-    """A config value that does not validate; the message names its source, section and key."""
-
-
-# ---- loading ----------------------------------------------------------------------------------
-
-def read_file(path: str | None) -> dict:
-    """The raw mapping of a YAML or TOML mesh file ({} without a file)."""
-    if not path:
-        return {}
-    try:
-        text = Path(path).read_text()
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read ({e.strerror})") from None
-    try:
-        if path.endswith(".toml"):
-            import tomllib
-            raw = tomllib.loads(text)
-        else:
-            import yaml
-            raw = yaml.safe_load(text) or {}
-    except Exception as e:
-        raise ConfigError(f"{path}: cannot parse ({e})") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: the file must be a mapping of sections")
-    return raw
-
-
-def load_mesh_config(path: str | None, overrides: dict | None = None, env: dict | None = None) -> MeshConfig:
-    """The whole validated mesh config: file, then MESHSERVE_<SECTION>__<KEY> variables, then overrides
-    ({section: {key: value}}, e.g. from flags). Raises ConfigError naming file, section and key."""
-    raw = read_file(path)
-    layers = [(path or "defaults", raw), ("environment", env_overrides(env)), ("flags", overrides or {})]
-    merged: dict = {}
-    for _, layer in layers:
-        for section, values in layer.items():
-            if isinstance(values, dict) and isinstance(merged.get(section), dict):
-                merged[section] = {**merged[section], **values}
-            else:
-                merged[section] = values
-    try:
-        return MeshConfig.model_validate(merged)
-    except ValidationError as e:
-        raise ConfigError(describe(e, _source(e, layers))) from None
-
-
-def _source(e: ValidationError, layers: list) -> str:
-    """Which layer set the first failing value (the flags, the environment, or the file)."""
-    loc = e.errors()[0]["loc"][:2] if e.errors() else ()
-    for name, layer in reversed(layers):
-        node = layer
-        for part in loc:
-            if not isinstance(node, dict) or part not in node:
-                break
-            node = node[part]
-        else:
-            if loc:
-                return name
-    return layers[0][0]
-
-
-def describe(e: ValidationError, source: str) -> str:
-    lines = []
-    for err in e.errors():
-        where = ".".join(str(p) for p in err["loc"])
-        if err["type"] == "extra_forbidden":
-            section = _model_at(err["loc"][:-1])
-            known = ", ".join(section.model_fields) if section else ""
-            lines.append(f"{source}: {where}: unknown {'section' if len(err['loc']) == 1 else 'key'}"
-                         + (f" (known: {known})" if known else ""))
-        else:
-            msg = err["msg"].removeprefix("Value error, ")
-            if not where:  # a check across sections: the message names the keys
-                lines.append(f"{source}: {msg}")
-                continue
-            lines.append(f"{source}: {where}: {msg[:1].lower() + msg[1:]} (got {err.get('input')!r})")
-    return "\n".join(lines)
-
-
-def _model_at(loc: tuple):
-    """The section model at an error's location (through lists of sections: tenants.0), or None."""
-    model = MeshConfig
-    for part in loc:
-        if isinstance(part, int):
-            args = typing.get_args(model)
-            model = args[0] if args else None
-            continue
-        field = model.model_fields.get(part) if _is_model(model) else None
-        if field is None:
-            return None
-        model = field.annotation
-    return model if _is_model(model) else None
-
-
-def _is_model(t) -> bool:
-    return isinstance(t, type) and issubclass(t, BaseModel)
-
-
-def env_overrides(env: dict | None = None) -> dict:
-    """{section: {key: value}} from MESHSERVE_<SECTION>__<KEY> variables (values parsed as YAML scalars)."""
-    import yaml
-
-    out: dict = {}
-    for name, value in (os.environ if env is None else env).items():
-        if name.startswith(ENV_PREFIX) and "__" in name:
-            section, key = name[len(ENV_PREFIX):].lower().split("__", 1)
-            if section in MeshConfig.model_fields:
-                out.setdefault(section, {})[key] = yaml.safe_load(value) if value else value
-    return out
-
-
-# ---- flags generated from a section -------------------------------------------------------------
-
-def add_section_flags(ap: argparse.ArgumentParser, section: str, prefix: str = "") -> None:
-    """--{prefix}key flags for every key of a section (absent = not given); read back with flag_overrides()."""
-    model = MeshConfig.model_fields[section].annotation
-    g = ap.add_argument_group(f"{section} (the mesh file's {section} section)")
-    for name, field in model.model_fields.items():
-        flag, dest = "--" + prefix + name.replace("_", "-"), f"_{section}__{name}"
-        kind, choices = _flag_type(field.annotation)
-        env = f"{ENV_PREFIX}{section.upper()}__{name.upper()}"
-        help_text = (field.description or "") + f" (config {section}.{name}; env {env})"
-        if kind is bool:
-            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, dest=dest,
-                           help=help_text)
-        else:
-            g.add_argument(flag, type=kind, choices=choices, default=argparse.SUPPRESS, dest=dest, help=help_text)
-
-
-def flag_overrides(args: argparse.Namespace, *sections: str) -> dict:
-    """{section: {key: value}} for the flags given on the command line."""
-    out: dict = {}
-    for dest, value in vars(args).items():
-        section, _, key = dest.removeprefix("_").partition("__")
-        if dest.startswith("_") and key and section in sections:
-            out.setdefault(section, {})[key] = value
-    return out
-
-
-def _flag_type(annotation):
-    args = typing.get_args(annotation)
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        annotation = next(a for a in args if a is not type(None))
-        args = typing.get_args(annotation)
-    if typing.get_origin(annotation) is Literal:
-        return str, list(args)
-    if annotation in (int, float, str, bool):
-        return annotation, None
-    if typing.get_origin(annotation) is typing.Annotated:
-        return _flag_type(args[0])
-    return json.loads, None  # mappings and nested sections: JSON on the command line
-
-
-def add_config_flag(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--config", default=os.environ.get("MESHSERVE_CONFIG"),
-                    help="the mesh config file (YAML or TOML; env MESHSERVE_CONFIG); this service reads its sections")
-
-
-def config_from_args(ap: argparse.ArgumentParser, args: argparse.Namespace, *sections: str,
-                     own: dict | None = None) -> MeshConfig:
-    """The validated config of a service: --config file, environment, then its flags; errors exit via ap.error.
-    own: {"section.key": value, None when not given}: the service's own flags for keys of the config (--mode for
-    mesh.mode, ...), which override the file as the generated section flags do."""
-    overrides = flag_overrides(args, *sections)
-    for dotted, value in (own or {}).items():
-        if value is not None:
-            section, key = dotted.split(".", 1)
-            overrides.setdefault(section, {})[key] = value
-    try:
-        return load_mesh_config(args.config, overrides)
-    except ConfigError as e:
-        ap.error(str(e))
-
-
-def announce(service: str, cfg: MeshConfig, *names: str) -> dict:
-    """Print, as one line `<service> config: {json}`, the config a service runs with (owned()); returns it."""
-    out = owned(cfg, *names)
-    print(f"{service} config: {json.dumps(out, sort_keys=True)}", flush=True)
-    return out
-
-
-def owned(cfg: MeshConfig, *names: str) -> dict:
-    """The parts of cfg a service runs with: each name a section it owns ("kv") or one key it reads from another
-    ("mesh.mode"); tenants by name only."""
-    out: dict = {}
-    for name in names:
-        section, _, key = name.partition(".")
-        if section == "tenants":
-            out["tenants"] = [t.name for t in cfg.tenant_objects()]
-            continue
-        values = getattr(cfg, section).model_dump(mode="json")
-        if key:
-            out.setdefault(section, {})[key] = values[key]
-        else:
-            out[section] = values
-    return out
