@@ -28,9 +28,9 @@ from bench.sim_validate import METRICS, _run_real
 from services.engine.cost_model import cost_model
 from services.engine.hf_config import parse_config, read_json
 from services.mesh.launcher import Mesh, MeshSpec
-from sim.cli import simulate
 from sim.cluster import GATEWAY_POLL_S, ClusterSpec
 from sim.report import latency_summary
+from sim.run import simulate
 from sim.worker import WorkerSpec
 
 BOUNDS = {"p99": 0.10, "other": 0.05}

@@ -47,10 +47,10 @@ from bench.latency import poisson_arrivals
 from bench.online import drive
 from services.mesh.launcher import Mesh, MeshSpec
 from services.policy.tenants import hash_key
-from sim.cli import simulate
 from sim.cluster import AutoscaleSpec, ClusterSpec
 from sim.cost import CostModel, intervals
 from sim.report import latency_summary
+from sim.run import simulate
 from sim.trace import read_jsonl, write_jsonl
 from sim.worker import WorkerSpec
 

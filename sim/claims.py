@@ -9,7 +9,7 @@ beating to their router every 100 ms (routing.heartbeat_ms: 100; the default 1 s
 an H100's a request lives ~0.1-0.3 s: routing on a view five lifetimes old halves what least-outstanding gains, see
 docs/CLUSTER.md). A load
 is a fraction of the cluster's capacity for the claim's mix: one worker's requests/s for a burst of the mix
-(sim.scale.capacity), times the workers (and their mean speed). Small batches and short outputs are a choice of
+(sim.studies.capacity), times the workers (and their mean speed). Small batches and short outputs are a choice of
 scale, stated: what a claim needs is many request lifetimes per run (48 requests a worker: ~12 lifetimes at 4 slots),
 and what the mock mesh can carry on this machine is ~1,000 streamed tokens a second of real time, so every request
 is kept short and each worker's batch small. Claims:
@@ -103,9 +103,9 @@ class Claim:
         return replace(base, **over)
 
     def capacity(self, cost) -> float:
-        """One worker's requests/s for this mix (a burst, sim.scale.capacity), times the workers' mean speed; with
+        """One worker's requests/s for this mix (a burst, sim.studies.capacity), times the workers' mean speed; with
         LoRA adapters, the base model's (what reads and slot copies take is what the policies differ in)."""
-        from sim.scale import capacity
+        from sim.studies import capacity
 
         speed = sum(self.speeds) / len(self.speeds) if self.speeds else 1.0
         return capacity(cost, replace(self.mix, tenants=[], adapters=0), replace(self.worker, max_loras=0)) * speed
@@ -239,7 +239,7 @@ def _job(job: tuple) -> tuple:
 def _map(jobs: list, processes: int) -> list:
     if processes <= 1 or len(jobs) == 1:
         return [_job(j) for j in jobs]
-    from sim.parallel import pool
+    from sim.run import pool
 
     with pool(min(processes, len(jobs)), None, ()) as workers:
         return list(workers.map(_job, jobs))

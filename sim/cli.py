@@ -6,19 +6,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
-from sim.cluster import AutoscaleSpec, Cluster, ClusterSpec
+from sim.cluster import AutoscaleSpec, ClusterSpec
 from sim.cost import CostModel
+from sim.run import DEFAULT_COST, log, simulate
 from sim.trace import Synthetic, TenantSpec, read_jsonl, synthetic, write_jsonl
 from sim.worker import WorkerSpec
-
-DEFAULT_COST = "sim-cost.json"
-
-
-def log(msg: str) -> None:
-    print(f"[sim] {msg}", file=sys.stderr, flush=True)
 
 
 def _pair(text: str, cast=int) -> tuple:
@@ -140,25 +134,6 @@ def spec_of(args) -> ClusterSpec:
                        ttft_slo_ms=args.ttft_slo_ms, tpot_slo_ms=args.tpot_slo_ms, lora_placement=args.lora_placement)
 
 
-def simulate(spec: ClusterSpec, cost: CostModel, trace: list, progress: bool = False, processes: int = 1) -> dict:
-    """Run one simulation; the result JSON (sim/report.py). processes > 1: independent cells in parallel
-    (sim/parallel.py), when the spec allows it."""
-    from sim.parallel import run_cells, splittable
-    from sim.report import result_of
-
-    t0 = time.perf_counter()
-    if splittable(spec):
-        cluster = run_cells(spec, cost, trace, processes)
-    else:
-        cluster = Cluster(spec, cost)
-        cluster.run(trace)
-    wall = time.perf_counter() - t0
-    if progress:
-        log(f"{len(trace)} requests, {cluster.processed} events in {wall:.1f} s "
-            f"({cluster.processed / max(wall, 1e-9):,.0f} events/s)")
-    return result_of(cluster, wall)
-
-
 def cmd_run(args) -> int:
     from dataclasses import asdict
 
@@ -202,16 +177,16 @@ def cmd_trace(args) -> int:
 
 
 def cmd_study(args) -> int:
-    from sim import scale
+    from sim import studies
 
-    return scale.run(args)
+    return studies.run(args)
 
 
 def add_parser(sub, func) -> None:
     sim = sub.add_parser("sim", help="the cluster simulator: run, calibrate, trace, study, claims").add_subparsers(
         dest="sim_command", required=True)
     run = sim.add_parser("run", help="simulate a cluster on a trace (JSONL, or synthetic from the flags)")
-    run.add_argument("--trace", help="a JSONL trace (services/common/trace.py; `meshserve up --record-trace` "
+    run.add_argument("--trace", help="a JSONL trace (services/common/workload_trace.py; `meshserve up --record-trace` "
                                      "writes one)")
     run.add_argument("--out", help="write the result JSON here")
     run.add_argument("--plot", help="write a PNG of the result here")
@@ -222,9 +197,9 @@ def add_parser(sub, func) -> None:
     tr.add_argument("--out", required=True)
     add_trace_flags(tr)
     tr.set_defaults(func=func, sim_func=cmd_trace)
-    from sim import scale
+    from sim import studies
 
-    scale.add_parser(sim)
+    studies.add_parser(sim)
     sim.choices["study"].set_defaults(func=func, sim_func=cmd_study)
     from sim import claims
 

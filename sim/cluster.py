@@ -40,8 +40,8 @@ from services.policy.admission_core import AdmissionCore, MeshView
 from services.policy.admission_queue import reported
 from services.policy.routing.adapter_placement import AdapterPlacement
 from services.policy.routing.filters import Need
-from services.policy.routing.pick import Prompt, RolePicker
-from services.policy.routing.policies import make_policy as make_routing
+from services.policy.routing.pick import Prompt, RouteDecider
+from services.policy.routing.policies import make_routing_policy
 from services.policy.routing.recent import RecentRoutes
 from services.policy.routing.views import WorkerView
 from services.policy.tenants import Tenant
@@ -203,7 +203,7 @@ class Cluster:
         return w
 
     def _uses_index(self) -> bool:
-        return make_routing(self.spec.routing, self.spec.routing_config).uses_prefix
+        return make_routing_policy(self.spec.routing, self.spec.routing_config).uses_prefix
 
     def _assign_cells(self) -> None:
         """Deal the serving workers to routers; called whenever the serving set changes (added, draining,
@@ -392,7 +392,7 @@ class Cluster:
         picker = router["pickers"].get(role)
         if picker is None:
             seeded = {"seed": router["name"], **self.spec.routing_config}  # power-of-two draws: one stream a cell
-            picker = router["pickers"][role] = RolePicker(role, make_routing(self.spec.routing, seeded),
+            picker = router["pickers"][role] = RouteDecider(role, make_routing_policy(self.spec.routing, seeded),
                                                           router["recent"])
         adapter = sim.trace.adapter
         # Credits (services/policy/credit_ledger.py): a gateway sends a request only to a serving worker that

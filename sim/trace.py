@@ -1,4 +1,4 @@
-"""Simulated requests: synthetic traces, in the trace format (services/common/trace.py: one JSONL line each,
+"""Simulated requests: synthetic traces, in the trace format (services/common/workload_trace.py: one JSONL line each,
 also what `meshserve up --record-trace` writes from a running mesh).
 
 Synthetic traces (synthetic()): Poisson or Gamma arrivals (cv > 1 is burstier), optional bursts and a diurnal
@@ -13,7 +13,7 @@ import math
 import random
 from dataclasses import dataclass, field
 
-from services.common.trace import TraceRequest, line_of, read_jsonl, write_jsonl  # noqa: F401  (sim's names)
+from services.common.workload_trace import TraceRequest, line_of, read_jsonl, write_jsonl  # noqa: F401  (sim's names)
 
 
 @dataclass

@@ -29,7 +29,7 @@ from services.engine.lora_residency import AdapterResidency, EmptySlots
 from services.engine.request import Request, Status
 from services.engine.scheduler import Scheduler
 from services.engine.step_cost import StepCostFit
-from services.policy.arbitration import make_policy
+from services.policy.arbitration import make_arbitration_policy
 
 OUTPUT_TOKEN = 7  # the token every simulated step samples (content never matters, lengths do)
 MAX_LEAP = 512  # steps in one leap at most
@@ -113,9 +113,9 @@ class SimWorker:
         self.lora = AdapterResidency(spec.max_loras, spec.max_cpu_loras, EmptySlots(), cluster.adapter_info,
                                      lambda info: {}, clock=lambda: cluster.now,
                                      executor=SimReads(self)) if spec.max_loras else None
-        self.sched = Scheduler(self.kv, make_policy(spec.slot_policy), spec.max_num_seqs, spec.max_num_batched_tokens,
-                               clock=lambda: cluster.now, step_cost=self.fit, lora=self.lora,
-                               deadline_min_batch=spec.deadline_min_batch)
+        self.sched = Scheduler(self.kv, make_arbitration_policy(spec.slot_policy), spec.max_num_seqs,
+                               spec.max_num_batched_tokens, clock=lambda: cluster.now, step_cost=self.fit,
+                               lora=self.lora, deadline_min_batch=spec.deadline_min_batch)
         self.sims: dict[str, SimRequest] = {}  # req_id -> its SimRequest
         self.held: list[Request] = []  # request-level batching: waiting for the batch to drain
         self.imports: list = []  # (Request, SimRequest) whose KV arrived, waiting for blocks

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import xxhash
 
+from services.common.errors import MeshError
+
 SHM_DIR = Path("/dev/shm")
 PREFIX = "meshserve-kv-"
 HEADER = 4096  # page-aligned: slots start on a page
@@ -66,6 +68,12 @@ def reclaim(instance: str, shm_dir: Path = SHM_DIR) -> list[str]:
         except FileNotFoundError:
             pass
     return gone
+
+
+class StaleArena(MeshError):
+    """The arena a caller names is not the kvstore's current one (the kvstore restarted: another generation)."""
+
+    code = "FAILED_PRECONDITION"
 
 
 class Arena:

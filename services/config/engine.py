@@ -14,9 +14,9 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, NonNegativeIn
 
 
 def _arbitration_policy(name: str) -> str:
-    from services.policy.arbitration import make_policy
+    from services.policy.arbitration import make_arbitration_policy
 
-    make_policy(name)  # ValueError naming the known policies
+    make_arbitration_policy(name)  # ValueError naming the known policies
     return name
 
 

@@ -149,9 +149,9 @@ class RoutingSection(Section):
     @field_validator("weights")
     @classmethod
     def _known_scorers(cls, weights: dict) -> dict:
-        from services.policy.routing.policies import make_policy
+        from services.policy.routing.policies import make_routing_policy
 
-        make_policy("prefix-aware", {"weights": weights})  # ValueError names the unknown scorer
+        make_routing_policy("prefix-aware", {"weights": weights})  # ValueError names the unknown scorer
         return weights
 
 

@@ -94,7 +94,7 @@ class KVCache:
 
 
 class TensorBlocks:
-    """A KVCache's blocks as raw bytes, for KV transfer (services.engine.transfer): a block's bytes are its
+    """A KVCache's blocks as raw bytes, for KV transfer (services.engine.kv_transfer): a block's bytes are its
     [layers, 2 (K, V), block_size, kv_heads, head_dim] in the cache's dtype, row-major, no per-element encoding."""
 
     def __init__(self, cache: KVCache, dtype: torch.dtype):

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from services.common.errors import InvalidRequest, NotFound, OutOfRange
 from services.common.request import RequestSpec
 from services.common.tokenizer import cut_at_stop
-from services.engine.kv_transfer import KVExport
+from services.engine.kv_export import KVExport
 from services.engine.request import Request, SamplingParams, Status
 from services.engine.scheduler import SchedulerOutput
 from services.policy.bands import BANDS

@@ -4,7 +4,7 @@ add(spec) validates a RequestSpec (services/common/request.py) and queues it (ad
 same for offline callers, with the prompt as ids or text); step() runs one iteration (schedule ->
 forward -> sample -> update) and returns per-request deltas; abort() ends a request and frees its
 blocks at once. load() is a snapshot of what the engine holds. Two parts hang off it, each with its
-own surface: `transfer` (transfer.py: KV exports, staged imports, the mesh's KV pool, the prefix
+own surface: `transfer` (kv_transfer.py: KV exports, staged imports, the mesh's KV pool, the prefix
 index's events; add(spec, kv=...) imports a whole export) and `adapters` (lora_adapters.py: LoRA
 adapters registered from the config or at run time; a request names one in spec.adapter, and a step's
 batch may mix any of them with the base model).
@@ -32,6 +32,7 @@ from services.engine.kernels import lora as lora_kernel
 from services.engine.kernels import paged_attention, sampler
 from services.engine.kernels import summary as kernel_summary
 from services.engine.kv_manager import KVCacheManager
+from services.engine.kv_transfer import KVTransfer
 from services.engine.loader import load_model
 from services.engine.lora import LoRABatch, LoRASlots, engine_residency
 from services.engine.lora_adapters import LoRAAdapters, configured
@@ -41,8 +42,7 @@ from services.engine.quant import resolve as resolve_quantization
 from services.engine.sampler import Sampler
 from services.engine.scheduler import Scheduler, SchedulerOutput
 from services.engine.step_cost import StepCostFit
-from services.engine.transfer import KVTransfer
-from services.policy.arbitration import make_policy
+from services.policy.arbitration import make_arbitration_policy
 
 log = logging.getLogger("meshserve.engine")
 
@@ -88,8 +88,8 @@ class LLMEngine(EngineBase):
                                      slots) if lc.max_loras else None
         self._lora_kernel = None
         self.step_cost = StepCostFit()  # what its steps take: heartbeats report it, the scheduler caps batches by it
-        self.scheduler = Scheduler(self.kv, make_policy(sc.policy), sc.max_num_seqs, sc.max_num_batched_tokens,
-                                   clock=clock, lora=self.lora, step_cost=self.step_cost,
+        self.scheduler = Scheduler(self.kv, make_arbitration_policy(sc.policy), sc.max_num_seqs,
+                                   sc.max_num_batched_tokens, clock=clock, lora=self.lora, step_cost=self.step_cost,
                                    deadline_min_batch=sc.deadline_min_batch, before_admit=self._admit_pooled)
         kernel = paged_attention() if self.model.dtype in (torch.float32, torch.bfloat16) else None
         self.attention = TorchAttention(local.num_heads, local.num_kv_heads, mc.head_dim, cc.block_size,

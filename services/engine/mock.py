@@ -2,7 +2,7 @@
 
 Everything but the model is the real engine's: the Scheduler (slot arbitration, chunked prefill, preemption,
 deadline-aware batch caps), the KVCacheManager over a BlockPool (prefix caching, block events for the prefix
-index), the request book and finish rules (base.py), KV export and staged import (transfer.py), the online step
+index), the request book and finish rules (base.py), KV export and staged import (kv_transfer.py), the online step
 cost fit the router's estimates read. What replaces the model:
 
 - a step takes the time the step-time model gives it (services.engine.cost_model: a preset, stated as an
@@ -40,13 +40,13 @@ from services.engine.block_pool import BlockPool
 from services.engine.cost_model import cost_model
 from services.engine.hf_config import eos_ids, parse_config, read_json
 from services.engine.kv_manager import KVCacheManager
+from services.engine.kv_transfer import KVTransfer
 from services.engine.lora_adapters import LoRAAdapters, configured
 from services.engine.lora_residency import TARGETS, AdapterInfo, AdapterResidency, EmptySlots, read_adapter_config
 from services.engine.request import Request
 from services.engine.scheduler import Scheduler
 from services.engine.step_cost import StepCostFit
-from services.engine.transfer import KVTransfer
-from services.policy.arbitration import make_policy
+from services.policy.arbitration import make_arbitration_policy
 
 log = logging.getLogger("meshserve.engine")
 
@@ -136,8 +136,8 @@ class MockEngine(EngineBase):
                                      partial(inspect_config, max_rank=lc.max_lora_rank), self._read_adapter,
                                      in_use=self._adapter_in_use, clock=clock) if lc.max_loras else None
         self.step_cost = StepCostFit()
-        self.scheduler = Scheduler(self.kv, make_policy(sc.policy), sc.max_num_seqs, sc.max_num_batched_tokens,
-                                   clock=clock, lora=self.lora, step_cost=self.step_cost,
+        self.scheduler = Scheduler(self.kv, make_arbitration_policy(sc.policy), sc.max_num_seqs,
+                                   sc.max_num_batched_tokens, clock=clock, lora=self.lora, step_cost=self.step_cost,
                                    deadline_min_batch=sc.deadline_min_batch, before_admit=self._admit_pooled)
         self.init_book()
         self.transfer = KVTransfer(self.requests, self.scheduler, self.kv, PatternBlocks(block_bytes), config.dtype,

@@ -21,9 +21,10 @@ from services.common import envs
 from services.common.errors import ModelLoadError
 from services.config.engine import ModelConfig
 from services.engine.kernels import layer_ops
-from services.engine.parallel import LM_HEAD_SHARD
 from services.engine.quant import QuantizedWeight, concat, fusable
 from services.engine.rope import RotaryEmbedding, apply_rotary
+
+LM_HEAD_SHARD = "lm_head.shard"  # a rank's rows of the LM head (its slice of the vocabulary), in a sharded state dict
 
 
 @dataclass

@@ -50,6 +50,7 @@ from services.common.host import free_port
 from services.config.engine import EngineConfig, ModelConfig
 from services.engine.attention import SeqLayout
 from services.engine.lora import LoRABatch
+from services.engine.model import LM_HEAD_SHARD, LlamaModel
 
 log = logging.getLogger("meshserve.parallel")
 
@@ -137,8 +138,6 @@ def shard_weights(weights: dict, mc: ModelConfig, shard: Shard) -> dict:
     out[LM_HEAD_SHARD] = head[shard.vocab[0]:shard.vocab[1]].contiguous()
     return out
 
-
-LM_HEAD_SHARD = "lm_head.shard"  # a rank's rows of the LM head (its slice of the vocabulary), in a sharded state dict
 
 
 def shard_adapter(weights: dict, mc: ModelConfig, shard: Shard) -> dict:
@@ -482,7 +481,6 @@ class _Rank:
         from services.engine.kernels import paged_attention
         from services.engine.loader import load_model
         from services.engine.lora import LoRASlots
-        from services.engine.model import LlamaModel
 
         config = setup.config
         loaded = load_model(config.model_dir, config.dtype, "none")

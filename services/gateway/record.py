@@ -1,5 +1,5 @@
 """The gateway's trace recorder (`--record-trace FILE`): one JSONL line per request it answered, in the trace
-format (services/common/trace.py), so that `meshserve sim run --trace FILE` replays what the mesh was offered.
+format (services/common/workload_trace.py), so that `meshserve sim run --trace FILE` replays what the mesh was offered.
 
 A line holds the arrival time (seconds from the first recorded request), the prompt's length and its full
 blocks as shared segments (the prompt's chained block hashes at the workers' block size: requests with a common
@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 
 from services.common.block_hash import pack_tokens, prompt_hashes
-from services.common.trace import TraceRequest, line_of
+from services.common.workload_trace import TraceRequest, line_of
 
 
 class TraceRecorder:

@@ -10,7 +10,7 @@ import time
 from opentelemetry import metrics, trace
 
 from services.common import envs, rpc
-from services.common.arena import Arena
+from services.common.arena import Arena, StaleArena
 from services.common.errors import InvalidRequest, MeshError
 from services.common.host import host_id
 from services.common.pb import meshserve_pb2 as pb
@@ -35,10 +35,6 @@ def _transfer_id(tid: str) -> str:
     if not tid or len(tid) > 256:
         raise InvalidRequest("a transfer id must be 1 to 256 characters")
     return tid
-
-
-class StaleArena(MeshError):
-    code = "FAILED_PRECONDITION"
 
 
 class KVStoreMetrics:

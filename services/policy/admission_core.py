@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from services.common.errors import CapacityExhausted, MeshError
 from services.policy.admission_queue import AdmissionQueue, Pending, ServiceTimeModel, under_share
-from services.policy.arbitration import FairPolicy, make_policy
+from services.policy.arbitration import FairPolicy, make_arbitration_policy
 from services.policy.bands import STANDARD, band_name
 from services.policy.tenants import Tenant, TenantState
 
@@ -70,7 +70,7 @@ class AdmissionCore:
         self.clock = clock
         self.share_preemption = share_preemption  # the fair policies' bypass of a full mesh (_under_share)
         self.cost = ServiceTimeModel()
-        self.queue = AdmissionQueue(make_policy(policy_name, starvation_s), starvation_s=starvation_s,
+        self.queue = AdmissionQueue(make_arbitration_policy(policy_name, starvation_s), starvation_s=starvation_s,
                                     trust_predictions=self.cost.trusted, queue_bursts=queue_bursts)
         self.view = MeshView()
         self.pool = ""  # the role of the serving workers whose capacity the queue waits for (update_view())

@@ -405,7 +405,7 @@ class FairDeadlinePolicy(FairPolicy):
 POLICIES = {p.name: p for p in (FcfsPolicy, PriorityPolicy, DeadlinePolicy, FairPolicy, VtcPolicy, FairDeadlinePolicy)}
 
 
-def make_policy(name: str, starvation_s: float = DEFAULT_STARVATION_S) -> ArbitrationPolicy:
+def make_arbitration_policy(name: str, starvation_s: float = DEFAULT_STARVATION_S) -> ArbitrationPolicy:
     """A policy by its configured name; unknown names list the known ones."""
     if name not in POLICIES:
         raise ValueError(f"unknown arbitration policy {name!r}; known: {sorted(POLICIES)}")

@@ -18,7 +18,7 @@ from services.common.telemetry import add_metrics_flag, setup_telemetry
 from services.config.flags import add_config_flag, add_section_flags, announce, config_from_args
 from services.config.sections import RoutingSection
 from services.policy.routing.adapter_placement import AdapterPlacement
-from services.policy.routing.policies import make_policy
+from services.policy.routing.policies import make_routing_policy
 from services.router.registry import Registry
 from services.router.server import RouterServicer
 
@@ -49,7 +49,7 @@ async def serve(args, routing: RoutingSection, mode: str) -> None:
         "forgetting worker %s (%s): no heartbeat for %.1f s", w.worker_id, w.address, silent_s))
     index = PrefixIndex(connect_lookup(args.redis_url)) if args.redis_url else None
     server = rpc.Server(["Router"], args.port, args.host)
-    policy = functools.partial(make_policy, routing.policy, routing.model_dump(include={"weights", "guard"}))
+    policy = functools.partial(make_routing_policy, routing.policy, routing.model_dump(include={"weights", "guard"}))
     period = routing.lora_placement_period_s
     placement = AdapterPlacement(window_s=60 * period, reorder_s=10 * period) if routing.lora_placement else None
     servicer = RouterServicer(registry, policy, mode, routing.heartbeat_ms, index=index, placement=placement)

@@ -25,7 +25,7 @@ from services.common.errors import InvalidRequest
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.policy.routing.filters import Need
-from services.policy.routing.pick import Prompt, RolePicker
+from services.policy.routing.pick import Prompt, RouteDecider
 from services.policy.routing.recent import RecentRoutes
 from services.router.registry import Registry
 
@@ -64,7 +64,7 @@ class RouterServicer(pb_grpc.RouterServicer):
         self.placement, self.channels = placement, rpc.ChannelPool()
         self.prefetches: set = set()  # prefetch calls in flight (held here so that none is collected mid-call)
         self.recent = recent or RecentRoutes(registry.clock)
-        self.pickers = {role: RolePicker(role, policy_factory(), self.recent) for role in ("prefill", "decode",
+        self.pickers = {role: RouteDecider(role, policy_factory(), self.recent) for role in ("prefill", "decode",
                                                                                             "unified")}
         self.metrics = RouterMetrics(registry, meter)
 

@@ -14,8 +14,8 @@ from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.common.telemetry import POOL_ATTRIBUTE, add_metrics_flag, setup_telemetry
 from services.config.flags import add_config_flag, add_section_flags, announce, config_from_args
 from services.engine.model_fetch import local_model
+from services.worker.core_client import EngineCoreClient
 from services.worker.metrics import WorkerMetrics
-from services.worker.runner import EngineRunner
 from services.worker.server import WorkerServicer, heartbeat_loop, index_loop
 
 ROLES = ("prefill", "decode", "unified")
@@ -39,7 +39,7 @@ async def serve(args) -> int:
         died.append(why)
         server.stopping.set()  # deregister, let the failed calls end, exit non-zero
 
-    runner = EngineRunner(config, loop, WorkerMetrics(args.role, worker_id), threads=args.engine.threads or 1,
+    runner = EngineCoreClient(config, loop, WorkerMetrics(args.role, worker_id), threads=args.engine.threads or 1,
                           on_dead=on_dead, omp_wait_policy=args.engine.omp_wait_policy)
     try:
         await runner.ready()

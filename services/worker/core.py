@@ -124,7 +124,7 @@ def recent_longest(steps) -> float:
     return ranked[min(RECENT_SKIP, len(ranked) - 1)] if ranked else 0.0
 
 
-class KVExport:
+class ExportJob:
     """Per-step KV export of one request (ExportPlan): every newly full block goes out in one piece per step,
     written into its arena slot (shm) or as bytes, skipping those the pool already holds. A handoff ends once its
     first token is sampled: the rest (a partial last block too) and the metadata follow, and the request leaves
@@ -228,7 +228,7 @@ class EngineCore:
     def __init__(self, engine, send):
         self.engine, self.send = engine, send
         self.live: set = set()  # requests whose outputs the servicer wants
-        self.exports: dict[str, KVExport] = {}
+        self.exports: dict[str, ExportJob] = {}
         self.arenas: dict = {}  # generation -> MappedArena of the kvstore
         self.failed_imports: set = set()  # requests one of whose KV imports failed (until aborted)
         self.busy_s, self.tokens_out, self.aborted = 0.0, 0, 0
@@ -272,7 +272,7 @@ class EngineCore:
             self.engine.add(spec, pooled=(list(pooled.hashes), pooled.start, blocks) if blocks else None)
             self.live.add(spec.request_id)
             if plan is not None:
-                self.exports[spec.request_id] = KVExport(spec.request_id, plan, self._arena(plan.generation))
+                self.exports[spec.request_id] = ExportJob(spec.request_id, plan, self._arena(plan.generation))
             return len(blocks)
         if isinstance(msg, EndImport):
             if msg.req_id in self.failed_imports:  # its blocks are not all there: never let it run

@@ -17,20 +17,15 @@ import uuid
 
 import grpc
 
+from services.common.arena import StaleArena
 from services.common.block_hash import extra_keys, hash_blocks
-from services.common.errors import InvalidRequest, MeshError
+from services.common.errors import InvalidRequest
 from services.common.host import host_id
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.worker.core import ExportPlan, PooledPrefix
 
 log = logging.getLogger("meshserve.kvlink")
-
-
-class StaleArena(MeshError):
-    """The kvstore restarted (another arena generation): attach again."""
-
-    code = "FAILED_PRECONDITION"
 
 
 class KVLink:

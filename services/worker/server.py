@@ -1,4 +1,4 @@
-"""The worker servicer: roles prefill, decode and unified over one EngineRunner.
+"""The worker servicer: roles prefill, decode and unified over one EngineCoreClient.
 
 prefill: runs chunked prefill; after every step the request's newly full blocks are queued to
   the kvstore (a client-streaming Put), so transfer overlaps the next chunk's compute; once the
@@ -22,6 +22,7 @@ import logging
 import grpc
 
 from services.common import rpc
+from services.common.arena import StaleArena
 from services.common.convert import spec_from_work, top_logprobs_to_pb
 from services.common.errors import CapacityExhausted, InvalidRequest, MeshError, NotFound, Unavailable
 from services.common.host import host_id
@@ -29,9 +30,9 @@ from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.policy.credit_ledger import CreditLedger
 from services.worker.core import KVTransferFailed
-from services.worker.kvlink import KVLink, KVLinks, StaleArena
+from services.worker.core_client import EngineCoreClient
+from services.worker.kvlink import KVLink, KVLinks
 from services.worker.measure import DecodeRate
-from services.worker.runner import EngineRunner
 
 log = logging.getLogger("meshserve.worker")
 
@@ -98,7 +99,7 @@ def credited(handler):
 
 
 class WorkerServicer(pb_grpc.WorkerServicer):
-    def __init__(self, runner: EngineRunner, role: str, worker_id: str, kv_transport: str = "auto",
+    def __init__(self, runner: EngineCoreClient, role: str, worker_id: str, kv_transport: str = "auto",
                  kv_pool: bool = False, metrics=None):
         """kv_pool: take a prompt's blocks from the kvstore's pool when it holds more than this engine caches, and
         (unified) push computed prompt blocks there."""
@@ -447,7 +448,7 @@ async def _nothing() -> tuple[str, None]:
     return "", None
 
 
-async def heartbeat_loop(runner: EngineRunner, router: str, worker_id: str, address: str, role: str,
+async def heartbeat_loop(runner: EngineCoreClient, router: str, worker_id: str, address: str, role: str,
                          on_first=None, publisher=None, kv_pool: bool = False, topology: str = "") -> None:
     """Beat every interval the router asks for (1 s by default); retry quietly while it is away. A beat never waits
     for the engine (see current_load): on the real model a step under load takes seconds."""
@@ -484,7 +485,7 @@ async def heartbeat_loop(runner: EngineRunner, router: str, worker_id: str, addr
         await asyncio.sleep(interval)
 
 
-async def current_load(runner: EngineRunner, wait_s: float = 0.2):
+async def current_load(runner: EngineCoreClient, wait_s: float = 0.2):
     """The engine's load for a heartbeat: a fresh reading when the core answers within wait_s (it does between steps,
     and at once when idle), else the one that came with its latest step. The core runs commands only between steps,
     and a step of SmolLM2 at full batch takes 2-4 s on 2 cores: a beat that awaited a fresh reading went out every
@@ -502,7 +503,7 @@ def _ignore_result(fut: asyncio.Future) -> None:
         fut.exception()  # retrieved: a core that died meanwhile logs no "exception never retrieved"
 
 
-async def index_loop(runner: EngineRunner, publisher, period_s: float = 0.05, keepalive_s: float = 2.0) -> None:
+async def index_loop(runner: EngineCoreClient, publisher, period_s: float = 0.05, keepalive_s: float = 2.0) -> None:
     """Publish the block pool's stored/evicted events to the prefix index, batched every period_s."""
     async def snapshot():
         return await runner.call("cached_hashes")

@@ -8,9 +8,9 @@ import grpc
 
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
-from sim.cli import simulate
 from sim.cluster import ClusterSpec
 from sim.cost import CostModel, fit, intervals
+from sim.run import simulate
 from sim.trace import read_jsonl
 from sim.worker import WorkerSpec
 from tests.integration.conftest import start_mesh

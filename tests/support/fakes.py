@@ -7,7 +7,7 @@ from services.engine.block_pool import BlockPool
 from services.engine.kv_manager import KVCacheManager
 from services.engine.request import Request
 from services.engine.scheduler import Scheduler
-from services.policy.arbitration import make_policy
+from services.policy.arbitration import make_arbitration_policy
 
 
 class Clock:
@@ -27,7 +27,7 @@ def make_scheduler(*, num_blocks: int = 64, block_size: int = 16, max_num_seqs: 
                    policy: str = "fcfs", prefix_caching: bool = True, clock=None) -> Scheduler:
     """The engine's scheduler and KV manager over a block pool, without a model or KV tensors."""
     kv = KVCacheManager(BlockPool(num_blocks), block_size, prefix_caching)
-    return Scheduler(kv, make_policy(policy), max_num_seqs, budget, clock=clock or Clock())
+    return Scheduler(kv, make_arbitration_policy(policy), max_num_seqs, budget, clock=clock or Clock())
 
 
 def make_request(i: int, prompt_len: int = 20, max_tokens: int = 4, **kw) -> Request:

@@ -20,7 +20,7 @@ from services.policy.arbitration import (
     FcfsPolicy,
     PriorityPolicy,
     cost,
-    make_policy,
+    make_arbitration_policy,
     max_min_shares,
 )
 from services.policy.tenants import Tenant
@@ -168,7 +168,7 @@ def test_fair_deadline_precedence():
 
 def test_unknown_policy_lists_known():
     with pytest.raises(ValueError, match="fair-deadline"):
-        make_policy("lottery")
+        make_arbitration_policy("lottery")
 
 
 def pending(name, now, tenant="A", prompt=10, out=10, weight=1.0, **kw):
@@ -208,7 +208,7 @@ def test_a_deadline_request_is_judged_by_the_requests_ahead_of_it_in_the_policys
 def test_fcfs_does_not_drop_on_its_wait_but_does_what_cannot_finish_even_served_at_once():
     """FCFS orders by arrival, not by deadline, so the queue ahead never refuses a deadline request; but one whose
     own service time is longer than its time left would only be cut at its deadline, every token wasted."""
-    q = AdmissionQueue(make_policy("fcfs"))
+    q = AdmissionQueue(make_arbitration_policy("fcfs"))
     q.offer(pending("long", 0.0, predicted_s=10.0), 0.0)
     q.offer(pending("b", 0.0, deadline_s=5.0, predicted_s=2.0), 0.0)  # behind 10 s of work: late, but not refused
     with pytest.raises(DeadlineExceeded, match="even served at once"):
@@ -222,7 +222,7 @@ def test_a_deadline_request_cut_at_its_deadline_teaches_how_slow_it_ran():
     predicted, and were cut at their deadlines (fair: 56 of them), but only a request that ran to its max_tokens
     taught the predictions, so they never learned and the next ones were dispatched to be cut too. A cut request's
     progress by its deadline is its speed; with it, a request that cannot finish is refused at arrival."""
-    q = AdmissionQueue(make_policy("fcfs"))
+    q = AdmissionQueue(make_arbitration_policy("fcfs"))
     for i in range(6):  # each cut after 26 of its 51 tokens: half its decode in over three times all of it
         t = 20.0 * i
         q.offer(pending(f"cut-{i}", t, out=51, deadline_s=t + 11.0, predicted_s=4.0, predicted_first_s=1.0), t)
@@ -233,7 +233,7 @@ def test_a_deadline_request_cut_at_its_deadline_teaches_how_slow_it_ran():
 
 
 def test_until_predictions_are_trusted_only_a_passed_deadline_drops_a_request():
-    q = AdmissionQueue(make_policy("fcfs"), trust_predictions=False)
+    q = AdmissionQueue(make_arbitration_policy("fcfs"), trust_predictions=False)
     q.offer(pending("a", 0.0, deadline_s=5.0, predicted_s=10.0), 0.0)
     assert q.expired(4.9) == []
     assert [p.req_id for p in q.expired(5.0)] == ["a"]
@@ -271,7 +271,7 @@ def slow_drain(q, queued=40, every_s=2.0, until_s=20.0):
 
 def test_the_wait_is_predicted_from_how_fast_the_queue_drains_not_only_from_its_slots():
     """Issue 36's soak: with 100 slots the slot bound predicted sub-second waits while requests waited 65-108 s."""
-    q = AdmissionQueue(make_policy("fcfs"), starvation_s=30.0, slots=100)
+    q = AdmissionQueue(make_arbitration_policy("fcfs"), starvation_s=30.0, slots=100)
     now = slow_drain(q)
     assert q.drain.rate() == pytest.approx(0.5, rel=0.1)  # a request of 1 s every 2 s
     assert q.predicted_wait(now, q.queue) == pytest.approx(30 / 0.5, rel=0.1)  # 30 left: a minute, not 0.3 s
@@ -290,7 +290,7 @@ def test_a_fair_tenant_is_turned_away_by_the_measured_drain_too():
 
 
 def test_a_queue_that_empties_at_once_keeps_the_slot_bound():
-    q = AdmissionQueue(make_policy("fcfs"), starvation_s=30.0, slots=100)
+    q = AdmissionQueue(make_arbitration_policy("fcfs"), starvation_s=30.0, slots=100)
     for t in range(60):  # one arrival a second, each dispatched as it arrives: no backlog to measure
         q.offer(pending(f"a{t}", float(t), predicted_s=1.0), float(t))
         assert q.next(float(t)) is not None
@@ -440,7 +440,7 @@ def test_fair_turns_the_over_share_tenant_away_where_fcfs_turns_away_the_newcome
     with pytest.raises(CapacityExhausted, match="tenant 'A' is over its share"):
         q.offer(pending("a3", 0.0, tenant="A", predicted_s=2.0), 0.0)  # 6 s: over half the bound
     assert q.offer(pending("b0", 0.1, tenant="B", predicted_s=2.0), 0.1) == []  # B still gets in, nobody pushed
-    fcfs = AdmissionQueue(make_policy("fcfs"), starvation_s=10.0, slots=1)
+    fcfs = AdmissionQueue(make_arbitration_policy("fcfs"), starvation_s=10.0, slots=1)
     for i in range(6):
         fcfs.offer(pending(f"a{i}", 0.0, tenant="A", predicted_s=2.0), 0.0)
     with pytest.raises(CapacityExhausted, match="predicted queue wait"):  # FCFS: the newcomer is the one turned away

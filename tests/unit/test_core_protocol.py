@@ -58,16 +58,16 @@ def test_the_core_refuses_what_the_protocol_does_not_name_and_goes_on(msg, says)
 
 
 def test_the_servicer_side_refuses_an_unlisted_method_before_sending():
-    from services.worker.runner import EngineRunner
+    from services.worker.core_client import EngineCoreClient
 
     runner = SimpleNamespace(dead=None)  # call() checks before touching the pipe
     with pytest.raises(ValueError, match="does not serve 'step'"):
-        EngineRunner.call(runner, "step")
+        EngineCoreClient.call(runner, "step")
     assert protocol.ENGINE_CALLS.isdisjoint(protocol.CORE_CALLS)
     assert all(hasattr(EngineCore, m) for m in protocol.CORE_CALLS)
     from services.engine.engine import LLMEngine
+    from services.engine.kv_transfer import KVTransfer
     from services.engine.lora_adapters import LoRAAdapters
-    from services.engine.transfer import KVTransfer
 
     # what core.calls() binds the ENGINE_CALLS to exists on the engine's real parts (the fake mirrors them)
     assert all(hasattr(KVTransfer, m) or hasattr(LoRAAdapters, m) for m in vars(PARTS) if m != "load")

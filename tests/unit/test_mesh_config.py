@@ -175,7 +175,7 @@ def test_wire_salts_are_keyed_by_the_secret_not_the_tenant_name():
 
 
 def test_the_omp_wait_policies_as_libgomp_variables():
-    from services.worker.runner import set_omp_wait_policy
+    from services.worker.core_client import set_omp_wait_policy
 
     env = {}
     set_omp_wait_policy("spin", env)

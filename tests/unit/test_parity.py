@@ -19,7 +19,7 @@ from services.common.block_hash import extra_keys, hash_blocks, pack_tokens
 from services.common.errors import MeshError
 from services.common.pb import meshserve_pb2 as pb
 from services.gateway.admission import Admission
-from services.policy.routing.policies import make_policy
+from services.policy.routing.policies import make_routing_policy
 from services.policy.tenants import Tenant
 from services.router.registry import Registry
 from services.router.server import RouterServicer
@@ -120,7 +120,7 @@ def real_decisions(mode: str, policy: str, trace: list) -> list:
         role = f.pop("role", "unified")
         out, cap = f.pop("outstanding_tokens"), f.pop("capacity_tokens")
         registry.beat(wid, wid, role, out, cap, block_size=f.pop("block_size", BS), index_member=wid, **f)
-    router = RouterServicer(registry, functools.partial(make_policy, policy, {}), mode, 1000,
+    router = RouterServicer(registry, functools.partial(make_routing_policy, policy, {}), mode, 1000,
                             index=DictIndex(held_prefixes(trace)))
     decisions = []
     for t in trace:

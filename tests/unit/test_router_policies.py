@@ -3,7 +3,7 @@
 import pytest
 
 from services.common.errors import Unavailable
-from services.policy.routing.policies import LeastOutstanding, PowerOfTwo, RoundRobin, make_policy
+from services.policy.routing.policies import LeastOutstanding, PowerOfTwo, RoundRobin, make_routing_policy
 from services.router.registry import Registry
 from tests.support.fakes import Clock
 
@@ -49,13 +49,13 @@ def test_round_robin_cycles():
 
 def test_power_of_two_takes_the_less_loaded_of_its_two_draws_and_never_the_busiest():
     reg = registry_with([(900, 1000), (100, 1000), (500, 1000), (300, 1000)])
-    policy = make_policy("power-of-two", {"seed": 3})
+    policy = make_routing_policy("power-of-two", {"seed": 3})
     assert isinstance(policy, PowerOfTwo)
     picks = [policy.select(reg.live("decode"), 10)[0].worker_id for _ in range(1200)]
     assert "w0" not in picks  # the busiest loses whichever worker it is drawn with
     assert set(picks) == {"w1", "w2", "w3"}  # not always the least loaded: that is least-outstanding
     assert picks.count("w1") > picks.count("w3") > picks.count("w2")  # w1 wins every draw it is in (3 of 6 pairs)
-    again = make_policy("power-of-two", {"seed": 3})
+    again = make_routing_policy("power-of-two", {"seed": 3})
     assert [again.select(reg.live("decode"), 10)[0].worker_id for _ in range(1200)] == picks  # seeded: repeatable
     one = registry_with([(5, 10)])
     assert PowerOfTwo(0).select(one.live("decode"), 10)[0].worker_id == "w0"
@@ -75,7 +75,7 @@ def test_silent_worker_is_dropped_after_three_missed_beats():
 
 def test_unknown_policy():
     with pytest.raises(ValueError, match="least-outstanding"):
-        make_policy("random")
+        make_routing_policy("random")
 
 
 def test_filters_keep_the_decode_hop_to_the_prefill_block_size_and_name_the_filter():

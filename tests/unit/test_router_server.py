@@ -13,7 +13,7 @@ from services.common import envs
 from services.common.block_hash import extra_keys, hash_blocks
 from services.common.pb import meshserve_pb2 as pb
 from services.common.prefix_index import IndexPublisher, PrefixIndex, connect, connect_lookup
-from services.policy.routing.policies import make_policy
+from services.policy.routing.policies import make_routing_policy
 from services.router.registry import Registry
 from services.router.server import RouterServicer
 from tests.support.fakes import Clock
@@ -36,8 +36,8 @@ def make_router(redis_url, policy="prefix-aware", recent_ttl=None):
     clock = Clock()
     registry = Registry(clock)
     index = PrefixIndex(connect_lookup(redis_url))
-    servicer = RouterServicer(registry, functools.partial(make_policy, policy, {}), "unified", 1000, index=index,
-                              meter=MeterProvider(metric_readers=[reader]).get_meter("test"))
+    servicer = RouterServicer(registry, functools.partial(make_routing_policy, policy, {}), "unified", 1000,
+                              index=index, meter=MeterProvider(metric_readers=[reader]).get_meter("test"))
     if recent_ttl is not None:
         servicer.recent.ttl_s = recent_ttl
     return servicer, reader, clock
@@ -207,7 +207,7 @@ def test_lora_routes_by_placement_homes_and_prefetches_hot_adapters():
 
     clock = Clock()
     registry = Registry(clock)
-    servicer = RouterServicer(registry, functools.partial(make_policy, "lora-aware", {}), "unified", 1000,
+    servicer = RouterServicer(registry, functools.partial(make_routing_policy, "lora-aware", {}), "unified", 1000,
                               placement=AdapterPlacement(), meter=MeterProvider().get_meter("test"))
     sent = []
 
@@ -248,7 +248,7 @@ def test_equally_loaded_decode_workers_go_nearest_the_prefill_worker_first(polic
     """Disaggregated: among equally loaded decode workers the one in the prefill worker's domain, then its node,
     then the rest (whatever their ids); load still comes first."""
     registry = Registry(Clock())
-    servicer = RouterServicer(registry, functools.partial(make_policy, policy, {}), "disaggregated", 1000,
+    servicer = RouterServicer(registry, functools.partial(make_routing_policy, policy, {}), "disaggregated", 1000,
                               meter=MeterProvider().get_meter("test"))
     places = {"p0": ("prefill", "r0/n0/d0"), "a": ("decode", "r1/n5/d0"), "b": ("decode", "r0/n0/d1"),
               "c": ("decode", "r0/n0/d0")}

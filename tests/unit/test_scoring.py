@@ -2,7 +2,7 @@
 
 import pytest
 
-from services.policy.routing.policies import PrefixAware, make_policy
+from services.policy.routing.policies import PrefixAware, make_routing_policy
 from services.policy.routing.scoring import AdapterScorer, LoadGuard, LoadScorer, PrefixScorer, WeightedPicker
 from services.policy.routing.views import RouteContext, WorkerView, loads
 
@@ -92,7 +92,7 @@ def test_load_is_the_fuller_of_kv_and_slots(tokens, running, waiting, seqs, expe
 
 def test_in_flight_correction_counts_requests_against_slots():
     ws = [WorkerView(f"w{i}", "", "unified", capacity_tokens=10**6, max_num_seqs=4) for i in range(2)]
-    policy = make_policy("least-outstanding")
+    policy = make_routing_policy("least-outstanding")
     picks = []
     for _ in range(4):
         w, _ = policy.select(ws, 1)
@@ -116,9 +116,9 @@ def test_adapter_scorer_ranks_slot_over_host_over_free_slot_over_evicting():
 
 
 def test_lora_aware_keeps_an_adapter_where_it_is_resident_unless_a_replica_is_less_loaded():
-    from services.policy.routing.policies import make_policy
+    from services.policy.routing.policies import make_routing_policy
 
-    policy = make_policy("lora-aware")
+    policy = make_routing_policy("lora-aware")
     a = WorkerView("w0", "", "unified", capacity_tokens=1000, adapters=("sql",), known_adapters=("sql",))
     b = WorkerView("w1", "", "unified", capacity_tokens=1000, known_adapters=("sql",), lora_slots=1,
                    adapters=("x",), pinned_adapters=("x",))
@@ -134,7 +134,8 @@ def test_lora_aware_keeps_an_adapter_where_it_is_resident_unless_a_replica_is_le
 
 
 def test_policy_config_from_the_mesh_file():
-    policy = make_policy("prefix-aware", {"weights": {"prefix": 0.0, "load": 1.0}, "guard": {"abs": 0.5, "rel": 2}})
+    policy = make_routing_policy("prefix-aware",
+                                 {"weights": {"prefix": 0.0, "load": 1.0}, "guard": {"abs": 0.5, "rel": 2}})
     assert policy.picker.guard == LoadGuard(0.5, 2.0)
     pick, _ = policy.select(workers(0.3, 0.0), 10, RouteContext(8, {"w0": 8}))
     assert pick.worker_id == "w1"  # prefix weight 0: load decides
@@ -147,7 +148,7 @@ def test_policy_config_from_the_mesh_file():
 ])
 def test_bad_policy_config_is_refused(config, fragment):
     with pytest.raises(ValueError, match=fragment):
-        make_policy("prefix-aware", config)
+        make_routing_policy("prefix-aware", config)
 
 
 def test_an_adapters_homes_count_half_of_its_affinity_and_never_lower_a_worker_holding_it():

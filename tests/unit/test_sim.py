@@ -10,10 +10,10 @@ from services.cli import main
 from services.common.block_hash import hash_blocks
 from services.gateway.record import TraceRecorder
 from sim import worker as sim_worker
-from sim.cli import simulate
 from sim.cluster import AutoscaleSpec, Cluster, ClusterSpec
 from sim.cost import CostModel, fit, intervals
 from sim.report import result_of
+from sim.run import simulate
 from sim.trace import Synthetic, TenantSpec, TraceRequest, read_jsonl, synthetic, write_jsonl
 from sim.worker import WorkerSpec
 

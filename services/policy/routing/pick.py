@@ -66,7 +66,7 @@ def context(workers: list[WorkerView], prompt: Prompt, recent: RecentRoutes, ada
     return RouteContext(len(prompt.hashes), cached, adapter, pooled)
 
 
-class RolePicker:
+class RouteDecider:
     """The router's decision for one role: a policy (with its in-flight charges) and the recent routes it
     shares with the other roles."""
 

@@ -109,7 +109,7 @@ class LoRAAware(PrefixAware):
 POLICIES = {p.name: p for p in (RoundRobin, LeastOutstanding, PowerOfTwo, PrefixAware, LoRAAware)}
 
 
-def make_policy(name: str, config: dict | None = None):
+def make_routing_policy(name: str, config: dict | None = None):
     """A policy by name; config (from the mesh file's routing section) sets weights and guard thresholds."""
     if name not in POLICIES:
         raise ValueError(f"unknown routing policy {name!r}; known: {sorted(POLICIES)}")

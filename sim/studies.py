@@ -38,7 +38,7 @@ from pathlib import Path
 
 from sim.cluster import AutoscaleSpec, Cluster, ClusterSpec
 from sim.cost import CostModel
-from sim.parallel import pool, splittable
+from sim.run import pool, splittable
 from sim.trace import Synthetic, synthetic
 from sim.worker import WorkerSpec
 
@@ -78,7 +78,7 @@ def token_rates(cost: CostModel, mix: Synthetic, worker: WorkerSpec = WORKER, n:
 
 
 def _run(name: str, spec: ClusterSpec, cost: CostModel, trace: list, processes: int) -> dict:
-    from sim.cli import simulate
+    from sim.run import simulate
 
     t = time.perf_counter()
     r = simulate(spec, cost, trace, processes=processes)
@@ -107,7 +107,7 @@ def _child(job: tuple) -> tuple:
 
 def _run_all(jobs: list, cost: CostModel, trace: list, processes: int) -> dict:
     """Each (name, spec) on the trace. Systems whose cells are independent run one after the other, each with its
-    cells spread over the processes (sim/parallel.py: the same result as one process); the others run side by
+    cells spread over the processes (sim/run.py: the same result as one process); the others run side by
     side, as many at once as processes (each process is handed the trace once)."""
     if _ONLY:
         jobs = [(name, spec) for name, spec in jobs if name in _ONLY]
@@ -276,7 +276,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from sim.cli import DEFAULT_COST
+    from sim.run import DEFAULT_COST
 
     path = args.cost or (DEFAULT_COST if Path(DEFAULT_COST).exists() else None)
     cost = CostModel.load(path) if path else CostModel()

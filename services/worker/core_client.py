@@ -1,4 +1,4 @@
-"""EngineRunner: the servicer's side of the engine core process (services/worker/core.py).
+"""EngineCoreClient: the servicer's side of the engine core process (services/worker/core.py).
 
 It starts the core (multiprocessing spawn: a fresh interpreter, no inherited gRPC threads), sends it
 commands and routes what comes back on the asyncio loop: each request's outputs to its queue, KV
@@ -49,7 +49,7 @@ class _Cost:
     longest_step_s = 0.0  # its longest recent step (services.worker.core.recent_longest)
 
 
-class EngineRunner:
+class EngineCoreClient:
     def __init__(self, engine_config, loop: asyncio.AbstractEventLoop, metrics: WorkerMetrics | None = None,
                  threads: int | None = None, on_dead=None, omp_wait_policy: str = "spin"):
         self.config, self.loop, self.metrics, self.on_dead = engine_config, loop, metrics, on_dead
@@ -76,7 +76,7 @@ class EngineRunner:
         threading.Thread(target=self._read, name="core-reader", daemon=True).start()
         threading.Thread(target=self._write, name="core-writer", daemon=True).start()
 
-    async def ready(self) -> EngineRunner:
+    async def ready(self) -> EngineCoreClient:
         """Wait until the core has built its engine (ModelLoadError if it could not)."""
         await self._ready
         return self

@@ -15,11 +15,19 @@ from __future__ import annotations
 
 import math
 import multiprocessing
+import sys
+import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 
 from sim.cluster import Cluster, ClusterSpec
 from sim.cost import CostModel
+
+DEFAULT_COST = "sim-cost.json"  # the cost model `meshserve sim` reads unless given one
+
+
+def log(msg: str) -> None:
+    print(f"[sim] {msg}", file=sys.stderr, flush=True)
 
 
 def splittable(spec: ClusterSpec) -> bool:
@@ -85,3 +93,21 @@ def run_cells(spec: ClusterSpec, cost: CostModel, trace: list, processes: int) -
         with pool(processes) as workers:
             parts = list(workers.map(_run_cell, tasks))
     return Merged(spec, parts)
+
+
+def simulate(spec: ClusterSpec, cost: CostModel, trace: list, progress: bool = False, processes: int = 1) -> dict:
+    """Run one simulation; the result JSON (sim/report.py). processes > 1: independent cells in parallel
+    (run_cells), when the spec allows it."""
+    from sim.report import result_of
+
+    t0 = time.perf_counter()
+    if splittable(spec):
+        cluster = run_cells(spec, cost, trace, processes)
+    else:
+        cluster = Cluster(spec, cost)
+        cluster.run(trace)
+    wall = time.perf_counter() - t0
+    if progress:
+        log(f"{len(trace)} requests, {cluster.processed} events in {wall:.1f} s "
+            f"({cluster.processed / max(wall, 1e-9):,.0f} events/s)")
+    return result_of(cluster, wall)
