@@ -8,8 +8,6 @@
 """
 
 import os
-import shutil
-import subprocess
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -55,19 +53,8 @@ REGISTRY_FIXTURES = {"smollm2_gguf", "smollm2_dir"}
 
 
 def pytest_collection_modifyitems(config, items):
-    engine = None
     for item in items:
         if REGISTRY_FIXTURES & set(item.fixturenames):
             item.add_marker(pytest.mark.registry)
         if "integration" in item.path.parts:
             item.add_marker(pytest.mark.slow)
-        if item.get_closest_marker("container") is not None:
-            engine = _container_engine() if engine is None else engine
-            if not engine:
-                item.add_marker(pytest.mark.skip(reason="no container engine answers `docker info`"))
-
-
-def _container_engine() -> bool:
-    if shutil.which("docker") is None:
-        return False
-    return subprocess.run(["docker", "info"], capture_output=True, timeout=30).returncode == 0

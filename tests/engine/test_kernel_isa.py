@@ -91,7 +91,7 @@ DECODE_PATHS = {"amx": "vdpbf16ps", "avx512_bf16": "vdpbf16ps", "avx512": "AVX-5
 
 @pytest.mark.parametrize("isa", ISA_LEVELS)
 def test_every_level_of_the_attention_kernel_takes_its_own_path_and_matches_pytorch(isa):
-    from tests.engine.test_attention import SHAPES, check_kernel_against_pytorch, check_prompt_kernel
+    from tests.support.kernel_checks import SHAPES, check_kernel_against_pytorch, check_prompt_kernel
 
     kernel = built(paged_attention, isa)
     assert PROMPT_PATHS[isa] in kernel.prefill_path(True) and kernel.prefill_ready(True) == bool(PROMPT_PATHS[isa])
@@ -106,7 +106,7 @@ def test_every_level_of_the_attention_kernel_takes_its_own_path_and_matches_pyto
 
 @pytest.mark.parametrize("isa", ISA_LEVELS)
 def test_every_level_of_the_sampler_gives_the_fallbacks_tokens(isa):
-    from tests.engine.test_sampling import check_kernel_against_fallback
+    from tests.support.kernel_checks import check_kernel_against_fallback
 
     for scale in (0.5, 12.0):
         check_kernel_against_fallback(built(sampler, isa), scale)
@@ -135,7 +135,7 @@ def test_every_level_of_the_lora_kernel_adds_each_segments_delta(isa):
 @pytest.mark.parametrize("isa", ISA_LEVELS)
 def test_every_level_of_the_quantized_linear_computes_what_gguf_dequantizes(isa, monkeypatch):
     from services.engine.quant import KINDS, QuantizedWeight
-    from tests.engine.test_quantized import blocks_of, reference
+    from tests.support.kernel_checks import blocks_of, reference
 
     force_level(isa, monkeypatch)  # QuantizedWeight takes the kernel of the level MESHSERVE_ISA names
     rng = np.random.default_rng(7)
@@ -151,7 +151,7 @@ def test_every_level_of_the_quantized_linear_computes_what_gguf_dequantizes(isa,
 
 @pytest.mark.parametrize("isa", ISA_LEVELS)
 def test_every_level_of_the_shared_memory_all_reduce_equals_torch(isa, monkeypatch):
-    from tests.engine.test_tensor_parallel import check_collectives
+    from tests.support.kernel_checks import check_collectives
 
     force_level(isa, monkeypatch)  # the peer rank, a spawned process, inherits MESHSERVE_ISA
     assert allreduce().__name__.endswith(build_level(isa, VECTOR_LEVELS))

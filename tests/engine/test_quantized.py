@@ -13,19 +13,10 @@ from services.engine.gguf_import import import_gguf
 from services.engine.kernels import quant_linear
 from services.engine.quant import KINDS, QuantizedWeight
 from tests.support.gguf_files import write_gguf
+from tests.support.kernel_checks import blocks_of, reference
 from tests.support.reference import agreement, assert_matches, greedy, hf_greedy, make_engine, random_prompts, run_all
 
 pytestmark = pytest.mark.skipif(quant_linear() is None, reason="the quant_linear kernel did not build")
-
-
-def blocks_of(weights: np.ndarray, kind: str) -> np.ndarray:
-    """gguf's own quantization of weights [N, K]: uint8 rows of blocks."""
-    return gguf.quants.quantize(weights, gguf.GGMLQuantizationType[kind])
-
-
-def reference(blocks: np.ndarray, kind: str, k: int) -> torch.Tensor:
-    return torch.from_numpy(np.array(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[kind]),
-                                     dtype=np.float32).reshape(-1, k))
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))

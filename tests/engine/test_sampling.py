@@ -9,6 +9,7 @@ import torch
 from services.engine.kernels import sampler as sampler_kernel
 from services.engine.request import Request, SamplingParams
 from services.engine.sampler import Sampler, SamplingBatch, sample_torch
+from tests.support.kernel_checks import check_kernel_against_fallback
 from tests.support.reference import make_engine, random_prompts, run_all
 
 DRAWS = 200_000
@@ -115,25 +116,6 @@ def test_top_p_renormalises_over_what_is_kept(kernel):
 @pytest.mark.parametrize("scale", [0.5, 3.0, 12.0])
 def test_fallback_gives_the_kernels_tokens_for_the_same_seeds(kernel, scale):
     check_kernel_against_fallback(kernel, scale)
-
-
-def check_kernel_against_fallback(kernel, scale: float) -> None:
-    g = torch.Generator().manual_seed(int(scale * 10))
-    rows, vocab = 96, 5000
-    logits = torch.randn(rows, vocab, generator=g) * scale
-    cycle = lambda *vals: torch.tensor([vals[i % len(vals)] for i in range(rows)])  # noqa: E731
-    batch = SamplingBatch(
-        temperature=cycle(1.0, 0.7, 0.0, 1.0, 1.5, 1.0).float(), top_k=cycle(0, 0, 0, 40, 0, 1, 0, 4999),
-        top_p=cycle(1.0, 0.95, 1.0, 1.0, 0.8).float(),
-        log_min_p=cycle(-math.inf, -math.inf, math.log(0.05), -math.inf, -math.inf, -math.inf, -math.inf).float(),
-        seeds=torch.randint(0, 2**62, (rows,), generator=g), positions=torch.randint(0, 4096, (rows,), generator=g),
-        ban_offsets=torch.arange(rows + 1) * 2, ban_ids=logits.topk(2, dim=-1).indices.flatten(),
-        want_logprobs=cycle(True, False))
-    fast, fast_lp = kernel.sample(logits, *batch.tensors())
-    slow, slow_lp = sample_torch(logits, batch)
-    assert fast.tolist() == slow.tolist()
-    asked = batch.want_logprobs
-    assert torch.allclose(fast_lp[asked], slow_lp[asked], atol=1e-5) and fast_lp[~asked].isnan().all()
 
 
 def test_bfloat16_logits_sample_as_their_float32_widening(kernel):

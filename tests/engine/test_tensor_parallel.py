@@ -18,6 +18,7 @@ from services.common.request import RequestSpec
 from services.config.engine import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig
 from services.engine.engine import LLMEngine
 from services.engine.parallel import plan_shards, shard_weights
+from tests.support.kernel_checks import check_collectives
 from tests.support.lora import ADAPTERS, peft_greedy, save_peft_adapter
 from tests.support.reference import (
     assert_matches,
@@ -28,6 +29,8 @@ from tests.support.reference import (
     run_all,
     save_hf_model,
 )
+
+pytestmark = pytest.mark.slow  # starts tensor-parallel ranks as processes
 
 NEW_TOKENS = 12
 SMOLLM2 = ModelConfig(vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
@@ -70,48 +73,9 @@ def test_sharded_weights_add_up_to_the_whole_layer():
     assert torch.equal(torch.cat([p["lm_head.shard"] for p in parts]), weights["lm_head.weight"])
 
 
-def _collective_peer(path: str, nbytes: int, cap: int, data: list, out) -> None:
-    from services.engine.parallel import SharedMemory, ShmCollectives
-
-    coll = ShmCollectives(SharedMemory(nbytes, "test", path), 1, 2, cap, [3, 5])
-    results = [coll.all_reduce(x.clone()) for x in data]
-    coll.gather_logits(torch.full((4, 5), 7.0))
-    out.put([r.view(torch.int16 if r.dtype == torch.bfloat16 else torch.int32).tolist() for r in results])
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_shared_memory_collectives_equal_torch_on_every_rank(dtype):
     check_collectives(dtype)
-
-
-def check_collectives(dtype: torch.dtype) -> None:
-    """The all-reduce is one float32 sum per element, rounded once to the dtype (bfloat16: to nearest even), the
-    same bits on both ranks, for lengths off the vector width and tensors larger than the buffer (several rounds);
-    the gather lays each rank's columns side by side on rank 0."""
-    import multiprocessing
-
-    from services.engine.parallel import SharedMemory, ShmCollectives, allreduce_region_bytes
-
-    g = torch.Generator().manual_seed(0)
-    mine = [torch.randn(n, generator=g).to(dtype) * 100 for n in (1, 17, 1000, 5000)]
-    theirs = [torch.randn(n, generator=g).to(dtype) * 100 for n in (1, 17, 1000, 5000)]
-    cap = 4096
-    nbytes = allreduce_region_bytes(2, cap)
-    region = SharedMemory(nbytes, "test")
-    ctx = multiprocessing.get_context("spawn")
-    out = ctx.Queue()
-    peer = ctx.Process(target=_collective_peer, args=(region.path, nbytes, cap, theirs, out), daemon=True)
-    peer.start()
-    coll = ShmCollectives(region, 0, 2, cap, [3, 5])
-    got = [coll.all_reduce(x.clone()) for x in mine]
-    logits = coll.gather_logits(torch.full((4, 3), 1.0))
-    peer_got = out.get(timeout=60)
-    peer.join(10)
-    for a, b, r, pr in zip(mine, theirs, got, peer_got):
-        want = (a.float() + b.float()).to(dtype)
-        assert torch.equal(r, want)
-        assert r.view(torch.int16 if dtype == torch.bfloat16 else torch.int32).tolist() == pr
-    assert torch.equal(logits, torch.cat([torch.full((4, 3), 1.0), torch.full((4, 5), 7.0)], dim=1))
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,7 @@ import yaml
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.policy.tenants import hash_key
-from tests.integration.conftest import start_mesh, worker_stats
-from tests.integration.test_mesh import generate_request
+from tests.support.mesh import generate_request, start_mesh, worker_stats
 
 KEYS = {"heavy": "key-heavy", "light": "key-light"}
 SLOTS = 4

@@ -12,8 +12,7 @@ import pytest
 
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.mesh.launcher import Mesh, MeshSpec
-from tests.integration.conftest import ENGINE, worker_stats
-from tests.integration.test_mesh import assert_idle, generate_request
+from tests.support.mesh import ENGINE, assert_idle, generate_request, worker_stats
 
 ROLES = {"disaggregated": ["prefill", "decode"], "unified": ["unified"]}
 SLOTS = 8

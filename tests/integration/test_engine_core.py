@@ -14,7 +14,7 @@ import pytest
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.mesh.launcher import Mesh, MeshSpec
-from tests.integration.conftest import ENGINE
+from tests.support.mesh import ENGINE
 from tests.support.reference import random_prompts
 
 

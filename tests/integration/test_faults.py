@@ -17,7 +17,7 @@ import pytest
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.mesh.launcher import MeshSpec, client_channel, serving
-from tests.integration.conftest import ENGINE, supervised
+from tests.support.mesh import ENGINE, idle, supervised
 from tests.support.reference import random_prompts
 from tests.support.streams import greedy_streams
 from tests.support.wait import wait_for as wait
@@ -50,24 +50,6 @@ def reference(mesh, prompts):
     got = asyncio.run(run_streams(mesh.gateway, prompts))
     assert all(status is None for _, status in got), got
     return [tokens for tokens, _ in got]
-
-
-def stats(mesh, address: str, stub, request):
-    with client_channel(address, mesh.tls_dir) as ch:
-        return stub(ch).Stats(request, timeout=5)
-
-
-def idle(mesh) -> dict:
-    """What is still held: blocks and sequences per worker, transfers in the kvstore (empty when idle)."""
-    held = {}
-    for p in mesh.workers("prefill") + mesh.workers("decode"):
-        s = stats(mesh, p.address, pb_grpc.WorkerStub, pb.StatsRequest())
-        if s.blocks_used or s.running or s.waiting:
-            held[p.name] = (s.blocks_used, s.running, s.waiting)
-    transfers = stats(mesh, mesh.kvstore, pb_grpc.KVStoreStub, pb.StatsRequest()).transfers
-    if transfers:
-        held["kvstore transfers"] = transfers
-    return held
 
 
 def router_views(mesh) -> list:

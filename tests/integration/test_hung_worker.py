@@ -19,8 +19,7 @@ import pytest
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.mesh.launcher import MeshSpec
-from tests.integration.conftest import supervised
-from tests.integration.test_faults import idle
+from tests.support.mesh import idle, supervised
 from tests.support.procs import children
 from tests.support.reference import random_prompts
 from tests.support.streams import greedy_streams

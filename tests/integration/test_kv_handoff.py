@@ -11,8 +11,7 @@ import pytest
 
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.mesh.launcher import Mesh, MeshSpec
-from tests.integration.conftest import ENGINE
-from tests.integration.test_mesh import generate_request
+from tests.support.mesh import ENGINE, generate_request
 
 
 def start(tiny_model, tmp_path_factory, name: str, **fields) -> Mesh:

@@ -15,8 +15,7 @@ from services.common.arena import segments_of
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.policy.tenants import hash_key
-from tests.integration.conftest import kvstore_stats, start_mesh
-from tests.integration.test_mesh import generate_request, stream_all
+from tests.support.mesh import generate_request, kvstore_stats, start_mesh, stream_all
 from tests.support.reference import greedy, make_engine, random_prompts, run_all
 
 NEW = 16

@@ -18,8 +18,8 @@ import yaml
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.policy.tenants import hash_key
-from tests.integration.conftest import start_mesh, worker_stats
 from tests.support.lora import ADAPTERS, peft_greedy, save_peft_adapter
+from tests.support.mesh import start_mesh, worker_stats
 from tests.support.reference import random_prompts
 
 ADMIN, USER, NARROW = "key-admin", "key-user", "key-narrow"

@@ -10,10 +10,8 @@ import pytest
 
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
-from tests.integration.conftest import kvstore_stats, worker_stats
+from tests.support.mesh import NEW, assert_idle, generate_request, stream_all
 from tests.support.reference import assert_matches, greedy, hf_greedy, make_engine, random_prompts, run_all
-
-NEW = 16
 
 
 @pytest.fixture(scope="module")
@@ -26,39 +24,6 @@ def prompts():
 @pytest.fixture(scope="module")
 def expected(tiny_model, prompts):
     return hf_greedy(tiny_model, prompts, NEW), run_all(make_engine(tiny_model), prompts, greedy(NEW))
-
-
-def generate_request(ids, max_tokens=NEW, **sampling):
-    s = pb.Sampling(**{"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, **sampling})
-    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), sampling=s)
-
-
-async def stream_all(address, prompts):
-    async with grpc.aio.insecure_channel(address) as ch:
-        stub = pb_grpc.GenerationStub(ch)
-
-        async def one(ids):
-            tokens, reason = [], None
-            async for r in stub.Generate(generate_request(ids), timeout=120):
-                tokens += list(r.token_ids)
-                reason = r.finish_reason or reason
-            assert reason == "length"
-            return tokens
-
-        return await asyncio.gather(*(one(p) for p in prompts))
-
-
-def assert_idle(mesh, roles):
-    """Every worker holds zero used KV blocks and the kvstore holds no transfer (polled: releases are async)."""
-    deadline = time.monotonic() + 15
-    while True:
-        used = {p.name: worker_stats(p.address).blocks_used for r in roles for p in mesh.workers(r)}
-        transfers = kvstore_stats(mesh.kvstore).transfers
-        if not any(used.values()) and transfers == 0:
-            return
-        if time.monotonic() > deadline:
-            pytest.fail(f"not idle: used blocks {used}, kvstore transfers {transfers}")
-        time.sleep(0.1)
 
 
 @pytest.mark.parametrize("mode", ["disaggregated", "unified"])

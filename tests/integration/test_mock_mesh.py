@@ -10,8 +10,7 @@ import pytest
 
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.mesh.launcher import Mesh, MeshSpec
-from tests.integration.conftest import worker_stats
-from tests.integration.test_mesh import generate_request
+from tests.support.mesh import generate_request, worker_stats
 
 pytestmark = pytest.mark.slow
 PREFILL, DECODE = 4, 12

@@ -14,8 +14,7 @@ from services.common.certs import make_certs
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.mesh.launcher import Mesh, MeshSpec, client_channel
-from tests.integration.conftest import ENGINE
-from tests.integration.test_mesh import generate_request
+from tests.support.mesh import ENGINE, generate_request
 
 
 @pytest.fixture(scope="module")

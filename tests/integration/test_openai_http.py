@@ -22,7 +22,7 @@ from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.common.tokenizer import Tokenizer
 from services.gateway.chat import ChatTemplate
 from services.policy.tenants import hash_key
-from tests.integration.conftest import start_mesh, worker_stats
+from tests.support.mesh import start_mesh, worker_stats
 
 KEY, LIMITED = "key-main", "key-limited"
 PROMPT = "The quick brown fox jumps over the lazy dog"

@@ -16,8 +16,8 @@ from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.mesh.launcher import Mesh, MeshSpec, client_channel
 from services.policy.placement import Host
-from tests.integration.conftest import ENGINE
-from tests.integration.test_tensor_parallel_mesh import children
+from tests.support.mesh import ENGINE
+from tests.support.procs import children
 from tests.support.reference import greedy, make_engine, random_prompts, run_all
 from tests.support.streams import greedy_streams
 

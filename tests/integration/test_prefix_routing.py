@@ -16,8 +16,7 @@ from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.common.prefix_index import LIVE_PREFIX, LIVE_TTL_S, PrefixIndex, connect, connect_lookup
 from services.mesh.launcher import redis_command
-from tests.integration.conftest import start_mesh
-from tests.integration.test_mesh import generate_request
+from tests.support.mesh import generate_request, start_mesh
 from tests.support.wait import wait_for
 
 BS = 16  # the engine's default block size

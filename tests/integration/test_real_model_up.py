@@ -14,7 +14,7 @@ import pytest
 
 from services.engine.kernels import host_isa
 from services.policy.machine import serving_defaults
-from tests.integration.test_up import processes_in
+from tests.support.procs import processes_in
 
 NAME = "smollm2-135m-instruct"
 

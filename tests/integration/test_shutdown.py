@@ -8,7 +8,7 @@ import grpc
 
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
-from tests.integration.conftest import start_mesh
+from tests.support.mesh import start_mesh
 
 
 def test_sigterm_lets_in_flight_requests_finish(tiny_model, tmp_path_factory):
@@ -46,7 +46,7 @@ def test_a_mesh_that_fails_to_start_stops_what_it_started(tiny_model, tmp_path_f
     import pytest
 
     from services.mesh.launcher import Mesh, MeshSpec
-    from tests.integration.conftest import ENGINE
+    from tests.support.mesh import ENGINE
 
     mesh = Mesh(MeshSpec(str(tiny_model), mode="unified", engine_args=ENGINE, gateway_args=["--admission-policy", "x"]),
                 log_dir=str(tmp_path_factory.mktemp("failing")))

@@ -13,7 +13,7 @@ from sim.cost import CostModel, fit, intervals
 from sim.run import simulate
 from sim.trace import read_jsonl
 from sim.worker import WorkerSpec
-from tests.integration.conftest import start_mesh
+from tests.support.mesh import start_mesh
 
 
 async def _send(address, prompts, max_tokens):

@@ -14,7 +14,7 @@ import pytest
 
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
-from tests.integration.test_up import processes_in
+from tests.support.procs import processes_in
 
 READY = re.compile(r"meshserve is ready: gateway (\S+), HTTP \S+, router \S+, kvstore \S+, redis \S+")
 

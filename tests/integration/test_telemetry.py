@@ -15,7 +15,7 @@ import pytest
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.mesh.launcher import Mesh, MeshSpec, free_port
-from tests.integration.conftest import ENGINE
+from tests.support.mesh import ENGINE
 
 SERVICES = {"gateway", "router", "prefill", "kvstore", "decode"}
 

@@ -11,8 +11,7 @@ import yaml
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.policy.tenants import hash_key
-from tests.integration.conftest import start_mesh
-from tests.integration.test_mesh import generate_request
+from tests.support.mesh import generate_request, start_mesh
 
 KEYS = {"alice": "key-alice", "bob": "key-bob", "carol": "key-carol"}
 

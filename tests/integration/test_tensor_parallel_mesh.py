@@ -14,7 +14,7 @@ import pytest
 from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.mesh.launcher import MeshSpec, client_channel, serving
-from tests.integration.conftest import ENGINE, supervised
+from tests.support.mesh import ENGINE, supervised
 from tests.support.procs import children
 from tests.support.reference import greedy, make_engine, random_prompts, run_all
 from tests.support.streams import greedy_streams

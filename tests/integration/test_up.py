@@ -12,6 +12,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from tests.support.procs import processes_in
+
 
 def kv_segments() -> set:
     from services.common.arena import PREFIX, SHM_DIR
@@ -61,15 +63,3 @@ def test_up_serves_and_stops_cleanly(tmp_path):
     assert not processes_in(tmp_path), "processes of the mesh outlived it"
     assert kv_segments() <= before, "the kvstore's shared memory outlived the mesh"
 
-
-def processes_in(folder) -> list:
-    """PIDs whose working directory is folder (every service `up` starts inherits it)."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                if os.readlink(f"/proc/{entry}/cwd") == str(folder):
-                    out.append(int(entry))
-            except OSError:
-                pass
-    return out

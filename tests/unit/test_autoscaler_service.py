@@ -12,7 +12,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from services.autoscaler.server import Autoscaler
 from services.config.sections import AutoscalerSection, PoolSection
 from services.mesh.actuators import ComposeActuator, PoolStatus
-from tests.unit.test_autoscaler_signals import step, worker
+from tests.support.autoscaler import step, worker
 
 
 class FakeActuator:

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # runs the proto generator and every service's --help as processes
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
