@@ -15,7 +15,7 @@ ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS base
 # g++ (and Python's headers: Debian's python3 has none) builds the C++ kernels, at build time below for every ISA
-# level (services/engine/kernels.py), so that the image runs the widest code of whatever CPU it is pulled onto
+# level (services/engine/layers/kernels.py), so that the image runs the widest code of whatever CPU it is pulled onto
 # without compiling at start; the non-root user owns its home and the model volume
 RUN headers=$(python3 -c 'import os, sysconfig; print(os.path.exists(sysconfig.get_paths()["include"] + "/Python.h"))') \
     && apt-get update && apt-get install -y --no-install-recommends g++ $([ "$headers" = True ] || echo python3-dev) \
@@ -43,7 +43,7 @@ COPY sim /src/sim
 # the kernels are built from the installed package's sources (torch rebuilds when their path changes) as root, for
 # every level (amx, avx512_bf16, avx512, avx2, generic: 1-3 minutes); the user owns the cache, so that a changed
 # source can still be rebuilt there (the start-up log says so)
-RUN pip install /src && cd / && python -m services.engine.kernels --all-levels --strict \
+RUN pip install /src && cd / && python -m services.engine.layers.kernels --all-levels --strict \
     && chown -R meshserve /opt/meshserve/kernels
 
 FROM base AS runtime

@@ -24,7 +24,7 @@ def machine() -> dict:
         cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "")
     except OSError:
         pass
-    from services.engine.kernels import host_isa
+    from services.engine.layers.kernels import host_isa
 
     limits = {k: os.environ[k] for k in ("MESHSERVE_ISA", "ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
               if k in os.environ}
@@ -59,7 +59,7 @@ def random_requests(n: int, prompt_range: tuple, output_range: tuple, vocab: int
 
 def default_model(preset: str) -> Path:
     """The seeded preset model under ~/.cache/meshserve, written on first use."""
-    from services.engine.model_init import write_model
+    from services.engine.tools.model_init import write_model
 
     path = Path(os.environ.get("MESHSERVE_CACHE", Path.home() / ".cache" / "meshserve")) / "models" / preset
     if not (path / "model.safetensors").exists():

@@ -2,7 +2,7 @@
 moves separate runs by more than most kernel changes): median milliseconds per call over interleaved repeats, on
 random block tables, SmolLM2's heads (9 query, 3 KV, head size 64), block size 16, float32 and bfloat16 pools.
 
-    git show REV:services/engine/csrc/paged_attention.cpp > /tmp/old.cpp
+    git show REV:services/engine/layers/csrc/paged_attention.cpp > /tmp/old.cpp
     python -m bench.kernel_ab /tmp/old.cpp [SEQS CONTEXT ...]     (default: 64 400  64 100  16 800)
 
 Contexts are drawn uniformly from CONTEXT/2 to CONTEXT per sequence.
@@ -16,7 +16,7 @@ import tempfile
 import torch
 
 from bench.kernel_probe import seconds_per_call
-from services.engine.kernels import CSRC, ISA_CFLAGS, host_isa, paged_attention
+from services.engine.layers.kernels import CSRC, ISA_CFLAGS, host_isa, paged_attention
 
 
 def compare(old, new, seqs: int, context: int, dtype, heads=9, kv_heads=3, d=64, bs=16, repeats=5) -> str:

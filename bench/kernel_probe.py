@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from services.engine.kernels import host_isa, paged_attention
+from services.engine.layers.kernels import host_isa, paged_attention
 
 SHAPES = ((4, 2, 128, 340), (9, 3, 128, 340), (4, 2, 16, 2000))  # heads, KV heads, sequences, context
 

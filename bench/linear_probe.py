@@ -1,5 +1,5 @@
 """torch's own linear against oneDNN's with a packed weight, on SmolLM2's layer shapes, at several batch rows:
-milliseconds per call for F.linear and for the packed weight (as the engine packs it: services/engine/model.py),
+milliseconds per call for F.linear and for the packed weight (as the engine packs it: services/engine/models/llama.py),
 and the largest difference between them. A probe for choosing the engine's linear path, not a benchmark.
 
     python -m bench.linear_probe [--dtype float32|bfloat16] [ROWS ...]     (default rows: 1 16 64 256 1024)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.kernel_probe import seconds_per_call
-from services.engine.kernels import ISA_LEVELS, host_isa, paged_attention
+from services.engine.layers.kernels import ISA_LEVELS, host_isa, paged_attention
 
 STEPS = ((64, 32), (16, 128), (7, 272), (4, 512), (2, 1024), (1, 2048))  # prompts x tokens
 HEADS, KV_HEADS, D, BS = 9, 3, 64, 16

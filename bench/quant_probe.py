@@ -17,7 +17,7 @@ import torch
 def main() -> None:
     import gguf
 
-    from services.engine.quant import KINDS, QuantizedWeight
+    from services.engine.layers.quant import KINDS, QuantizedWeight
 
     path, rows = sys.argv[1], [int(a) for a in sys.argv[2:]] or [1, 4, 16, 64, 256, 1024]
     weights = []

@@ -33,7 +33,7 @@ def add_flags(p) -> None:
 
 
 def run(args) -> int:
-    from services.engine.kernels import sampler
+    from services.engine.layers.kernels import sampler
 
     threads = args.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -73,7 +73,7 @@ def run(args) -> int:
 
 
 def _batch(rows: int, temperature: float, top_k: int, top_p: float, min_p: float, seed: int):
-    from services.engine.sampler import SamplingBatch
+    from services.engine.layers.sampler import SamplingBatch
 
     full = lambda v, dt: torch.full((rows,), v, dtype=dt)  # noqa: E731
     return SamplingBatch(full(temperature, torch.float32), full(top_k, torch.int64), full(top_p, torch.float32),
@@ -84,7 +84,7 @@ def _batch(rows: int, temperature: float, top_k: int, top_p: float, min_p: float
 
 
 def _fallback(logits, batch):
-    from services.engine.sampler import sample_torch
+    from services.engine.layers.sampler import sample_torch
 
     return sample_torch(logits, batch)
 

@@ -342,7 +342,7 @@ class Check:
         path for that level), its start-up lines name the level, and no kernel is built (the image carries every
         level's objects)."""
         sys.path.insert(0, str(ROOT))
-        from services.engine.kernels import cpu_flags, supported_isas
+        from services.engine.layers.kernels import cpu_flags, supported_isas
 
         image = self.env.get("MESHSERVE_IMAGE", "meshserve:latest")
         volume = self.env.get("MESHSERVE_MODELS") or f"{self.project}_models"

@@ -10,6 +10,6 @@ fi
 .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
 .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
 .venv/bin/python -m pip install -q --disable-pip-version-check -e ".${extras:+[$extras]}"
-# The C++ kernels, built now for this CPU, so that no start compiles (services/engine/kernels.py).
-.venv/bin/python -m services.engine.kernels
+# The C++ kernels, built now for this CPU, so that no start compiles (services/engine/layers/kernels.py).
+.venv/bin/python -m services.engine.layers.kernels
 echo "meshserve installed in .venv"

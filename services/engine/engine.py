@@ -24,22 +24,22 @@ from services.common.errors import RankDied
 from services.common.tokenizer import Tokenizer
 from services.config.engine import EngineConfig
 from services.engine.allocator import keep_large_buffers
-from services.engine.attention import KVCache, SeqLayout, ShardedKVCache, TensorBlocks, TorchAttention
 from services.engine.base import EngineBase, EngineLoad, RequestOutput, RuntimeInfo, StepStats  # noqa: F401 (API)
 from services.engine.block_pool import BlockPool
-from services.engine.guided import Grammars
-from services.engine.kernels import lora as lora_kernel
-from services.engine.kernels import paged_attention, sampler
-from services.engine.kernels import summary as kernel_summary
 from services.engine.kv_manager import KVCacheManager
 from services.engine.kv_transfer import KVTransfer
+from services.engine.layers.attention import KVCache, SeqLayout, ShardedKVCache, TensorBlocks, TorchAttention
+from services.engine.layers.guided import Grammars
+from services.engine.layers.kernels import lora as lora_kernel
+from services.engine.layers.kernels import paged_attention, sampler
+from services.engine.layers.kernels import summary as kernel_summary
+from services.engine.layers.quant import resolve as resolve_quantization
+from services.engine.layers.sampler import Sampler
 from services.engine.loader import load_model
 from services.engine.lora import LoRABatch, LoRASlots, engine_residency
 from services.engine.lora_adapters import LoRAAdapters, configured
-from services.engine.model import LlamaModel
+from services.engine.models.llama import LlamaModel
 from services.engine.parallel import TensorParallelGroup, local_config, shard_adapter, shard_weights
-from services.engine.quant import resolve as resolve_quantization
-from services.engine.sampler import Sampler
 from services.engine.scheduler import Scheduler, SchedulerOutput
 from services.engine.step_cost import StepCostFit
 from services.policy.arbitration import make_arbitration_policy

@@ -2,7 +2,7 @@
 
 Supported: model_type llama, mistral (no sliding window shorter than the context) and qwen2;
 float32 and bfloat16, and GGUF's quantized blocks where import-gguf kept them (quantization "gguf":
-services.engine.quant). Anything else is a ModelLoadError naming the file and the field.
+services.engine.layers.quant). Anything else is a ModelLoadError naming the file and the field.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def load_model(model_dir: str | Path, dtype: str = "float32", quantization: str 
     config = parse_config(raw, path)
     quantized = {}
     if quantization == "gguf":
-        from services.engine.quant import load_quantized
+        from services.engine.layers.quant import load_quantized
 
         if dtype != "float32":
             raise ModelLoadError(f"quantized weights compute in float32, not {dtype}")

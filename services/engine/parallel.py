@@ -48,9 +48,9 @@ import torch
 from services.common.errors import ModelLoadError, RankDied
 from services.common.host import free_port
 from services.config.engine import EngineConfig, ModelConfig
-from services.engine.attention import SeqLayout
+from services.engine.layers.attention import SeqLayout
 from services.engine.lora import LoRABatch
-from services.engine.model import LM_HEAD_SHARD, LlamaModel
+from services.engine.models.llama import LM_HEAD_SHARD, LlamaModel
 
 log = logging.getLogger("meshserve.parallel")
 
@@ -200,7 +200,7 @@ def kv_views(memory: SharedMemory, mc: ModelConfig, shards: list[Shard], num_blo
 
 @cache
 def allreduce_kernel():
-    from services.engine.kernels import allreduce
+    from services.engine.layers.kernels import allreduce
 
     return allreduce()
 
@@ -476,9 +476,9 @@ class _Rank:
     """One non-zero rank: its shard of the model, its KV heads (views of the shared pool) and its LoRA slots."""
 
     def __init__(self, setup: RankSetup):
-        from services.engine.attention import KVCache, TorchAttention
-        from services.engine.kernels import lora as lora_kernel
-        from services.engine.kernels import paged_attention
+        from services.engine.layers.attention import KVCache, TorchAttention
+        from services.engine.layers.kernels import lora as lora_kernel
+        from services.engine.layers.kernels import paged_attention
         from services.engine.loader import load_model
         from services.engine.lora import LoRASlots
 

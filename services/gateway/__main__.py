@@ -137,7 +137,7 @@ def main() -> None:
         ap.error("no model: give --model, MESHSERVE_MODEL or mesh.model in the config file")
     args.model, args.mode = config.mesh.model, config.mesh.mode
     if not Path(args.model).is_dir():  # a known model's name: its folder in the cache (engine code, loaded lazily)
-        from services.engine.model_fetch import local_model
+        from services.engine.tools.model_fetch import local_model
         try:
             args.model = local_model(args.model)
         except ModelLoadError as e:

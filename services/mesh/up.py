@@ -102,8 +102,8 @@ def default_kv_gb(model: Path) -> float:
 def resolve_model(name: str | None) -> Path:
     """The folder to serve: a folder as given; `tiny` (written if absent); a known model name, fetched
     and cached. With no name, the default real model; if it cannot be fetched, the tiny one, said loudly."""
-    from services.engine.model_fetch import DEFAULT_MODEL, KNOWN_MODELS, fetch
-    from services.engine.model_init import write_model
+    from services.engine.tools.model_fetch import DEFAULT_MODEL, KNOWN_MODELS, fetch
+    from services.engine.tools.model_init import write_model
 
     if name == "tiny":
         if not (TINY_MODEL / "config.json").exists():
@@ -148,7 +148,7 @@ def cmd_up(args) -> int:
         raise SystemExit(str(e)) from None
     model = resolve_model(args.model or cfg.mesh.model)
     print(f"serving {model}", flush=True)
-    from services.engine.kernels import host_isa
+    from services.engine.layers.kernels import host_isa
 
     cores = len(os.sched_getaffinity(0))
     cfg = with_command_line(cfg, args)

@@ -1,5 +1,5 @@
 """What `meshserve up` serves with where its config leaves the choice open, picked per machine: the engine's dtype and
-weight form by the CPU's ISA level (services.engine.kernels), the topology by its core count. Pure: the level and
+weight form by the CPU's ISA level (services.engine.layers.kernels), the topology by its core count. Pure: the level and
 the core count in, the choice and one reason per choice out; `up` applies only what the config does not set and
 prints the reasons at start-up.
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-NATIVE_BF16_LEVELS = frozenset({"amx", "avx512_bf16"})  # services.engine.kernels' levels with bfloat16 dot products
+NATIVE_BF16_LEVELS = frozenset({"amx", "avx512_bf16"})  # the kernels' levels (engine.layers.kernels) with bfloat16 dots
 UNIFIED_BELOW_CORES = 4
 
 

@@ -13,7 +13,7 @@ from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.common.telemetry import POOL_ATTRIBUTE, add_metrics_flag, setup_telemetry
 from services.config.flags import add_config_flag, add_section_flags, announce, config_from_args
-from services.engine.model_fetch import local_model
+from services.engine.tools.model_fetch import local_model
 from services.worker.core_client import EngineCoreClient
 from services.worker.metrics import WorkerMetrics
 from services.worker.server import WorkerServicer, heartbeat_loop, index_loop

@@ -5,8 +5,8 @@ import os
 import pytest
 import torch
 
-from services.engine.attention import SeqLayout, TorchAttention
-from services.engine.kernels import paged_attention
+from services.engine.layers.attention import SeqLayout, TorchAttention
+from services.engine.layers.kernels import paged_attention
 from tests.support.kernel_checks import (
     PROMPT_STEP,
     SHAPES,

@@ -61,7 +61,7 @@ def test_model_init_command(tmp_path):
 def test_generate_starts_past_a_killed_kernel_build_and_compiles_nothing(tiny_model, tmp_path):
     """A build killed midway leaves torch's lock file in the kernel's folder; the next start used to wait on it
     forever. The kernels were built when the project was installed (scripts/setup.sh): a start builds none."""
-    from services.engine.kernels import SPECS, build_directory, host_isa
+    from services.engine.layers.kernels import SPECS, build_directory, host_isa
 
     isa = host_isa()
     folders = [build_directory(spec.module(isa)) for spec in SPECS.values()]

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from services.engine import kernels
-from services.engine.kernels import (
+from services.engine.layers import kernels
+from services.engine.layers.kernels import (
     ISA_LEVELS,
     VECTOR_LEVELS,
     allreduce,
@@ -134,7 +134,7 @@ def test_every_level_of_the_lora_kernel_adds_each_segments_delta(isa):
 
 @pytest.mark.parametrize("isa", ISA_LEVELS)
 def test_every_level_of_the_quantized_linear_computes_what_gguf_dequantizes(isa, monkeypatch):
-    from services.engine.quant import KINDS, QuantizedWeight
+    from services.engine.layers.quant import KINDS, QuantizedWeight
     from tests.support.kernel_checks import blocks_of, reference
 
     force_level(isa, monkeypatch)  # QuantizedWeight takes the kernel of the level MESHSERVE_ISA names

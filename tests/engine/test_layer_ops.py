@@ -4,8 +4,8 @@ and bfloat16, at every ISA level (forced; skipped with the reason where this mac
 import pytest
 import torch
 
-from services.engine.kernels import ISA_LEVELS, host_isa, layer_ops
-from services.engine.model import TorchLayerOps
+from services.engine.layers.kernels import ISA_LEVELS, host_isa, layer_ops
+from services.engine.models.llama import TorchLayerOps
 from tests.support.levels import built
 
 DTYPES = [torch.float32, torch.bfloat16]

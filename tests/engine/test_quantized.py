@@ -1,4 +1,4 @@
-"""Quantized weights kept quantized (services.engine.quant, csrc/quant_linear.cpp): the kernel against gguf's own
+"""Quantized weights kept quantized (services.engine.layers.quant, csrc/quant_linear.cpp): the kernel against gguf's own
 dequantize, and the engine on GGUF files written with Q8_0 and Q4_1 against transformers running the same
 dequantized weights in float32."""
 
@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from services.common.errors import ModelLoadError
-from services.engine import quant
-from services.engine.gguf_import import import_gguf
-from services.engine.kernels import quant_linear
-from services.engine.quant import KINDS, QuantizedWeight
+from services.engine.layers import quant
+from services.engine.layers.kernels import quant_linear
+from services.engine.layers.quant import KINDS, QuantizedWeight
+from services.engine.tools.gguf_import import import_gguf
 from tests.support.gguf_files import write_gguf
 from tests.support.kernel_checks import blocks_of, reference
 from tests.support.reference import agreement, assert_matches, greedy, hf_greedy, make_engine, random_prompts, run_all

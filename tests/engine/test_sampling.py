@@ -6,9 +6,9 @@ import os
 import pytest
 import torch
 
-from services.engine.kernels import sampler as sampler_kernel
+from services.engine.layers.kernels import sampler as sampler_kernel
+from services.engine.layers.sampler import Sampler, SamplingBatch, sample_torch
 from services.engine.request import Request, SamplingParams
-from services.engine.sampler import Sampler, SamplingBatch, sample_torch
 from tests.support.kernel_checks import check_kernel_against_fallback
 from tests.support.reference import make_engine, random_prompts, run_all
 

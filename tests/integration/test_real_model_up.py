@@ -12,7 +12,7 @@ import sys
 import openai
 import pytest
 
-from services.engine.kernels import host_isa
+from services.engine.layers.kernels import host_isa
 from services.policy.machine import serving_defaults
 from tests.support.procs import processes_in
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from services.engine.attention import SeqLayout, TorchAttention
-from services.engine.kernels import paged_attention
-from services.engine.sampler import SamplingBatch, sample_torch
+from services.engine.layers.attention import SeqLayout, TorchAttention
+from services.engine.layers.kernels import paged_attention
+from services.engine.layers.sampler import SamplingBatch, sample_torch
 
 
 def random_case(seed, kv_heads, heads, block_size=4, num_blocks=64, lens=(1, 5, 17, 4, 30, 9), d=16):

@@ -9,7 +9,14 @@ from functools import cache
 
 import pytest
 
-from services.engine.kernels import ISA_LEVELS, ISA_NEEDS, build_every_level, cpu_flags, host_flags, supported_isas
+from services.engine.layers.kernels import (
+    ISA_LEVELS,
+    ISA_NEEDS,
+    build_every_level,
+    cpu_flags,
+    host_flags,
+    supported_isas,
+)
 
 
 def why_not(level: str) -> str:

@@ -11,7 +11,7 @@ from services.common import envs
 
 ROOT = Path(__file__).resolve().parents[2]
 # Reads of the process environment that are not settings: the compiler search path the kernels extend.
-NOT_SETTINGS = {("services/engine/kernels.py", "PATH")}
+NOT_SETTINGS = {("services/engine/layers/kernels.py", "PATH")}
 
 
 def test_the_operations_table_is_the_registry():

@@ -13,7 +13,7 @@ from safetensors.numpy import load_file
 from tokenizers import Tokenizer
 
 from services.common.errors import ModelLoadError
-from services.engine.gguf_import import import_gguf
+from services.engine.tools.gguf_import import import_gguf
 from tests.support.gguf_files import write_gguf
 from tests.support.reference import assert_matches, greedy, hf_greedy, make_engine, random_prompts, run_all
 
@@ -71,7 +71,7 @@ def test_quantized_files_dequantize_to_the_original_within_their_precision(tiny_
 
 @pytest.fixture(scope="module")
 def bench_model(tmp_path_factory):
-    from services.engine.model_init import write_model
+    from services.engine.tools.model_init import write_model
 
     return write_model(tmp_path_factory.mktemp("bench") / "bench", "bench")  # hidden 256: whole K blocks
 

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import textwrap
 
-from services.engine.kernels import _BuildLock, build_directory
+from services.engine.layers.kernels import _BuildLock, build_directory
 
 
 def test_a_lock_file_left_by_a_killed_build_is_removed(tmp_path):
@@ -23,7 +23,7 @@ def test_the_lock_of_a_killed_holder_is_free(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys, time
         from pathlib import Path
-        from services.engine.kernels import _BuildLock
+        from services.engine.layers.kernels import _BuildLock
         with _BuildLock(Path({str(folder)!r}), "test"):
             print("held", flush=True)
             time.sleep(600)
@@ -34,7 +34,7 @@ def test_the_lock_of_a_killed_holder_is_free(tmp_path):
         holder.wait(timeout=30)
         taker = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
             from pathlib import Path
-            from services.engine.kernels import _BuildLock
+            from services.engine.layers.kernels import _BuildLock
             with _BuildLock(Path({str(folder)!r}), "test"):
                 print("taken")
             """)], capture_output=True, text=True, timeout=60)  # a wait on the dead holder times out here

@@ -58,7 +58,7 @@ def test_missing_tensor_is_named(tiny_model, tmp_path):
     weights = load_file(folder / "model.safetensors")
     del weights["model.layers.1.mlp.down_proj.weight"]
     save_file(weights, folder / "model.safetensors")
-    from services.engine.model import LlamaModel
+    from services.engine.models.llama import LlamaModel
     loaded = load_model(folder)
     with pytest.raises(ModelLoadError, match="model.layers.1.mlp.down_proj.weight"):
         LlamaModel(loaded.config, loaded.weights)

@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from services.common.errors import ModelLoadError
-from services.engine.model_fetch import KNOWN_MODELS, check_sha256, fetch
+from services.engine.tools.model_fetch import KNOWN_MODELS, check_sha256, fetch
 from services.gateway.chat import ChatTemplate
 from services.mesh.up import TINY_MODEL, resolve_model
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from services.engine.model_init import write_model
+from services.engine.tools.model_init import write_model
 
 
 def digests(folder):
@@ -18,7 +18,7 @@ def digests(folder):
 @pytest.mark.parametrize("preset", ["tiny", "bench"])
 def test_same_seed_gives_same_bytes_in_another_process(tmp_path, preset):
     a = write_model(tmp_path / "a", preset)
-    code = f"from services.engine.model_init import write_model; write_model({str(tmp_path / 'b')!r}, {preset!r})"
+    code = f"from services.engine.tools.model_init import write_model; write_model({str(tmp_path / 'b')!r}, {preset!r})"
     subprocess.run([sys.executable, "-c", code], check=True)
     assert digests(a) == digests(tmp_path / "b")
     assert set(digests(a)) == {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
@@ -52,7 +52,7 @@ def test_transformers_loads_model_and_tokenizer(tiny_model):
 
 
 def test_smollm2_shape_preset_matches_smollm2_135m():
-    from services.engine.model_init import PRESETS, hf_config
+    from services.engine.tools.model_init import PRESETS, hf_config
 
     c = hf_config(PRESETS["smollm2-shape"])
     assert (c["num_hidden_layers"], c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"],

@@ -4,7 +4,7 @@ A batch is a flat run of tokens: a prefill chunk of any length or one decode tok
 sequence. Each step, build_metadata() turns the per-sequence layout into index tensors once;
 every layer then (1) writes its new K/V into the paged pool at their slots and (2) attends.
 
-Decode tokens go to the compiled paged kernel (services.engine.kernels) when it is available:
+Decode tokens go to the compiled paged kernel (services.engine.layers.kernels) when it is available:
 it reads keys and values in place from the pool. With head size 64, every prefill chunk, new or continuing, goes
 to the compiled prompt kernel where it runs (prompt_kernel_runs: float32 on AVX-512, bfloat16 on AMX tiles), which
 also reads the pool in place. Otherwise a prefill chunk that starts a sequence (nothing
@@ -207,7 +207,7 @@ class TorchAttention:
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.block_size, self.group_size = block_size, group_size
         self.scale = head_dim ** -0.5
-        self.kernel = kernel  # services.engine.kernels.paged_attention() module, or None
+        self.kernel = kernel  # services.engine.layers.kernels.paged_attention() module, or None
         self.dtype = dtype
         self.prompt_kernel = prompt_kernel_runs(kernel, dtype, head_dim)
 

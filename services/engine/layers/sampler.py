@@ -10,12 +10,12 @@ Masks are thresholds on the scaled logits, applied in vLLM's order: min-p (keep 
 top-k (keep values >= the k-th largest), then top-p over what is left (keep the fewest top values
 holding at least top_p of its mass; tokens within e^-40 of nothing are ignored). Greedy rows take
 the argmax. A request short of its min_tokens cannot sample EOS or its stop tokens; a constrained request
-(structured outputs) only the tokens its grammar's bitmask allows (services/engine/guided.py), applied in
+(structured outputs) only the tokens its grammar's bitmask allows (services/engine/layers/guided.py), applied in
 the same pass. Logprobs, when asked, are of the model's raw distribution (before any mask) at the
 sampled token; top logprobs, the most likely tokens of that distribution, from one log-softmax of the
 rows that ask (which also gives those rows' sampled-token logprob, so the two always agree).
 
-The compiled kernel (services.engine.kernels.sampler) does all of it in one parallel pass, on float32 or
+The compiled kernel (services.engine.layers.kernels.sampler) does all of it in one parallel pass, on float32 or
 bfloat16 logits (a bfloat16 model's logits are widened row by row inside it, exactly);
 sample_torch() is the PyTorch fallback, which computes the same noise bit for bit and so gives the
 same tokens for the same seeds (to float rounding of the top-p mass at its exact boundary).
@@ -95,11 +95,11 @@ class Sampled:
 class Sampler:
     def __init__(self, eos_token_ids: tuple = (), kernel=None):
         self.eos_token_ids = tuple(eos_token_ids)
-        self.kernel = kernel  # services.engine.kernels.sampler() module, or None for sample_torch
+        self.kernel = kernel  # services.engine.layers.kernels.sampler() module, or None for sample_torch
 
     def __call__(self, logits: torch.Tensor, reqs: list[Request], allow: tuple | None = None) -> Sampled:
         """Sampled token per row, and logprobs (and top logprobs) per row when any request asked. allow: the
-        grammars' (allow_rows, allow) bitmasks (services/engine/guided.py)."""
+        grammars' (allow_rows, allow) bitmasks (services/engine/layers/guided.py)."""
         batch = SamplingBatch.of(reqs, self.eos_token_ids, allow)
         if self.kernel is not None:  # float32 or bfloat16 logits, each row widened as it is sampled
             keep = logits.dtype in (torch.float32, torch.bfloat16)

@@ -15,7 +15,7 @@ Built objects are cached by torch (TORCH_EXTENSIONS_DIR) under a name that carri
 several levels and a machine never runs code compiled for instructions it lacks, and in a folder per torch
 installation, so that two environments never rebuild each other's objects mid-run.
 
-They are built when the project is installed (scripts/setup.sh runs `python -m services.engine.kernels`),
+They are built when the project is installed (scripts/setup.sh runs `python -m services.engine.layers.kernels`),
 so that a start compiles nothing; `--all-levels` builds every level (the container image does, so that it runs on
 any CPU it is pulled onto). A build at run time (a new ISA, a changed source) says so on the log first. Builds are
 serialized by an advisory lock (flock) that dies with its holder: torch's own lock file of a build that was killed
@@ -195,7 +195,7 @@ def _build(name: str, source: str, cflags: list[str], what: str):
         folder = build_directory(name)
         with _BuildLock(folder, what):
             if not _built(folder, name):
-                log.warning("building the %s kernel (C++, 10-30 s; `python -m services.engine.kernels` builds "
+                log.warning("building the %s kernel (C++, 10-30 s; `python -m services.engine.layers.kernels` builds "
                             "every kernel ahead, as scripts/setup.sh does)", what)
             folder.mkdir(parents=True, exist_ok=True)
             return load(name=name, sources=[str(CSRC / source)], extra_cflags=cflags, build_directory=str(folder),
@@ -252,7 +252,7 @@ def paged_attention(isa: str | None = None):
 
 
 def sampler(isa: str | None = None):
-    """The fused sampling kernel (csrc/sampler.cpp; bit for bit the fallback of services/engine/sampler.py), or None."""
+    """The fused sampling kernel (csrc/sampler.cpp; bit for bit the fallback of layers/sampler.py), or None."""
     return SPECS["sampler"].load(isa)
 
 
@@ -303,7 +303,7 @@ def build_every_level(levels: tuple | list = ISA_LEVELS) -> dict[str, bool]:
     kernel built}). A level this CPU cannot run is built all the same: its child may die loading what it built
     (an illegal instruction), and the objects on disk are what count."""
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        runs = {lv: pool.submit(subprocess.run, [sys.executable, "-m", "services.engine.kernels", "--level", lv],
+        runs = {lv: pool.submit(subprocess.run, [sys.executable, "-m", "services.engine.layers.kernels", "--level", lv],
                                 capture_output=True, text=True) for lv in levels}
     done = {}
     for level, run in runs.items():
@@ -316,7 +316,7 @@ def build_every_level(levels: tuple | list = ISA_LEVELS) -> dict[str, bool]:
 
 
 def main() -> int:
-    """python -m services.engine.kernels [--strict] [--all-levels | --level LEVEL]: build every kernel now, for
+    """python -m services.engine.layers.kernels [--strict] [--all-levels | --level LEVEL]: build every kernel now, for
     this CPU (scripts/setup.sh runs it), for every level (the container image: it runs on any CPU it is pulled onto)
     or for one. --strict: a kernel that does not build fails (the image) instead of running PyTorch's path."""
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)

@@ -30,10 +30,7 @@ static inline float f32(bf16 x) {  // bfloat16 is the top half of a float32
 
 #if defined(__AVX512F__)
 static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-static inline __m512 load16(const bf16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
+static inline __m512 load16(const bf16* p) { return bf16x16::load(reinterpret_cast<const uint16_t*>(p)); }
 #endif
 
 template <typename T>
@@ -128,7 +125,7 @@ static inline __m512 dots16(const float* q, const T* k, int64_t row, int64_t n) 
 // The same over a bfloat16 pool with AVX512_BF16 (Cooper Lake, Sapphire Rapids, Zen 4 and 5): the query rounded to
 // bfloat16 (exact, as the model's query is bfloat16) and one vdpbf16ps per 32 elements, which multiplies the
 // pairs exactly and sums them in float32, where the plain path widens every key element and runs two FMAs.
-// Built at the avx512_bf16 and amx levels only (services/engine/kernels.py), so a level is one path.
+// Built at the avx512_bf16 and amx levels only (services/engine/layers/kernels.py), so a level is one path.
 #if defined(__AVX512BF16__)
 constexpr bool BF16_DOT = true;
 template <int DV, bool Full>

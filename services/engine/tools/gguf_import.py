@@ -7,7 +7,7 @@ permuted), and writes what our loader, transformers and vLLM read: `config.json`
 `model.safetensors`, `tokenizer.json` (byte-level BPE rebuilt from the file's vocabulary and
 merges with the `tokenizers` library; control tokens become special tokens), `tokenizer_config.json`
 (chat template, special tokens) and `generation_config.json` (EOS). The blocks of the weights whose type the
-engine runs quantized (services.engine.quant: Q4_0, Q4_1, Q8_0) are also written as they are, in
+engine runs quantized (services.engine.layers.quant: Q4_0, Q4_1, Q8_0) are also written as they are, in
 `quantized.st`, for `engine.quantization: gguf`.
 
 Supported: architectures llama and qwen2; tensor types in QUANT_TYPES; tokenizer model gpt2
@@ -30,8 +30,8 @@ import torch
 from safetensors.torch import save_file
 
 from services.common.errors import ModelLoadError
-from services.engine.quant import KINDS as QUANT_KINDS
-from services.engine.quant import QUANTIZED_FILE
+from services.engine.layers.quant import KINDS as QUANT_KINDS
+from services.engine.layers.quant import QUANTIZED_FILE
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 # Every type gguf.quants dequantizes that quantized llama/qwen2 files commonly use.

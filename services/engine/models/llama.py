@@ -2,11 +2,11 @@
 
 forward() takes the batch's tokens and positions as flat [T] tensors; every linear layer runs
 once over all T tokens (prefill chunks and decode tokens alike); attention is delegated to a
-backend (services.engine.attention). Logits are computed only for the rows that sample.
+backend (services.engine.layers.attention). Logits are computed only for the rows that sample.
 q/k/v and gate/up projections are fused into one matmul each. Every projection goes through
 _proj(), the one place where per-token LoRA deltas are added (services.engine.lora.LoRABatch). The
 elementwise work between projections (rotary, residual + RMSNorm, SiLU-and-mul) runs in the compiled layer ops
-(services.engine.kernels.layer_ops: one pass each) when they build, else in PyTorch (TorchLayerOps),
+(services.engine.layers.kernels.layer_ops: one pass each) when they build, else in PyTorch (TorchLayerOps),
 with the same rounding.
 """
 
@@ -20,15 +20,15 @@ import torch.nn.functional as F
 from services.common import envs
 from services.common.errors import ModelLoadError
 from services.config.engine import ModelConfig
-from services.engine.kernels import layer_ops
-from services.engine.quant import QuantizedWeight, concat, fusable
-from services.engine.rope import RotaryEmbedding, apply_rotary
+from services.engine.layers.kernels import layer_ops
+from services.engine.layers.quant import QuantizedWeight, concat, fusable
+from services.engine.layers.rope import RotaryEmbedding, apply_rotary
 
 LM_HEAD_SHARD = "lm_head.shard"  # a rank's rows of the LM head (its slice of the vocabulary), in a sharded state dict
 
 
 @dataclass
-class LayerWeights:  # a projection's weight is a tensor or a QuantizedWeight (services.engine.quant)
+class LayerWeights:  # a projection's weight is a tensor or a QuantizedWeight (services.engine.layers.quant)
     input_norm: torch.Tensor  # [hidden]
     qkv: torch.Tensor  # [(H + 2*KVH) * D, hidden]
     qkv_bias: torch.Tensor | None  # [(H + 2*KVH) * D]
@@ -116,7 +116,7 @@ PACK_BATCH_HINT = 256  # the row count oneDNN lays packed weights out for (any r
 def _pack(weight):
     """The weight in oneDNN's blocked layout, once at load (vLLM's CPU path does the same): the same
     results, ~5-35% faster per call on the shapes measured. Unchanged where oneDNN is not used, and for
-    quantized weights (services.engine.quant)."""
+    quantized weights (services.engine.layers.quant)."""
     if LINEAR is not _onednn_linear or isinstance(weight, QuantizedWeight) or weight.dtype not in ONEDNN_DTYPES:
         return weight
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_BATCH_HINT)

@@ -18,6 +18,7 @@
 #include <cstring>
 #include <sched.h>
 #include <immintrin.h>
+#include "avx512_math.h"
 
 namespace {
 
@@ -78,19 +79,9 @@ void wait_for(uint8_t* base, int64_t rank, int64_t world, int64_t seq) {
 // 16 values at a time, added in the same order as the scalar loop (so the bits are the same whichever path a value
 // takes); bfloat16 widened by a shift and narrowed with round-to-nearest-even, as c10::BFloat16 does.
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
+inline __m512 load16(const c10::BFloat16* p) { return bf16x16::load(reinterpret_cast<const uint16_t*>(p)); }
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-inline void store16(c10::BFloat16* p, __m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc0));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(rounded));
-}
+inline void store16(c10::BFloat16* p, __m512 v) { bf16x16::store(reinterpret_cast<uint16_t*>(p), v); }
 #endif
 
 template <typename T>

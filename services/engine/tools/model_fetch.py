@@ -74,8 +74,8 @@ def fetch(name: str, out_dir: str | Path | None = None, log=print) -> Path:
     """The folder of a known model: found in out_dir (default: the cache), else downloaded and imported."""
     if name not in KNOWN_MODELS:
         raise ModelLoadError(f"unknown model {name!r} (known: {', '.join(KNOWN_MODELS)})")
-    from services.engine import quant  # (here: the services that only name a model import no torch)
-    from services.engine.gguf_import import import_gguf
+    from services.engine.layers import quant  # (here: the services that only name a model import no torch)
+    from services.engine.tools.gguf_import import import_gguf
 
     spec = KNOWN_MODELS[name]
     out = Path(out_dir) if out_dir else cached_path(name)

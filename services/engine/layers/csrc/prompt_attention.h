@@ -5,7 +5,7 @@
 // keys, its softmax taken over whole rows (the scores of 16 rows fit in L2 for any context here, so no online
 // rescaling), and its values summed. Blocks go to the threads costliest first.
 //
-// One path per build level (services/engine/kernels.py), so that a level names the code it runs:
+// One path per build level (services/engine/layers/kernels.py), so that a level names the code it runs:
 //   amx          bfloat16 on AMX tiles: two 16 x 32 by 32 x 16 tile products per 16 keys, four accumulator
 //                tiles (16 x 64 float32) for the values, where Linux grants the tiles (else as avx512_bf16)
 //   avx512_bf16  bfloat16 on vdpbf16ps (AMD Zen 4 and 5, Intel Cooper Lake): the same packed layout as the

@@ -48,27 +48,8 @@ constexpr int64_t GRAIN = 16;  // rows per parallel task
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
-#include "avx512_math.h"
-// bfloat16 rows 16 at a time, as BF16::load/store do one value (GCC left those loops scalar: bfloat16 SiLU-and-mul
-// ran at half float32's speed though it moves half the bytes). A row's tail past the last 16 goes through BF16
-// itself (RMSNorm: a row whose width is not a multiple of 16, whole).
-namespace bf16x16 {
-static inline __m512 load(const uint16_t* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-static inline __m512i rounded(__m512 f) {  // the float's bits rounded to nearest even in the upper half
-  const __m512i u = _mm512_castps_si512(f);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  return _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-}
-static inline void store(uint16_t* p, __m512 f) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded(f), 16)));
-}
-static inline __m512 rnd(__m512 f) {  // rounded to bfloat16 and widened back
-  return _mm512_castsi512_ps(_mm512_and_si512(rounded(f), _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
-}
-}  // namespace bf16x16
+#include "avx512_math.h"  // bf16x16: bfloat16 rows 16 at a time (RMSNorm's row of a width not a multiple of 16: whole
+                           // through BF16 itself)
 #define MESHSERVE_BF16X16 1
 #endif
 

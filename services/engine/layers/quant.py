@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from services.common.errors import ModelLoadError
-from services.engine.kernels import quant_linear
+from services.engine.layers.kernels import quant_linear
 
 # A safetensors file, named so that loaders that take every *.safetensors of a folder (vLLM) skip it.
 QUANTIZED_FILE = "quantized.st"
