@@ -20,7 +20,8 @@ from services.config.flags import add_config_flag, add_section_flags, announce, 
 from services.config.sections import MeshConfig
 from services.gateway.admission import Admission
 from services.gateway.credits import CreditPool
-from services.gateway.server import GatewayServicer, ModelInfo, SizeBounds, add_to_server
+from services.gateway.requests import ModelInfo, SizeBounds
+from services.gateway.server import GatewayServicer, add_to_server
 from services.policy.progress import ProgressWatch
 from services.policy.tenants import Authenticator, cache_secret
 
@@ -83,7 +84,8 @@ async def serve(args, config: MeshConfig) -> None:
              asyncio.create_task(servicer.adapters.run())]
     http = None
     if args.http_port is not None:
-        from services.gateway.http import HttpFront, http_server
+        from services.gateway.http import HttpFront
+        from services.gateway.http_server import http_server
         http, sock = http_server(HttpFront(servicer, args.model), args.host, args.http_port, tls)
         tasks.append(asyncio.create_task(http.serve(sockets=[sock])))
         scheme = "https" if tls else "http"

@@ -31,19 +31,15 @@ import functools
 import json
 import logging
 import math
-import socket
 import time
 import uuid
 from dataclasses import dataclass
 
-import h11
-import uvicorn
 from opentelemetry import trace
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from services.common.errors import InvalidRequest, MeshError, NotFound, http_status
 from services.common.pb import meshserve_pb2 as pb
@@ -617,57 +613,4 @@ async def _json(request: Request, limit: int) -> dict:
 
 JSON_TYPES = ("application/json", "application/x-www-form-urlencoded")  # the latter: what curl -d sends
 
-HTTP_IDLE_S = 10.0  # a connection must send a request's headers within this long of opening, or of its last response
-BODY_TIMEOUT_S = 30.0  # and the body within this long of its headers
-
-
-class _H11(H11Protocol):
-    """uvicorn's h11 protocol, with a deadline on request heads: a connection that has not sent a complete head
-    within HTTP_IDLE_S of opening (or of its last response) is closed. uvicorn alone waits forever for one (any
-    byte received disarms its keep-alive timer): 5,000 half-sent requests once stayed open."""
-
-    head_timer: asyncio.TimerHandle | None = None
-
-    def connection_made(self, transport) -> None:
-        super().connection_made(transport)
-        self._arm_head_timer()
-
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
-        self._arm_head_timer()
-
-    def connection_lost(self, exc) -> None:
-        if self.head_timer is not None:
-            self.head_timer.cancel()
-        super().connection_lost(exc)
-
-    def _arm_head_timer(self) -> None:
-        if self.head_timer is not None:
-            self.head_timer.cancel()
-        self.head_timer = self.loop.call_later(HTTP_IDLE_S, self._head_timeout)
-
-    def _head_timeout(self) -> None:
-        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():  # no complete head yet
-            self.transport.close()
-
-
-class _Uvicorn(uvicorn.Server):
-    """uvicorn without its own signal handling: the gateway's gRPC server owns SIGTERM and stops this one."""
-
-    def capture_signals(self):
-        return contextlib.nullcontext()
-
-
-def http_server(front: HttpFront, host: str, port: int, tls: tuple[str, str] | None = None
-                ) -> tuple[_Uvicorn, socket.socket]:
-    """A uvicorn server for the front on the running loop, and its bound socket (port 0 = any free port); HTTPS
-    when tls gives (key file, certificate file)."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(1024)
-    sock.setblocking(False)
-    key, cert = tls or (None, None)
-    server = _Uvicorn(uvicorn.Config(front.app, log_level="warning", lifespan="off", http=_H11,
-                                     timeout_keep_alive=HTTP_IDLE_S, ssl_keyfile=key, ssl_certfile=cert))
-    return server, sock
+BODY_TIMEOUT_S = 30.0  # a request's body must arrive within this long of its head (http_server.py times heads)

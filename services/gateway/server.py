@@ -11,14 +11,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 import logging
 import math
 import secrets
 import time
 import uuid
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import replace
 
 import grpc
 from google.protobuf.message_factory import GetMessageClass
@@ -40,9 +38,11 @@ from services.common.pb import meshserve_pb2 as pb
 from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.common.request import ClientRequest, RequestSpec, with_headers
 from services.common.telemetry import WAITING_FOR_WORKER
-from services.common.tokenizer import Tokenizer, cut_at_stop
+from services.common.tokenizer import Tokenizer
 from services.gateway.adapters import AdapterCatalog
 from services.gateway.admission import Admission
+from services.gateway.requests import BadMessage, ModelInfo, SizeBounds, bounded, tolerant
+from services.gateway.streams import Held, TextStream, drain_events
 from services.policy.admission_core import Slo
 from services.policy.bands import band_of
 from services.policy.progress import ProgressWatch, Watched
@@ -60,79 +60,6 @@ ROUTE_TIMEOUT_S = 5.0  # a Route call unanswered this long: the router is hung; 
 STALL_POLL_S = 0.25  # how often the watchdog checks every stream's progress (services.policy.progress)
 KVSTORE_PROBE_S = 2.0  # a stalled handoff asks the kvstore for its stats within this; silent: passed by for a while
 RELEASE_RETRY_S = 60.0  # a transfer's release is retried this long while the kvstore does not answer (it may be hung)
-NO_WORKER_RETRY_MS = 5000  # the Retry-After of a request no worker took within the grace: a killed worker is back
-# within ~5 s under `meshserve up`, and a pool scaled from zero serves 4-6 s after its first request (SmolLM2)
-
-
-@dataclass(frozen=True)
-class SizeBounds:
-    """Sizes checked before any work on a request: tokenizing costs the gateway ~300 bytes of memory per
-    input byte (an 8 MiB prompt once stalled every request for 12.8 s at 2.4 GB)."""
-
-    max_prompt_bytes: int  # a text prompt, a chat conversation's rendered text, a Tokenize text
-
-    @staticmethod
-    def for_model(max_model_len: int, max_prompt_bytes: int = 0) -> SizeBounds:
-        """max_prompt_bytes, or 0 for 32 bytes per token of context (at least 64 KiB)."""
-        return SizeBounds(max_prompt_bytes or max(65536, 32 * max_model_len))
-
-    @property
-    def max_body_bytes(self) -> int:
-        """An HTTP body: the prompt with JSON escapes (up to 6 bytes per byte) and 1 MiB for the rest."""
-        return 6 * self.max_prompt_bytes + (1 << 20)
-
-
-def bounded(text: str, field: str, limit: int) -> str:
-    """text, if it is valid Unicode of at most limit UTF-8 bytes (InvalidRequest naming the field otherwise)."""
-    if len(text) > limit:  # every character is at least one byte: no need to encode it to know
-        raise InvalidRequest(f"{field} is over the limit of {limit} bytes ({len(text)} characters)")
-    try:
-        size = len(text.encode("utf-8"))
-    except UnicodeEncodeError:
-        raise InvalidRequest(f"{field} is not valid Unicode (it holds a lone surrogate)") from None
-    if size > limit:
-        raise InvalidRequest(f"{field} is {size} bytes, over the limit of {limit} bytes")
-    return text
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    names: tuple  # the names requests may use; the first is reported (vLLM's --served-model-name A B ...)
-    vocab_size: int
-    max_model_len: int  # the model's context; workers also check their KV pool
-
-    @staticmethod
-    def from_dir(model_dir: str, served_names=()) -> ModelInfo:
-        """Named by served_names, else by the folder's name."""
-        cfg = json.loads((Path(model_dir) / "config.json").read_text())
-        return ModelInfo(tuple(served_names) or (Path(model_dir).name,), int(cfg["vocab_size"]),
-                         int(cfg["max_position_embeddings"]))
-
-    @property
-    def name(self) -> str:
-        return self.names[0]
-
-    def check(self, model: str | None) -> None:
-        """NotFound unless model names the served model (empty or None: the served one)."""
-        if model and model not in self.names:
-            raise NotFound(f"model {model!r} is not served here (serving {self.name!r})")
-
-
-class BadMessage:
-    """What the tolerant deserializer returns for bytes protobuf refuses (e.g. invalid UTF-8 in a string)."""
-
-    def __init__(self, error: str):
-        self.error, self.request_id = error, ""
-
-
-def tolerant(message_type):
-    def parse(data: bytes):
-        try:
-            return message_type.FromString(data)
-        except Exception as e:  # protobuf's DecodeError: answered as INVALID_ARGUMENT, not INTERNAL
-            return BadMessage(f"request is not a valid {message_type.__name__} ({e}); "
-                              "string fields must be valid UTF-8")
-    return parse
 
 
 def api_key(context) -> str | None:
@@ -309,7 +236,7 @@ class GatewayServicer(pb_grpc.GenerationServicer):
         first_s = last_s = counts = None
         finished = False
         try:
-            text = _TextStream(self.tokenizer, params.stop)
+            text = TextStream(self.tokenizer, params.stop)
             queue_ms = (ticket.dispatched_s - ticket.arrival_s) * 1e3
             async for ev in self._resumable(spec, streamed, ticket):
                 if ev.token_ids:
@@ -341,9 +268,9 @@ class GatewayServicer(pb_grpc.GenerationServicer):
         client sees no duplicated and no missing token. Bounded by MAX_ATTEMPTS and the deadline. Each attempt goes
         to a worker holding one of this gateway's credits when one does (the router avoids the others), and uses
         it up (the admission ticket's). While the router has no live worker for it (NoWorker), the request is held
-        and routed again, without using an attempt (see _Held)."""
+        and routed again, without using an attempt (see Held)."""
         avoid: set = set()
-        attempt, held = 0, _Held(self.no_worker_grace_s, self.waiting_for_worker)
+        attempt, held = 0, Held(self.no_worker_grace_s, self.waiting_for_worker)
         try:
             while True:
                 done = len(streamed)
@@ -446,7 +373,7 @@ class GatewayServicer(pb_grpc.GenerationServicer):
         prefill_events = self._stream(prefill, decision.prefill_worker, "prefill", prompt_tokens)
         try:
             first = await anext(prefill_events)
-            drain = asyncio.ensure_future(_drain(prefill_events))  # the call ends once its KV has landed
+            drain = asyncio.ensure_future(drain_events(prefill_events))  # the call ends once its KV has landed
             drain.add_done_callback(lambda f: self._handoff_ended(f, work.transfer_id))
             prompt = first
             yield first
@@ -649,86 +576,6 @@ class GatewayServicer(pb_grpc.GenerationServicer):
         bounded(request.model, "model", MAX_ID_BYTES)
         self.model.check(request.model)
         return pb.TokenizeResponse(token_ids=self.encode(utf8(request.text, "text"), "text"))
-
-
-class _Held:
-    """A request held while the router has no live worker for it: routed again after a short backoff (0.05 s
-    doubling to 0.5 s), until a worker appears, its deadline comes, or grace_s pass with none (a mesh without
-    workers for that long fails its requests with UNAVAILABLE naming the wait). A worker that is restarting or
-    still loading its model, or busy past its heartbeats, costs a wait, not the request."""
-
-    def __init__(self, grace_s: float, waiting: dict | None = None):
-        """waiting: pool -> requests held because that pool has no worker at all (shared by the gateway's
-        requests, exported for the autoscaler); this request counts in it while it waits for such a pool."""
-        self.grace_s, self.since, self.delay = grace_s, None, 0.05
-        self.waiting, self.pool = waiting if waiting is not None else {}, ""
-
-    def leave(self) -> None:
-        if self.pool:
-            self.waiting[self.pool] -= 1
-            self.pool = ""
-
-    async def wait(self, e: NoWorker, request_id: str, deadline_s: float | None) -> None:
-        if e.empty_role != self.pool:
-            self.leave()
-            if e.empty_role:
-                self.pool = e.empty_role
-                self.waiting[self.pool] = self.waiting.get(self.pool, 0) + 1
-        now = time.monotonic()
-        if self.since is None:
-            self.since, self.delay = now, 0.05
-            log.info("request %s: %s; holding it until one is live (at most %g s)", request_id, e, self.grace_s)
-        if now - self.since >= self.grace_s:
-            err = NoWorker(f"{e} for {now - self.since:.0f} s (the gateway holds a request at most "
-                           f"admission.no_worker_grace_s = {self.grace_s:g} s for a worker)",
-                           retry_after_ms=NO_WORKER_RETRY_MS)
-            err.peer = e.peer
-            raise err
-        if deadline_s is not None and now + self.delay >= deadline_s:
-            raise DeadlineExceeded(f"the deadline passed while waiting for a worker ({e})")
-        await asyncio.sleep(self.delay)
-        self.delay = min(self.delay * 2, 0.5)
-
-
-async def _drain(events) -> None:
-    async for _ in events:
-        pass
-
-
-class _TextStream:
-    """Incremental detokenization (as vLLM's: each push decodes only the tokens since the last text
-    boundary, never the whole output again); the text is cut before the first stop string, and a
-    trailing incomplete UTF-8 sequence is held back until the next token completes it."""
-
-    def __init__(self, tokenizer: Tokenizer, stops):
-        self.tokenizer, self.stops = tokenizer, stops
-        self.longest_stop = max((len(x) for x in stops), default=0)
-        self.tokens: list = []
-        self.prefix_offset = self.read_offset = 0  # tokens[prefix:read] were decoded into the text already
-        self.text = ""  # everything decoded so far
-        self.sent = 0  # characters of text already returned
-        self.stopped = False
-
-    def push(self, token_ids, final: bool) -> str:
-        if self.stopped:
-            return ""
-        self.tokens.extend(token_ids)
-        decode = self.tokenizer.decode
-        before = decode(self.tokens[self.prefix_offset:self.read_offset])
-        now = decode(self.tokens[self.prefix_offset:])
-        if len(now) > len(before) and (final or not now.endswith("\ufffd")):
-            self.text += now[len(before):]
-            self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
-        end = len(self.text)
-        if self.stops:  # a stop string can only end in the new text (or straddle its start)
-            cut, found = cut_at_stop(self.text[max(self.sent - self.longest_stop, 0):], self.stops)
-            if found:
-                end, self.stopped = max(self.sent - self.longest_stop, 0) + len(cut), True
-            elif not final:
-                end = max(self.sent, len(self.text) - self.longest_stop + 1)  # may still become a stop
-        delta = self.text[self.sent:end]
-        self.sent = max(self.sent, end)
-        return delta
 
 
 def add_to_server(servicer: GatewayServicer, server: grpc.aio.Server) -> None:

@@ -273,7 +273,7 @@ def test_a_half_sent_request_is_disconnected(mesh):
     """Slow-loris (issue 19): a connection that never finishes its request head is closed after HTTP_IDLE_S."""
     import socket
 
-    from services.gateway.http import HTTP_IDLE_S
+    from services.gateway.http_server import HTTP_IDLE_S
 
     host, port = mesh.http.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=HTTP_IDLE_S + 10) as s:

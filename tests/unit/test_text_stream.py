@@ -5,7 +5,7 @@ import random
 import pytest
 
 from services.common.tokenizer import Tokenizer, cut_at_stop
-from services.gateway.server import _TextStream
+from services.gateway.streams import TextStream
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +19,7 @@ def test_incremental_text_equals_the_whole_decode(tokenizer, seed, stops):
     rng = random.Random(seed)
     text = " ".join(rng.choice(["hello", "wörld", "ab", "xyz", "q", "émoji 🙂", "12", "  ", "e"]) for _ in range(40))
     ids = tokenizer.encode(text)
-    stream, out, i = _TextStream(tokenizer, stops), [], 0
+    stream, out, i = TextStream(tokenizer, stops), [], 0
     while i < len(ids):
         n = rng.randint(1, 3)
         out.append(stream.push(ids[i:i + n], final=i + n >= len(ids)))
