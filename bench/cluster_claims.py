@@ -27,15 +27,12 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-import grpc
 import yaml
 
-from bench.common import default_model, log, machine, write_result
+from bench.common import default_model, log, machine, worker_lora_stats, write_result
 from bench.online import drive
 from bench.sim_validate import Served
 from bench.tenants_overload import tenant_config
-from services.common.pb import meshserve_pb2 as pb
-from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.engine.cost_model import cost_model
 from services.engine.hf_config import parse_config, read_json
 from services.mesh.launcher import Mesh, MeshSpec
@@ -119,14 +116,10 @@ def sim_bound(scale: float) -> dict:
 
 
 def lora_counters(mesh: Mesh, workers: int) -> dict:
-    """The unified workers' LoRA counters, summed (Stats)."""
-    totals = dict.fromkeys(("lora_reads", "lora_slot_loads", "lora_hits", "lora_misses"), 0)
-    for w in mesh.workers("unified")[:workers]:
-        with grpc.insecure_channel(w.address) as ch:
-            s = pb_grpc.WorkerStub(ch).Stats(pb.StatsRequest(), timeout=10)
-        for key, got in zip(totals, (s.lora_loads, s.lora_slot_loads, s.lora_hits, s.lora_misses)):
-            totals[key] += got
-    return totals
+    """The unified workers' LoRA counters, summed, under the simulator's names (adapter reads are lora_reads)."""
+    s = worker_lora_stats(mesh, workers)
+    return {"lora_reads": s["lora_loads"], "lora_slot_loads": s["lora_slot_loads"], "lora_hits": s["lora_hits"],
+            "lora_misses": s["lora_misses"]}
 
 
 def busy_max_over_mean(folder: Path, since: float, until: float) -> float | None:

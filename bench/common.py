@@ -58,14 +58,33 @@ def random_requests(n: int, prompt_range: tuple, output_range: tuple, vocab: int
 
 
 def default_model(preset: str) -> Path:
-    """The seeded preset model under ~/.cache/meshserve, written on first use."""
+    """The seeded preset model in meshserve's model cache (MESHSERVE_CACHE_DIR, default ~/.cache/meshserve), written on
+    first use."""
+    from services.engine.tools.model_fetch import cached_path
     from services.engine.tools.model_init import write_model
 
-    path = Path(os.environ.get("MESHSERVE_CACHE", Path.home() / ".cache" / "meshserve")) / "models" / preset
+    path = cached_path(preset)
     if not (path / "model.safetensors").exists():
         log(f"writing the {preset} model to {path}")
         write_model(path, preset)
     return path
+
+
+def worker_lora_stats(mesh, workers: int | None = None) -> dict:
+    """The unified workers' LoRA counters from their Stats, summed over the first `workers` (all by default):
+    adapter reads and their seconds, slot loads, hits and misses."""
+    import grpc
+
+    from services.common.pb import meshserve_pb2 as pb
+    from services.common.pb import meshserve_pb2_grpc as pb_grpc
+
+    totals = dict.fromkeys(("lora_loads", "lora_load_s", "lora_slot_loads", "lora_hits", "lora_misses"), 0)
+    for w in mesh.workers("unified")[:workers]:
+        with grpc.insecure_channel(w.address) as ch:
+            s = pb_grpc.WorkerStub(ch).Stats(pb.StatsRequest(), timeout=10)
+        for key in totals:
+            totals[key] += getattr(s, key)
+    return totals
 
 
 def write_result(result: dict, out: str | None) -> None:

@@ -26,15 +26,12 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-import grpc
 import torch
 from safetensors.torch import save_file
 
-from bench.common import default_model, log, machine, print_table, write_result
+from bench.common import default_model, log, machine, print_table, worker_lora_stats, write_result
 from bench.latency import poisson_arrivals, summarize
 from bench.online import run_online, warm
-from services.common.pb import meshserve_pb2 as pb
-from services.common.pb import meshserve_pb2_grpc as pb_grpc
 from services.engine.loader import load_model
 from services.engine.lora import TARGETS, target_shapes
 from services.mesh.launcher import Mesh, MeshSpec
@@ -89,16 +86,10 @@ def workload(n: int, names: list[str], seed: int, vocab: int = 32000) -> list[di
 
 
 def lora_counters(mesh) -> dict:
-    totals = {"adapter_loads": 0, "adapter_load_s_total": 0.0, "slot_loads": 0, "lora_hits": 0, "lora_misses": 0}
-    for w in mesh.workers("unified"):
-        with grpc.insecure_channel(w.address) as ch:
-            s = pb_grpc.WorkerStub(ch).Stats(pb.StatsRequest(), timeout=10)
-        totals["adapter_loads"] += s.lora_loads
-        totals["adapter_load_s_total"] += s.lora_load_s
-        totals["slot_loads"] += s.lora_slot_loads
-        totals["lora_hits"] += s.lora_hits
-        totals["lora_misses"] += s.lora_misses
-    return totals
+    """Every unified worker's LoRA counters, summed, under this benchmark's names (its results keep them)."""
+    s = worker_lora_stats(mesh)
+    return {"adapter_loads": s["lora_loads"], "adapter_load_s_total": s["lora_load_s"],
+            "slot_loads": s["lora_slot_loads"], "lora_hits": s["lora_hits"], "lora_misses": s["lora_misses"]}
 
 
 def delta(after: dict, before: dict) -> dict:
