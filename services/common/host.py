@@ -22,8 +22,8 @@ from services.common import envs
 
 @cache
 def host_id() -> str:
-    if envs.HOST_ID.get():
-        return envs.HOST_ID.get()
+    if given := envs.HOST_ID.get():
+        return given
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()[:8]
     except OSError:

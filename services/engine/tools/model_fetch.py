@@ -45,8 +45,8 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
 def cache_dir() -> Path:
-    if envs.CACHE_DIR.get():
-        return Path(envs.CACHE_DIR.get())
+    if given := envs.CACHE_DIR.get():
+        return Path(given)
     base = envs.XDG_CACHE_HOME.get() or Path.home() / ".cache"
     return Path(base) / "meshserve"
 
