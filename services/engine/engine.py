@@ -38,7 +38,7 @@ from services.engine.layers.sampler import Sampler
 from services.engine.loader import load_model
 from services.engine.lora import LoRABatch, LoRASlots, engine_residency
 from services.engine.lora_adapters import LoRAAdapters, configured
-from services.engine.models.llama import LlamaModel
+from services.engine.models import build_model
 from services.engine.parallel import TensorParallelGroup, local_config, shard_adapter, shard_weights
 from services.engine.scheduler import Scheduler, SchedulerOutput
 from services.engine.step_cost import StepCostFit
@@ -65,7 +65,7 @@ class LLMEngine(EngineBase):
         self.group = TensorParallelGroup(config, mc, num_blocks) if config.tensor_parallel_size > 1 else None
         local = local_config(mc, self.group.shard) if self.group else mc
         weights = shard_weights(loaded.weights, mc, self.group.shard) if self.group else loaded.weights
-        self.model = LlamaModel(local, weights)
+        self.model = build_model(local, weights)
         if self.group:
             self.group.await_ready()
             self.model.tp = self.group.collectives
@@ -76,7 +76,8 @@ class LLMEngine(EngineBase):
                                  threads=torch.get_num_threads())  # structured outputs (guided.py)
         self.info = RuntimeInfo(num_blocks, loaded.eos_token_ids, mc.vocab_size,
                                 min(mc.max_positions, num_blocks * cc.block_size))
-        self.kv_cache = (ShardedKVCache(self.group.kv_shards, cc.block_size) if self.group else
+        self.kv_cache = (ShardedKVCache(self.group.kv_shards, cc.block_size,
+                                                [s.kv for s in self.group.shards]) if self.group else
                          KVCache(mc.num_layers, num_blocks, cc.block_size, mc.num_kv_heads, mc.head_dim,
                                  self.model.dtype))
         self.kv = KVCacheManager(BlockPool(num_blocks), cc.block_size, cc.enable_prefix_caching)
@@ -92,8 +93,7 @@ class LLMEngine(EngineBase):
                                    sc.max_num_batched_tokens, clock=clock, lora=self.lora, step_cost=self.step_cost,
                                    deadline_min_batch=sc.deadline_min_batch, before_admit=self._admit_pooled)
         kernel = paged_attention() if self.model.dtype in (torch.float32, torch.bfloat16) else None
-        self.attention = TorchAttention(local.num_heads, local.num_kv_heads, mc.head_dim, cc.block_size,
-                                        kernel=kernel, dtype=self.model.dtype)
+        self.attention = TorchAttention.for_model(local, cc.block_size, kernel, self.model.dtype)
         self.sampler = Sampler(loaded.eos_token_ids, kernel=sampler())
         log.info("%s", kernel_summary())
         log.info("attention (%s): %s", self.model.dtype, self.attention.describe())

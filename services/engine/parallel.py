@@ -50,7 +50,8 @@ from services.common.host import free_port
 from services.config.engine import EngineConfig, ModelConfig
 from services.engine.layers.attention import SeqLayout
 from services.engine.lora import LoRABatch
-from services.engine.models.llama import LM_HEAD_SHARD, LlamaModel
+from services.engine.models import build_model
+from services.engine.models.llama import LM_HEAD_SHARD
 
 log = logging.getLogger("meshserve.parallel")
 
@@ -86,16 +87,27 @@ def _split(n: int, world: int) -> list[tuple]:
 
 
 def plan_shards(mc: ModelConfig, world: int) -> list[Shard]:
+    """Each rank's part: whole KV heads and their query heads where the ranks are at most the KV heads; with more
+    ranks than KV heads (a small model's one or two), each KV head is replicated on world / num_kv_heads ranks, which
+    split its query heads between them (as vLLM does), so each rank holds one KV head."""
     if world < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {world}")
-    if world > mc.num_kv_heads:
-        raise ValueError(f"tensor_parallel_size {world} exceeds the model's {mc.num_kv_heads} KV heads (heads are "
-                         f"split by KV head, at least one per rank)")
     group = mc.num_heads // mc.num_kv_heads
-    kv = _split(mc.num_kv_heads, world)
-    return [Shard(r, world, k, (k[0] * group, k[1] * group), inter, vocab)
-            for r, (k, inter, vocab) in enumerate(zip(kv, _split(mc.intermediate_size, world),
-                                                      _split(mc.vocab_size, world)))]
+    if world <= mc.num_kv_heads:
+        kv = _split(mc.num_kv_heads, world)
+        heads = [(k[0] * group, k[1] * group) for k in kv]
+    else:
+        copies = world // mc.num_kv_heads
+        if world % mc.num_kv_heads or group % copies:
+            raise ValueError(f"tensor_parallel_size {world} exceeds the model's {mc.num_kv_heads} KV heads and cannot "
+                             f"replicate them: it must be a multiple of the KV heads ({mc.num_kv_heads}) whose "
+                             f"{group} query heads each split evenly over the copies")
+        per = group // copies
+        heads = [(r * per, (r + 1) * per) for r in range(world)]
+        kv = [(r // copies, r // copies + 1) for r in range(world)]
+    return [Shard(r, world, k, h, inter, vocab)
+            for r, (k, h, inter, vocab) in enumerate(zip(kv, heads, _split(mc.intermediate_size, world),
+                                                         _split(mc.vocab_size, world)))]
 
 
 def local_config(mc: ModelConfig, shard: Shard) -> ModelConfig:
@@ -487,15 +499,14 @@ class _Rank:
         mc = loaded.config
         shards = plan_shards(mc, config.tensor_parallel_size)
         shard = shards[setup.rank]
-        self.model = LlamaModel(local_config(mc, shard), shard_weights(loaded.weights, mc, shard))
+        self.model = build_model(local_config(mc, shard), shard_weights(loaded.weights, mc, shard))
         dtype = self.model.dtype
         self.kv_memory = SharedMemory(setup.kv_bytes, "kv", setup.kv_path)
         views = kv_views(self.kv_memory, mc, shards, setup.num_blocks, config.cache.block_size, dtype)
         self.kv_cache = KVCache.over(views[setup.rank], config.cache.block_size)
         kernel = paged_attention() if dtype in (torch.float32, torch.bfloat16) else None
         lc = local_config(mc, shard)
-        self.attention = TorchAttention(lc.num_heads, lc.num_kv_heads, mc.head_dim, config.cache.block_size,
-                                        kernel=kernel, dtype=dtype)
+        self.attention = TorchAttention.for_model(lc, config.cache.block_size, kernel, dtype)
         self.slots = LoRASlots(lc, config.lora.max_loras, dtype,
                                shard=lambda w: shard_adapter(w, mc, shard)) if config.lora.max_loras else None
         self.lora_kernel = lora_kernel() if self.slots is not None else None

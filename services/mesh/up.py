@@ -100,9 +100,10 @@ def default_kv_gb(model: Path) -> float:
 
 
 def resolve_model(name: str | None) -> Path:
-    """The folder to serve: a folder as given; `tiny` (written if absent); a known model name, fetched
-    and cached. With no name, the default real model; if it cannot be fetched, the tiny one, said loudly."""
-    from services.engine.tools.model_fetch import DEFAULT_MODEL, KNOWN_MODELS, fetch
+    """The folder to serve: a folder as given; a GGUF file, imported into the cache once; `tiny` (written if
+    absent); a known model name, fetched and cached. With no name, the default real model; if it cannot be fetched,
+    the tiny one, said loudly."""
+    from services.engine.tools.model_fetch import DEFAULT_MODEL, KNOWN_MODELS, fetch, from_gguf_file
     from services.engine.tools.model_init import write_model
 
     if name == "tiny":
@@ -110,10 +111,15 @@ def resolve_model(name: str | None) -> Path:
             print(f"writing the seeded tiny model to {TINY_MODEL}", flush=True)
             write_model(TINY_MODEL, "tiny")
         return TINY_MODEL
+    if name is not None and name.endswith(".gguf"):
+        try:
+            return from_gguf_file(name, log=lambda m: print(m, flush=True))
+        except MeshError as e:
+            raise SystemExit(f"meshserve: {e}") from None
     if name is not None and name not in KNOWN_MODELS:
         if not (Path(name) / "config.json").exists():
-            raise SystemExit(f"{name}: no config.json (give a Hugging Face model folder, tiny, or one of: "
-                             f"{', '.join(KNOWN_MODELS)})")
+            raise SystemExit(f"{name}: no config.json (give a Hugging Face model folder, a GGUF file, tiny, or one "
+                             f"of: {', '.join(KNOWN_MODELS)})")
         return Path(name)
     try:
         return fetch(name or DEFAULT_MODEL, log=lambda m: print(m, flush=True))

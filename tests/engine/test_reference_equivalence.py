@@ -47,23 +47,27 @@ def test_batched_greedy_equals_transformers(name, hf_models, mixed_prompts, refe
     assert engine.kv.pool.counts()["used"] == 0
 
 
-@pytest.mark.parametrize("budget", [1, 7, 64])
-def test_token_budgets(budget, hf_models, mixed_prompts, references):
-    engine = make_engine(hf_models["gqa"], budget=budget)
-    assert_matches(run_all(engine, mixed_prompts, greedy(NEW_TOKENS), check_each_step), references["gqa"])
+@pytest.mark.parametrize("name", ["gqa", "gemma3"])
+@pytest.mark.parametrize("budget", [1, 7])  # (64, make_engine's default, is test_batched_greedy_equals_transformers)
+def test_token_budgets(budget, name, hf_models, mixed_prompts, references):
+    """Chunked prefill at any chunk size; for gemma3, chunks that start inside, at and past the sliding window."""
+    engine = make_engine(hf_models[name], budget=budget)
+    assert_matches(run_all(engine, mixed_prompts, greedy(NEW_TOKENS), check_each_step), references[name])
 
 
-@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("block_size", [1])  # (16, make_engine's default, is test_batched_greedy_equals_transformers)
 def test_block_sizes(block_size, hf_models, mixed_prompts, references):
     engine = make_engine(hf_models["gqa"], block_size=block_size, num_blocks=4096 // block_size)
     assert_matches(run_all(engine, mixed_prompts, greedy(NEW_TOKENS), check_each_step), references["gqa"])
 
 
-def test_shared_prefixes_hit_the_prefix_cache(hf_models):
+@pytest.mark.parametrize("name", ["gqa", "gemma3"])
+def test_shared_prefixes_hit_the_prefix_cache(name, hf_models):
+    """A cached prefix (48 tokens: twice gemma3's sliding window) continued by new prompts."""
     shared = random_prompts(1, seed=7, lo=48, hi=48)[0]
     prompts = random_prompts(32, seed=8, lo=1, hi=40, prefix=shared) + [shared + [5]] * 2
-    refs = hf_greedy(hf_models["gqa"], prompts, NEW_TOKENS)
-    engine = make_engine(hf_models["gqa"])
+    refs = hf_greedy(hf_models[name], prompts, NEW_TOKENS)
+    engine = make_engine(hf_models[name])
     first = run_all(engine, prompts[:1], greedy(NEW_TOKENS))
     engine.requests.clear()
     reqs = [engine.add_request(f"s{i}", p, greedy(NEW_TOKENS)) for i, p in enumerate(prompts[1:])]
@@ -85,9 +89,9 @@ def test_preemption_keeps_output(hf_models, mixed_prompts, references):
     assert engine.kv.pool.counts()["used"] == 0
 
 
-@pytest.mark.parametrize("k", [1, 5])
-def test_export_import_continues_identically(k, hf_models, mixed_prompts, references):
-    source, target = make_engine(hf_models["gqa"]), make_engine(hf_models["gqa"])
+@pytest.mark.parametrize("name, k", [("gqa", 1), ("gqa", 5), ("gemma3", 5)])
+def test_export_import_continues_identically(name, k, hf_models, mixed_prompts, references):
+    source, target = make_engine(hf_models[name]), make_engine(hf_models[name])
     finished = {}
     for i, p in enumerate(mixed_prompts[:12]):
         req = source.add_request(f"x{i}", p, greedy(NEW_TOKENS))
@@ -102,7 +106,7 @@ def test_export_import_continues_identically(k, hf_models, mixed_prompts, refere
         target.step()
         target.kv.check_integrity()
     outputs = [finished[i].output_token_ids for i in range(12)]
-    assert_matches(outputs, references["gqa"][:12])
+    assert_matches(outputs, references[name][:12])
     assert target.kv.pool.counts()["used"] == 0
 
 

@@ -45,8 +45,15 @@ def test_shards_split_by_kv_head_the_mlp_and_the_vocabulary():
     assert [s.inter for s in shards] == [(0, 768), (768, 1536)]
     assert [s.vocab for s in shards] == [(0, 24576), (24576, 49152)]
     assert [s.kv for s in plan_shards(SMOLLM2, 3)] == [(0, 1), (1, 2), (2, 3)]
-    with pytest.raises(ValueError, match="exceeds the model's 3 KV heads"):
+    with pytest.raises(ValueError, match="exceeds the model's 3 KV heads and cannot replicate them"):
         plan_shards(SMOLLM2, 4)
+    # more ranks than KV heads: each KV head on world / KV heads ranks, its query heads split between them
+    gemma = ModelConfig(vocab_size=64, hidden_size=640, num_layers=1, num_heads=4, num_kv_heads=1, head_dim=256,
+                        intermediate_size=2048, max_positions=64)
+    assert [(s.kv, s.heads) for s in plan_shards(gemma, 2)] == [((0, 1), (0, 2)), ((0, 1), (2, 4))]
+    two = ModelConfig(**{**vars(gemma), "num_heads": 8, "num_kv_heads": 2})
+    assert [(s.kv, s.heads) for s in plan_shards(two, 4)] == [((0, 1), (0, 2)), ((0, 1), (2, 4)), ((1, 2), (4, 6)),
+                                                             ((1, 2), (6, 8))]
 
 
 def test_sharded_weights_add_up_to_the_whole_layer():
@@ -81,7 +88,7 @@ def test_the_shared_memory_collectives_equal_torch_on_every_rank(dtype):
 @pytest.fixture(scope="module")
 def hf_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp")
-    return {name: save_hf_model(root / name, name) for name in ("gqa", "mha", "qkv_bias", "tied")}
+    return {name: save_hf_model(root / name, name) for name in ("gqa", "mha", "qkv_bias", "gemma3")}
 
 
 @pytest.fixture(scope="module")
@@ -90,10 +97,11 @@ def prompts():
     return random_prompts(8, seed=5, lo=1, hi=90) + random_prompts(8, seed=6, lo=1, hi=50, prefix=list(range(3, 43)))
 
 
-@pytest.mark.parametrize("name,ranks,budget", [("gqa", 2, 64), ("qkv_bias", 2, 7), ("tied", 2, 64), ("mha", 3, 64)])
+@pytest.mark.parametrize("name,ranks,budget", [("gqa", 2, 64), ("qkv_bias", 2, 7), ("gemma3", 2, 7), ("mha", 3, 64)])
 def test_greedy_equals_transformers_and_tp1(name, ranks, budget, hf_models, prompts):
     """Float32, chunked prefill (a 7-token budget cuts every prompt) and prefix caching: TP=N's tokens are TP=1's
-    and transformers', token for token (mha at TP=3: 4 KV heads as 2 + 1 + 1)."""
+    and transformers', token for token (mha at TP=3: 4 KV heads as 2 + 1 + 1; gemma3, tied, sliding window, one KV
+    head: replicated on both ranks, which split its 4 query heads)."""
     refs = hf_greedy(hf_models[name], prompts, NEW_TOKENS)
     single = run_all(make_engine(hf_models[name], budget=budget), prompts, greedy(NEW_TOKENS))
     engine = make_engine(hf_models[name], budget=budget, tensor_parallel_size=ranks, threads=1)
@@ -108,14 +116,17 @@ def test_greedy_equals_transformers_and_tp1(name, ranks, budget, hf_models, prom
     assert assert_matches(split, refs) == []
 
 
-def test_kv_moves_between_tp2_and_tp1_engines(tiny_model):
-    """A TP=2 engine's export (every rank's heads, in the layout of one rank) continues identically in a TP=1
-    engine, and a TP=1 engine's export in a TP=2 engine: prefill and decode workers of different sizes pair."""
-    prompt = random_prompts(1, seed=31, lo=70, hi=70, vocab=4000)[0]
-    expected = run_all(make_engine(tiny_model), [prompt], greedy(12))[0]
-    split = make_engine(tiny_model, tensor_parallel_size=2, threads=1)
+@pytest.mark.parametrize("name", ["tiny", "gemma3"])
+def test_kv_moves_between_tp2_and_tp1_engines(name, tiny_model, hf_models):
+    """A TP=2 engine's export (every KV head once, in the layout of one rank; gemma3's one KV head is on both ranks)
+    continues identically in a TP=1 engine, and a TP=1 engine's export in a TP=2 engine (written to both of
+    gemma3's copies): prefill and decode workers of different sizes pair."""
+    model = tiny_model if name == "tiny" else hf_models[name]
+    prompt = random_prompts(1, seed=31, lo=70, hi=70, vocab=4000 if name == "tiny" else 500)[0]
+    expected = run_all(make_engine(model), [prompt], greedy(12))[0]
+    split = make_engine(model, tensor_parallel_size=2, threads=1)
     try:
-        for source, target in ((split, make_engine(tiny_model)), (make_engine(tiny_model), split)):
+        for source, target in ((split, make_engine(model)), (make_engine(model), split)):
             req = source.add_request("s", prompt, greedy(12))
             while req.num_output < 1:
                 source.step()

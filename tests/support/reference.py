@@ -37,16 +37,43 @@ CONFIGS = {
     "llama3_rope": ("llama", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                                   "original_max_position_embeddings": 64}}),
+    "qwen3": ("qwen3", {"head_dim": 32}),
+    # two layers: a sliding one (window 24, shorter than most prompts here) and a global one, each with its rotary;
+    # one KV head, as Gemma 3 270M (tensor parallelism replicates it)
+    "gemma3": ("gemma3", {"head_dim": 64, "num_key_value_heads": 1, "query_pre_attn_scalar": 24, "sliding_window": 24,
+                          "layer_types": ["sliding_attention", "full_attention"],
+                          "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                              "full_attention": {"rope_type": "default", "rope_theta": 1e6}}}),
 }
+# the norms' initial weights (ones; zeros for Gemma's 1 + weight) moved, so that a norm applied wrongly shows
+NORM_NOISE = 0.3
 
 
-def save_hf_model(out: Path, name: str, seed: int = 0) -> Path:
-    """A seeded random-weight transformers model of one CONFIGS entry, saved as a HF folder."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+def save_hf_model(out: Path, name: str, seed: int = 0, **overrides) -> Path:
+    """A seeded random-weight transformers model of one CONFIGS entry (its fields changed by overrides), saved as a
+    HF folder."""
+    from transformers import (
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     kind, extra = CONFIGS[name]
+    extra = {**extra, **overrides}
     torch.manual_seed(seed)
-    if kind == "qwen2":
+    if kind in ("qwen3", "gemma3"):
+        cls, config = {"qwen3": (Qwen3ForCausalLM, Qwen3Config), "gemma3": (Gemma3ForCausalLM, Gemma3TextConfig)}[kind]
+        model = cls(config(**{**BASE, **extra}))
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if n.endswith("norm.weight"):
+                    p.add_(torch.randn_like(p) * NORM_NOISE)
+    elif kind == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**{**BASE, **extra}))
         # Qwen2's init zeroes biases; give them values so the bias path is exercised.
         with torch.no_grad():

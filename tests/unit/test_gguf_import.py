@@ -168,3 +168,59 @@ def test_bfloat16_import_writes_bfloat16_weights(tiny_model, tmp_path):
         assert {str(st.get_tensor(n).dtype) for n in st.keys()} == {"torch.bfloat16"}
     with pytest.raises(ModelLoadError, match="unsupported dtype 'float16'"):
         import_gguf(tmp_path / "m.gguf", tmp_path / "out16", "float16")
+
+
+@pytest.mark.parametrize("name", ["qwen3", "gemma3"])
+def test_qwen3_and_gemma3_files_import_to_the_model_they_were_made_from(name, tmp_path):
+    """Written as llama.cpp's converter writes them (Gemma's norms stored as 1 + weight, its pre-MLP norm named
+    ffn_norm, per-head q/k norms): the folder has the original's config and weights and gives its greedy tokens. The
+    scores' scale of a Gemma 3 file is head_dim ** -0.5 (llama.cpp's rule; the file does not carry it)."""
+    from tests.support.reference import save_hf_model
+
+    model = save_hf_model(tmp_path / name, name, **({"query_pre_attn_scalar": 64} if name == "gemma3" else {}))
+    out = import_gguf(write_gguf(model, tmp_path / "m.gguf", "F32"), tmp_path / "out", progress=False)
+    want_cfg, got_cfg = (json.loads((m / "config.json").read_text()) for m in (model, out))
+    gemma = ("sliding_window", "layer_types", "query_pre_attn_scalar") if name == "gemma3" else ()
+    for key in ("model_type", "head_dim", "num_key_value_heads", "tie_word_embeddings", *gemma):
+        assert got_cfg[key] == want_cfg[key], key
+    want, got = weights(model), weights(out)
+    assert set(got) == set(want) and any("q_norm" in n for n in got)
+    for n in want:  # exact but for Gemma's norms, which went through + 1 and - 1 in float32
+        np.testing.assert_allclose(got[n], want[n], rtol=0, atol=1e-6 if "norm" in n else 0, err_msg=n)
+    prompts = random_prompts(6, seed=5, lo=10, hi=60)
+    assert_matches(run_all(make_engine(out), prompts, greedy(8)), hf_greedy(model, prompts, 8))
+
+
+def sentencepiece_vocabulary() -> dict:
+    """A GGUF tokenizer dict as Gemma files hold one: control tokens, the 256 byte tokens, pieces in merge order
+    with scores that do not follow it, a whitespace token spelled with real spaces, no merges."""
+    pieces = ["\u2581", "e", "t", "h", "l", "o", "\u2581t", "he", "\u2581the", "ll", "\u2581he", "llo", "\u2581hello",
+              "w", "r", "d", "or", "\u2581w", "ld", "orld", "\u2581world", "a", "n", "an", "\u2581an", "\u2581a", "s",
+              "\u2581s", "i", "in", "\u2581in", "g", "ing", "  ", "x", "y", "\u2581x"]
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+    tokens += [f"<0x{b:02X}>" for b in range(256)] + pieces
+    types = [3] * 6 + [6] * 256 + [1] * len(pieces)
+    scores = [0.0] * (6 + 256) + [float((7 * i) % len(pieces)) for i in range(len(pieces))]
+    return {"model": "llama", "tokens": tokens, "token_type": types, "scores": scores, "bos_token_id": 2,
+            "eos_token_id": 1, "unknown_token_id": 3, "padding_token_id": 0, "add_bos_token": True,
+            "add_space_prefix": False}
+
+
+def test_a_gemma_sentencepiece_vocabulary_tokenizes_as_transformers_builds_it():
+    """The outside reference: transformers' own GGUF tokenizer builder over the same metadata."""
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
+
+    from services.engine.tools.gguf_import import sentencepiece_json
+
+    tk = sentencepiece_vocabulary()
+    ours = sentencepiece_json(tk, "gemma3")
+    theirs, _ = convert_gguf_tokenizer("gemma3", {
+        "tokenizer_type": "llama", "tokens": tk["tokens"], "scores": tk["scores"], "token_type": tk["token_type"],
+        "bos_token_id": 2, "eos_token_id": 1, "unk_token_id": 3, "pad_token_id": 0, "add_prefix_space": False})
+    texts = ["hello world", "the hello  in the world", " leading space", "two  spaces and a tab\there",
+             "bytes: é ✓ 🤖 ZZZ", "<start_of_turn>user\nhello<end_of_turn>", "singing in the rain", "", "x y xy"]
+    for text in texts:
+        want = theirs.encode(text, add_special_tokens=False).ids
+        assert ours.encode(text, add_special_tokens=False).ids == want, text
+        assert ours.decode(want, skip_special_tokens=False) == theirs.decode(want, skip_special_tokens=False), text
+    assert ours.encode("hello").ids[0] == 2  # BOS added, as the file says

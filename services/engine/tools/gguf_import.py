@@ -2,17 +2,19 @@
 
 Reads the file with the `gguf` package (llama.cpp's own reader), dequantizes every tensor with
 `gguf.quants.dequantize`, undoes the row permutation llama.cpp's converter applies to the Q and K
-projections of llama models (it interleaves the two rotary halves of each head; qwen2 files are not
-permuted), and writes what our loader, transformers and vLLM read: `config.json`,
-`model.safetensors`, `tokenizer.json` (byte-level BPE rebuilt from the file's vocabulary and
-merges with the `tokenizers` library; control tokens become special tokens), `tokenizer_config.json`
+projections of llama models (it interleaves the two rotary halves of each head; qwen2, qwen3 and gemma3 files are
+not permuted), subtracts the 1 llama.cpp's converter adds to Gemma's norm weights, and writes what our loader,
+transformers and vLLM read: `config.json`, `model.safetensors`, `tokenizer.json` (rebuilt with the `tokenizers`
+library: a byte-level BPE from the file's vocabulary and merges, or a SentencePiece BPE with byte fallback from its
+vocabulary, merges recovered from the tokens' order or scores as transformers does; control tokens become special
+tokens), `tokenizer_config.json`
 (chat template, special tokens) and `generation_config.json` (EOS). The blocks of the weights whose type the
 engine runs quantized (services.engine.layers.quant: Q4_0, Q4_1, Q8_0) are also written as they are, in
 `quantized.st`, for `engine.quantization: gguf`.
 
-Supported: architectures llama and qwen2; tensor types in QUANT_TYPES; tokenizer model gpt2
-(byte-level BPE). Anything else is a ModelLoadError naming the file and what is wrong, raised
-before anything is written; the folder is built under a temporary name beside OUT_DIR and renamed
+Supported: architectures llama, qwen2, qwen3 and gemma3 (its text model); tensor types in QUANT_TYPES; tokenizer
+models gpt2 (byte-level BPE) and llama (SentencePiece BPE). Anything else is a ModelLoadError naming the file and
+what is wrong, raised before anything is written; the folder is built under a temporary name beside OUT_DIR and renamed
 into place at the end, so OUT_DIR is either complete or absent.
 """
 
@@ -33,7 +35,10 @@ from services.common.errors import ModelLoadError
 from services.engine.layers.quant import KINDS as QUANT_KINDS
 from services.engine.layers.quant import QUANTIZED_FILE
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "gemma3": "Gemma3ForCausalLM"}
+MODEL_TYPES = {"gemma3": "gemma3_text"}  # config.json's model_type where it is not the GGUF architecture's name
+TOKENIZER_MODELS = ("gpt2", "llama")  # byte-level BPE, SentencePiece BPE
 # Every type gguf.quants dequantizes that quantized llama/qwen2 files commonly use.
 QUANT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
                "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
@@ -50,7 +55,12 @@ BLOCK_NAMES = {
     "attn_v.bias": "self_attn.v_proj.bias",
     "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
+GEMMA_BLOCK_NAMES = {**BLOCK_NAMES, "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+                     "post_attention_norm.weight": "post_attention_layernorm.weight",
+                     "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
+GEMMA_SWA_PATTERN = 6  # Gemma 3: five sliding-window layers, then a global one (llama.cpp and transformers alike)
 TOKEN_CONTROL, TOKEN_USER_DEFINED = 3, 4  # llama.cpp's token_type values
 
 # Pre-tokenizer splits for the `tokenizer.ggml.pre` values whose merges were learned on a split other
@@ -67,7 +77,7 @@ PRE_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _
 class GGUFModel:
     """What one GGUF file holds, validated: everything the folder is written from."""
     path: Path
-    arch: str  # general.architecture: llama or qwen2
+    arch: str  # general.architecture: one of ARCHITECTURES
     config: dict  # config.json
     tensors: list  # gguf ReaderTensor, in file order
     tokenizer: dict  # tokenizer.ggml.* fields and tokenizer.chat_template, by short name
@@ -122,12 +132,12 @@ def read_gguf(path: str | Path) -> GGUFModel:
     arch = fields.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise ModelLoadError(f"{path}: unsupported architecture {arch!r} (supported: {', '.join(ARCHITECTURES)})")
-    _check_tensors(path, reader.tensors)
+    _check_tensors(path, arch, reader.tensors)
     tokenizer = {k.removeprefix("tokenizer.ggml.").removeprefix("tokenizer."): v
                  for k, v in fields.items() if k.startswith("tokenizer.")}
-    if tokenizer.get("model") != "gpt2":
+    if tokenizer.get("model") not in TOKENIZER_MODELS:
         raise ModelLoadError(f"{path}: unsupported tokenizer model {tokenizer.get('model')!r} "
-                             "(supported: gpt2, byte-level BPE)")
+                             "(supported: gpt2, byte-level BPE; llama, SentencePiece BPE)")
     names = {t.name for t in reader.tensors}
     return GGUFModel(path, arch, _config(path, arch, fields, names), list(reader.tensors), tokenizer)
 
@@ -139,7 +149,7 @@ def _value(field):
         return None
 
 
-def _check_tensors(path: Path, tensors) -> None:
+def _check_tensors(path: Path, arch: str, tensors) -> None:
     size = path.stat().st_size
     for t in tensors:
         kind = t.tensor_type.name
@@ -149,18 +159,18 @@ def _check_tensors(path: Path, tensors) -> None:
         end = int(t.data_offset) + int(t.n_bytes)
         if end > size:
             raise ModelLoadError(f"{path}: truncated: tensor {t.name} ends at byte {end:,} but the file has {size:,}")
-        if _hf_name(t.name) is None and t.name != "rope_freqs.weight":
+        if _hf_name(t.name, arch) is None and t.name != "rope_freqs.weight":
             raise ModelLoadError(f"{path}: unexpected tensor {t.name} for this architecture")
     if "rope_freqs.weight" in {t.name for t in tensors}:
         raise ModelLoadError(f"{path}: llama3-style rope scaling (rope_freqs.weight) is not supported")
 
 
-def _hf_name(name: str) -> str | None:
+def _hf_name(name: str, arch: str) -> str | None:
     if name in GLOBAL_NAMES:
         return GLOBAL_NAMES[name]
-    parts = name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in BLOCK_NAMES:
-        return f"model.layers.{parts[1]}.{BLOCK_NAMES[parts[2]]}"
+    parts, names = name.split(".", 2), GEMMA_BLOCK_NAMES if arch == "gemma3" else BLOCK_NAMES
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}"
     return None
 
 
@@ -172,15 +182,15 @@ def _config(path: Path, arch: str, fields: dict, tensor_names: set) -> dict:
         return value
 
     scaling = fields.get(f"{arch}.rope.scaling.type")
-    if scaling not in (None, "none"):
-        raise ModelLoadError(f"{path}: unsupported rope scaling {scaling!r}")
+    if scaling not in (None, "none", "linear"):
+        raise ModelLoadError(f"{path}: unsupported rope scaling {scaling!r} (supported: none, linear)")
     heads = int(need("attention.head_count"))
     hidden = int(need("embedding_length"))
     tokens = fields.get("tokenizer.ggml.tokens")
     if not tokens:
         raise ModelLoadError(f"{path}: missing metadata tokenizer.ggml.tokens")
     cfg = {
-        "architectures": [ARCHITECTURES[arch]], "model_type": arch, "hidden_act": "silu",
+        "architectures": [ARCHITECTURES[arch]], "model_type": MODEL_TYPES.get(arch, arch),
         "vocab_size": int(fields.get(f"{arch}.vocab_size") or len(tokens)),
         "hidden_size": hidden, "intermediate_size": int(need("feed_forward_length")),
         "num_hidden_layers": int(need("block_count")), "num_attention_heads": heads,
@@ -193,10 +203,26 @@ def _config(path: Path, arch: str, fields: dict, tensor_names: set) -> dict:
         "bos_token_id": fields.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": fields.get("tokenizer.ggml.eos_token_id"),
     }
-    if arch == "llama":
-        cfg.update(attention_bias=False, mlp_bias=False)
+    if scaling == "linear":
+        cfg["rope_scaling"] = {"rope_type": "linear", "factor": _f32(need("rope.scaling.factor"))}
+    if arch == "gemma3":
+        layers = cfg["num_hidden_layers"]
+        # llama.cpp's rule: the scores' scale is head_dim ** -0.5, but hidden / heads on the 27B model (62 layers)
+        scalar = hidden // heads if layers == 62 else cfg["head_dim"]
+        # which layers slide: the file's sliding_window_pattern (a period, or one flag per layer) where it has one
+        pattern = fields.get(f"{arch}.attention.sliding_window_pattern") or GEMMA_SWA_PATTERN
+        sliding = ([bool(x) for x in pattern] if isinstance(pattern, list) else
+                   [bool((i + 1) % int(pattern)) for i in range(layers)])
+        if len(sliding) != layers:
+            raise ModelLoadError(f"{path}: {arch}.attention.sliding_window_pattern names {len(sliding)} layers, "
+                                 f"not {layers}")
+        cfg.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=scalar,
+                   sliding_window=int(need("attention.sliding_window")), rope_local_base_freq=10000.0,
+                   layer_types=["sliding_attention" if s else "full_attention" for s in sliding])
+    elif arch == "llama":
+        cfg.update(hidden_act="silu", attention_bias=False, mlp_bias=False)
     else:
-        cfg.update(use_sliding_window=False)
+        cfg.update(hidden_act="silu", use_sliding_window=False, attention_bias=False)
     return cfg
 
 
@@ -216,7 +242,8 @@ def _write_folder(model: GGUFModel, out: Path, dtype: str, progress: bool) -> No
                   metadata={name: meta for name, (_, meta) in blocks.items()})
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     tk = model.tokenizer
-    tokenizer_json(tk).save(str(out / "tokenizer.json"))
+    (tokenizer_json(tk) if tk["model"] == "gpt2" else sentencepiece_json(tk, model.arch)).save(
+        str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(tk, cfg), indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps(generation_config(tk, cfg), indent=2) + "\n")
 
@@ -230,10 +257,13 @@ def _weights(model: GGUFModel, dtype: torch.dtype, progress: bool) -> tuple[dict
     for t in tqdm(model.tensors, desc=f"dequantizing {model.path.name}", unit="tensor", disable=not progress):
         shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dimensions innermost first
         array = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)  # a writable copy
-        out[_hf_name(t.name)] = torch.from_numpy(np.ascontiguousarray(_unpermuted(model, t.name, array))).to(dtype)
+        if model.arch == "gemma3" and t.name.endswith("norm.weight"):
+            array -= 1  # llama.cpp's converter stores Gemma's norms as 1 + weight
+        name = _hf_name(t.name, model.arch)
+        out[name] = torch.from_numpy(np.ascontiguousarray(_unpermuted(model, t.name, array))).to(dtype)
         if t.tensor_type.name in QUANT_KINDS and len(shape) == 2:
             rows = np.array(t.data, dtype=np.uint8).reshape(shape[0], -1)
-            blocks[_hf_name(t.name)] = (torch.from_numpy(np.ascontiguousarray(_unpermuted(model, t.name, rows))),
+            blocks[name] = (torch.from_numpy(np.ascontiguousarray(_unpermuted(model, t.name, rows))),
                                         f"{t.tensor_type.name}:{shape[1]}")
     return out, blocks
 
@@ -283,6 +313,53 @@ def tokenizer_json(tk: dict):
     return tokenizer
 
 
+def sentencepiece_json(tk: dict, arch: str):
+    """A `tokenizers` SentencePiece BPE (byte fallback, spaces as U+2581) from the file's vocabulary, as
+    transformers builds it from the same file. The file lists no merges: they are recovered from the vocabulary,
+    each token cut into pairs of tokens, best first by the token's score, or for Gemma by its place in the file (its
+    scores do not follow its merge order); Gemma files spell whitespace-only tokens with real spaces, respelled
+    here as the U+2581 the normalizer writes."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors
+
+    tokens, types = list(tk["tokens"]), list(tk.get("token_type") or [])
+    if arch == "gemma3":
+        tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+        rank = {t: -i for i, t in enumerate(tokens)}
+    else:
+        rank = dict(zip(tokens, tk.get("scores") or [-i for i in range(len(tokens))]))
+    vocab = {}
+    for i, token in enumerate(tokens):
+        vocab.setdefault(token, i)
+    unk = tk.get("unknown_token_id")
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=_recovered_merges(vocab, rank), byte_fallback=True,
+                                     fuse_unk=True, unk_token=tokens[unk] if unk is not None else None))
+    prefix = bool(tk.get("add_space_prefix"))
+    tokenizer.normalizer = normalizers.Sequence([*([normalizers.Prepend("\u2581")] if prefix else []),
+                                                 normalizers.Replace(" ", "\u2581")])
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                           *([decoders.Strip(" ", 1, 0)] if prefix else [])])
+    bos = tk.get("bos_token_id")
+    if tk.get("add_bos_token", True) and bos is not None:
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A $B", special_tokens=[(tokens[bos], bos)])
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                  for t, kind in zip(tokens, types) if kind == TOKEN_CONTROL])
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False)
+                          for t, kind in zip(tokens, types) if kind == TOKEN_USER_DEFINED])
+    return tokenizer
+
+
+def _recovered_merges(vocab: dict, rank: dict) -> list[tuple]:
+    """Every (left, right) pair of vocabulary tokens that spells another token, best first by that token's rank
+    (ties: the shorter left piece first), as transformers' generate_merges orders them."""
+    merges = []
+    for token, score in rank.items():
+        pairs = [(token[:i], token[i:]) for i in range(1, len(token)) if token[:i] in vocab and token[i:] in vocab]
+        merges += [(left, right, score) for left, right in sorted(pairs, key=lambda p: (vocab[p[0]], vocab[p[1]]))]
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in merges]
+
+
 def _respell(token: str) -> str:
     from tokenizers import pre_tokenizers
 
@@ -297,7 +374,8 @@ def tokenizer_config(tk: dict, cfg: dict) -> dict:
         i = tk.get(key)
         return tokens[i] if i is not None and 0 <= i < len(tokens) else None
 
-    out = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": bool(tk.get("add_bos_token")),
+    default_bos = tk.get("model") == "llama"  # llama.cpp adds BOS to a SentencePiece vocabulary that does not say
+    out = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": bool(tk.get("add_bos_token", default_bos)),
            "add_eos_token": bool(tk.get("add_eos_token")), "bos_token": name("bos_token_id"),
            "eos_token": name("eos_token_id"), "unk_token": name("unknown_token_id"),
            "pad_token": name("padding_token_id"), "model_max_length": cfg["max_position_embeddings"],
@@ -309,7 +387,9 @@ def tokenizer_config(tk: dict, cfg: dict) -> dict:
 
 def generation_config(tk: dict, cfg: dict) -> dict:
     """EOS: the file's eos token, and its end-of-turn token when it names another."""
-    eos = [i for i in (tk.get("eos_token_id"), tk.get("eot_token_id")) if i is not None]
+    tokens = tk["tokens"]
+    turn = tokens.index("<end_of_turn>") if "<end_of_turn>" in tokens else None  # Gemma's, as llama.cpp ends on it
+    eos = [i for i in (tk.get("eos_token_id"), tk.get("eot_token_id"), turn) if i is not None]
     eos = list(dict.fromkeys(eos))
     out = {"bos_token_id": cfg.get("bos_token_id"), "eos_token_id": eos[0] if len(eos) == 1 else eos,
            "pad_token_id": tk.get("padding_token_id")}
