@@ -31,7 +31,7 @@ WORDS = ("the of and to in is was for on that with as by at from his her an were
          "river house people world state music school family water light mountain village market story morning "
          "winter garden letter window history science language summer island forest church bridge station").split()
 FIRST = ("Alpha", "Bravo")  # two first words: the TTFT and the TPOT request never share a prefix
-END_TOKENS = (0, 2)  # SmolLM2's <|endoftext|> and <|im_end|>
+END_TOKENS = (0, 2)  # SmolLM2's <|endoftext|> and <|im_end|> (--end-tokens for another model: Gemma 3's 1,106)
 
 
 def prompt(i: int, variant: int, words: int = 150) -> str:
@@ -39,10 +39,11 @@ def prompt(i: int, variant: int, words: int = 150) -> str:
     return FIRST[variant] + " " + " ".join(rng.choice(WORDS) for _ in range(words))
 
 
-def complete(base_url: str, model: str, text: str, max_tokens: int, ban: bool) -> tuple[float, int]:
+def complete(base_url: str, model: str, text: str, max_tokens: int, ban) -> tuple[float, int]:
+    """ban: the end tokens to ban with logit_bias (a server that ignores ignore_eos), or ()."""
     body = {"model": model, "prompt": text, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
     if ban:
-        body["logit_bias"] = {str(t): -100 for t in END_TOKENS}
+        body["logit_bias"] = {str(t): -100 for t in ban}
     req = urllib.request.Request(base_url.rstrip("/") + "/v1/completions", json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})
     t = time.perf_counter()
@@ -97,12 +98,14 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=12)
     ap.add_argument("--output-tokens", type=int, default=128)
     ap.add_argument("--ban-end-tokens", action="store_true", help="logit_bias -100 on the end tokens (llama.cpp)")
+    ap.add_argument("--end-tokens", default=",".join(map(str, END_TOKENS)),
+                    help="the model's end tokens, for --ban-end-tokens (default: SmolLM2's)")
     args = ap.parse_args()
     if not (args.in_process or (args.base_url and args.model)):
         ap.error("give --base-url and --model, or --in-process MODEL_DIR")
     how = in_process(args.in_process, args.quantization) if args.in_process else complete
-    result = {"label": args.label, **run(args.base_url, args.model, args.prompts, args.output_tokens,
-                                         args.ban_end_tokens, how)}
+    ban = tuple(int(t) for t in args.end_tokens.split(",")) if args.ban_end_tokens else ()
+    result = {"label": args.label, **run(args.base_url, args.model, args.prompts, args.output_tokens, ban, how)}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"{args.label}: TTFT p50 {result['ttft_p50_ms']:.1f} ms, TPOT p50 {result['tpot_p50_ms']:.2f} ms")

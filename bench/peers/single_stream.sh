@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # One request at a time, text prompts (bench/peers/single_stream.py), against every server in one script, one
 # server at a time on both cores: `meshserve up` (one unified worker) with the quantized weights (import-gguf's
-# blocks), in float32 and in bfloat16, `vllm serve` float32, and llama.cpp's server on the GGUF itself.
-# Never run in CI.
+# blocks), in float32 and in bfloat16, `vllm serve` float32, and llama.cpp's servers on the GGUF itself: its own C++
+# `llama-server` (system llama-server; ../shared/peers/llama_cpp/setup-server.sh builds it) and llama-cpp-python's
+# Python server (system llama.cpp). Never run in CI.
 #   bash bench/peers/single_stream.sh MODEL_DIR GGUF_FILE OUT_DIR
-# env: VLLM_VENV, LLAMA_VENV, SYSTEMS, ENGINE_EXTRA (more engine settings for meshserve, e.g. "omp_wait_policy: active"),
+# env: VLLM_VENV, LLAMA_VENV, LLAMA_SERVER (the binary), END_TOKENS (the model's end tokens, default SmolLM2's
+#      0,2; Gemma 3: 1,106), SYSTEMS, ENGINE_EXTRA (more engine settings for meshserve, e.g. "omp_wait_policy: active"),
 #      LABEL_SUFFIX (appended to meshserve's labels), THREADS (the worker's torch threads, default 2)
 set -euo pipefail
 MODEL=$(cd "$1" && pwd); GGUF=$(realpath "$2"); OUT=$(mkdir -p "$3" && cd "$3" && pwd)
@@ -59,7 +61,14 @@ if wants llama.cpp; then
   setsid "$LLAMA_VENV/bin/python" -m llama_cpp.server --model "$GGUF" --model_alias "$NAME" --n_threads 2 \
     --n_ctx 2048 --host 127.0.0.1 --port "$PORT" > "$OUT/llama-cpp.log" 2>&1 &
   LS=$!; trap "kill -TERM -- -$LS 2>/dev/null || true" EXIT
-  measure llama.cpp "$PORT" "$LS" --ban-end-tokens
+  measure llama.cpp "$PORT" "$LS" --ban-end-tokens --end-tokens "${END_TOKENS:-0,2}"
+fi
+if wants llama-server; then
+  PORT=$(free_port)
+  setsid "${LLAMA_SERVER:-$HOME/.cache/llama-server/bin/llama-server}" -m "$GGUF" --alias "$NAME" -t 2 -c 4096 \
+    --host 127.0.0.1 --port "$PORT" > "$OUT/llama-server.log" 2>&1 &
+  LS=$!; trap "kill -TERM -- -$LS 2>/dev/null || true" EXIT
+  measure llama-server "$PORT" "$LS" --ban-end-tokens --end-tokens "${END_TOKENS:-0,2}"
 fi
 "$HERE/.venv/bin/python" - "$OUT" <<'PY'
 import json, pathlib, sys

@@ -59,7 +59,7 @@ def parse_config(cfg: dict, path: Path) -> ModelConfig:
         raise ModelLoadError(f"{path}: unsupported model_type {mtype!r} (supported: {', '.join(SUPPORTED_TYPES)})")
     act = cfg.get("hidden_activation") or cfg.get("hidden_act") or ACTIVATIONS[mtype]
     if act != ACTIVATIONS[mtype]:
-        raise ModelLoadError(f"{path}: unsupported activation {act!r} for {mtype} (supported: {ACTIVATIONS[mtype]})")
+        raise ModelLoadError(f"{path}: unsupported hidden_act {act!r} for {mtype} (supported: {ACTIVATIONS[mtype]})")
     max_pos = int(_field(cfg, "max_position_embeddings", path))
     window = cfg.get("sliding_window")
     if (mtype != "gemma3_text" and window is not None and cfg.get("use_sliding_window", mtype == "mistral")

@@ -135,17 +135,18 @@ def test_every_level_of_the_lora_kernel_adds_each_segments_delta(isa):
 @pytest.mark.parametrize("isa", ISA_LEVELS)
 def test_every_level_of_the_quantized_linear_computes_what_gguf_dequantizes(isa, monkeypatch):
     from services.engine.layers.quant import KINDS, QuantizedWeight
-    from tests.support.kernel_checks import blocks_of, reference
+    from tests.support.kernel_checks import blocks_of, reference, width_for
 
     force_level(isa, monkeypatch)  # QuantizedWeight takes the kernel of the level MESHSERVE_ISA names
     rng = np.random.default_rng(7)
-    for kind in sorted(KINDS):
-        w = (rng.standard_normal((17, 96)) * rng.uniform(0.01, 2.0, (17, 1))).astype(np.float32)
+    for kind in sorted(KINDS):  # the file's types, the repacked ones (Q5_0, K-quants) among them
+        k = width_for(kind, 96)
+        w = (rng.standard_normal((17, k)) * rng.uniform(0.01, 2.0, (17, 1))).astype(np.float32)
         blocks = blocks_of(w, kind)
-        q = QuantizedWeight.from_blocks(torch.from_numpy(blocks), kind, 96)
+        q = QuantizedWeight.from_blocks(torch.from_numpy(blocks), kind, k)
         for m in (1, 9, 67):
-            x = torch.from_numpy(rng.standard_normal((m, 96)).astype(np.float32))
-            want = (x.double() @ reference(blocks, kind, 96).double().T).float()
+            x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
+            want = (x.double() @ reference(blocks, kind, k).double().T).float()
             torch.testing.assert_close(q(x), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
 
 

@@ -257,3 +257,17 @@ def test_eviction_never_removes_a_pinned_adapter(ops, slots, host):
         pinned = {n for s, n in enumerate(res.slot_names) if res.pins[s]}
         assert len(set(res.host) - pinned) <= res.max_cpu_loras
     res.close()
+
+
+def test_gemma3_with_an_adapter_equals_peft(tmp_path):
+    """LoRA on Gemma 3's projections (its own layer: four norms, a GELU gate, a sliding window shorter than the
+    prompts) as PEFT applies them, beside requests without it."""
+    base = save_hf_model(tmp_path / "gemma3", "gemma3")
+    adapter = save_peft_adapter(base, tmp_path / "all32", seed=5, **ADAPTERS["all32"])
+    prompts = random_prompts(6, seed=4, lo=10, hi=60)
+    assigned = ["all32", "", "all32", "", "all32", "all32"]
+    refs = [peft_greedy(base, adapter if name else None, [p], NEW_TOKENS)[0] for p, name in zip(prompts, assigned)]
+    assert refs[0].tokens != peft_greedy(base, None, prompts[:1], NEW_TOKENS)[0].tokens  # the adapter matters
+    engine = lora_engine(base, {"all32": adapter})
+    assert_matches(run(engine, prompts, assigned), refs)
+    assert engine.kv.pool.counts()["used"] == 0

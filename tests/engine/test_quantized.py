@@ -13,7 +13,7 @@ from services.engine.layers.kernels import quant_linear
 from services.engine.layers.quant import KINDS, QuantizedWeight
 from services.engine.tools.gguf_import import import_gguf
 from tests.support.gguf_files import write_gguf
-from tests.support.kernel_checks import blocks_of, reference
+from tests.support.kernel_checks import blocks_of, reference, width_for
 from tests.support.reference import agreement, assert_matches, greedy, hf_greedy, make_engine, random_prompts, run_all
 
 pytestmark = pytest.mark.skipif(quant_linear() is None, reason="the quant_linear kernel did not build")
@@ -22,12 +22,17 @@ pytestmark = pytest.mark.skipif(quant_linear() is None, reason="the quant_linear
 @pytest.mark.parametrize("kind", sorted(KINDS))
 @pytest.mark.parametrize("n, k", [(1, 32), (17, 96), (40, 576)])
 def test_the_kernel_computes_what_gguf_dequantizes_at_every_batch_size(kind, n, k):
+    """Q4_0, Q4_1, Q8_0 as the file holds them; Q5_0 and the K-quants repacked (quant.KINDS): every weight is gguf's
+    dequantized float (the K-quants' exactly), every product its sum (widths rounded up to a K-quant's 256)."""
+    k = width_for(kind, k)
     rng = np.random.default_rng(n + k)
     w = (rng.standard_normal((n, k)) * rng.uniform(0.01, 2.0, (n, 1))).astype(np.float32)
     blocks = blocks_of(w, kind)
     want_w = reference(blocks, kind, k)
     q = QuantizedWeight.from_blocks(torch.from_numpy(blocks), kind, k)
     torch.testing.assert_close(q.dequantize(), want_w, rtol=1e-6, atol=1e-7)  # w = d * q + m rounded once, not twice
+    if quant.KINDS[kind] != kind:  # repacked: gguf's d * q (exact) + m rounds once too, so the very same floats
+        assert torch.equal(q.dequantize(), want_w)
     bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
     for m in (1, 2, 5, 8, 9, 15, 64, 67):  # one row, small batches, every tile remainder, whole tiles, two panels
         x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
@@ -43,7 +48,9 @@ def test_rows_of_the_wrong_width_are_refused():
     with pytest.raises(ModelLoadError, match="rows of 96 weights"):
         QuantizedWeight.from_blocks(blocks, "Q4_1", 96)
     with pytest.raises(ModelLoadError, match="not kept quantized"):
-        QuantizedWeight.from_blocks(blocks, "Q5_0", 64)
+        QuantizedWeight.from_blocks(blocks, "Q2_K", 64)
+    with pytest.raises(ModelLoadError, match="rows of 64 weights"):  # a K-quant's rows are whole 256-weight blocks
+        QuantizedWeight.from_blocks(blocks, "Q4_K", 64)
     q = QuantizedWeight.from_blocks(blocks, "Q4_1", 64)
     with pytest.raises(RuntimeError, match="float32"):
         q(torch.ones(2, 64, dtype=torch.bfloat16))

@@ -154,9 +154,31 @@ def check_kernel_against_fallback(kernel, scale: float) -> None:
     assert torch.allclose(fast_lp[asked], slow_lp[asked], atol=1e-5) and fast_lp[~asked].isnan().all()
 
 
+K_SCALES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}  # where a K-quant block's float16 scales lie
+
+
+def width_for(kind: str, k: int) -> int:
+    """k rounded up to whole blocks of kind (256 weights for the K-quants, 32 for the others)."""
+    block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]][0]
+    return -(-k // block) * block
+
+
 def blocks_of(weights: np.ndarray, kind: str) -> np.ndarray:
-    """gguf's own quantization of weights [N, K]: uint8 rows of blocks."""
-    return gguf.quants.quantize(weights, gguf.GGMLQuantizationType[kind])
+    """gguf's own quantization of weights [N, K]: uint8 rows of blocks. gguf's numpy code cannot quantize the
+    K-quants: for those, seeded random blocks (every value, scale and min drawn) with float16 scales of the
+    weights' magnitude over the block's range."""
+    qtype = gguf.GGMLQuantizationType[kind]
+    if kind not in K_SCALES:
+        return gguf.quants.quantize(weights, qtype)
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(weights.shape[0] * 1000 + weights.shape[1])
+    raw = rng.integers(0, 256, (weights.shape[0], weights.shape[1] // block * size), dtype=np.uint8)
+    scale = float(np.abs(weights).mean()) / (16 * 32 if kind == "Q6_K" else 8 * 32)
+    for b in range(weights.shape[1] // block):
+        for at in K_SCALES[kind]:
+            d = (scale * rng.uniform(0.5, 2.0, weights.shape[0])).astype(np.float16)
+            raw[:, b * size + at:b * size + at + 2] = d.reshape(-1, 1).view(np.uint8)
+    return raw
 
 
 def reference(blocks: np.ndarray, kind: str, k: int) -> torch.Tensor:

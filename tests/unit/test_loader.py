@@ -33,6 +33,11 @@ def edit_config(folder, **changes):
     ({"hidden_size": None}, "missing field 'hidden_size'"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "unsupported rope_type 'yarn'"),
     ({"model_type": "mistral", "sliding_window": 128}, "sliding_window=128"),
+    ({"model_type": "gemma3_text", "hidden_act": None, "final_logit_softcapping": 30.0},
+     "final_logit_softcapping=30.0 is not supported"),
+    ({"model_type": "gemma3_text", "hidden_act": None, "layer_types": ["full_attention"]},
+     "layer_types must name 2 layers"),
+    ({"model_type": "gemma3_text", "hidden_act": "silu"}, "unsupported hidden_act 'silu' for gemma3_text"),
 ])
 def test_unsupported_config_names_file_and_field(tiny_model, tmp_path, changes, fragment):
     folder = copy_model(tiny_model, tmp_path / "m")

@@ -4,7 +4,13 @@
 //   Q4_0 (18 bytes): float16 d, 16 bytes of nibbles           w = d * (q - 8)
 //   Q4_1 (20 bytes): float16 d, float16 m, 16 bytes of nibbles w = d * q + m
 //   Q8_0 (34 bytes): float16 d, 32 int8                        w = d * q
-// where byte j of a 4-bit block holds weight j (low nibble) and weight j + 16 (high nibble).
+// where byte j of a 4-bit block holds weight j (low nibble) and weight j + 16 (high nibble). The file's other types
+// are repacked at load (services/engine/layers/quant.py) into blocks of 32 of the same shape with float32 scales,
+// each weight the same float as gguf's dequantize gives:
+//   Q4_1F (24 bytes): float32 d, float32 m, 16 bytes of nibbles  w = d * q + m   (Q4_K: d = d * sc, m = -dmin * min)
+//   Q8_1F (40 bytes): float32 d, float32 m, 32 int8             w = d * q + m   (Q5_K)
+//   Q8_16F (40 bytes): float32 d0, float32 d1, 32 int8          w = d0 * q (first 16), d1 * q (last 16)   (Q6_K)
+// and Q5_0 into Q8_0 (w = d * (q - 16), its 5-bit values as int8).
 //
 // pack() interleaves the rows in groups of 16 (the last group padded with zero rows), in the same bytes per row:
 // for each block of a group, the 16 rows' d (float16), then their m (Q4_1), then the values with the 16 rows
@@ -27,16 +33,26 @@
 #include <immintrin.h>
 #endif
 
-enum Kind : int64_t { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 };
+enum Kind : int64_t { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, Q4_1F = 3, Q8_1F = 4, Q8_16F = 5 };
+constexpr int64_t KINDS = 6;
+// What a kind's block holds: 4-bit values (else int8), float32 scales (else float16), a term m * sum(x) per block.
+static constexpr bool nibbles(int64_t kind) { return kind == Q4_0 || kind == Q4_1 || kind == Q4_1F; }
+static constexpr bool f32_scales(int64_t kind) { return kind >= Q4_1F; }
+static constexpr bool has_min(int64_t kind) { return kind != Q8_0 && kind != Q8_16F; }
+// A block's scale bytes (d, and m or d1), and the size of one scale.
+static constexpr int64_t scale_bytes(int64_t kind) {
+  return kind == Q4_0 || kind == Q8_0 ? 2 : kind == Q4_1 ? 4 : 8;
+}
+static constexpr int64_t scale_size(int64_t kind) { return f32_scales(kind) ? 4 : 2; }
 constexpr int64_t G = 16;      // rows per group
 constexpr int64_t PANEL = 64;  // rows of x per pass over the decoded groups (the panel stays in L2)
 constexpr int64_t KC = 128;    // inputs per chunk: 4 decoded groups' chunk is 32 KB, in L1
 constexpr int64_t GP = 4;      // groups decoded per pass: 64 outputs, 24 accumulators with 6 rows of x
 constexpr int64_t SMALL_BATCH = 8;  // up to this many rows of x, values are converted as they are read (no buffer)
 
-static inline int64_t block_bytes(int64_t kind) { return kind == Q4_0 ? 18 : kind == Q4_1 ? 20 : 34; }
-// Within a group's block: where the values start (after d, and m for Q4_1).
-static inline int64_t values_at(int64_t kind) { return kind == Q4_1 ? 4 * G : 2 * G; }
+static constexpr int64_t block_bytes(int64_t kind) { return scale_bytes(kind) + (nibbles(kind) ? 16 : 32); }
+// Within a group's block: where the values start (after the 16 rows' scales).
+static constexpr int64_t values_at(int64_t kind) { return scale_bytes(kind) * G; }
 
 static inline float half_to_float(const uint8_t* p) {
   uint16_t h;
@@ -64,17 +80,33 @@ static inline float half_to_float(const uint8_t* p) {
 #endif
 }
 
+static inline float float_at(const uint8_t* p) {
+  float f;
+  std::memcpy(&f, p, 4);
+  return f;
+}
+
 // Weight (lane i, element k) of one group's block gb, portable C++.
 template <int64_t KIND>
 static inline float weight_at(const uint8_t* gb, int64_t i, int64_t k) {
-  const float d = half_to_float(gb + 2 * i);
   const uint8_t* v = gb + values_at(KIND);
-  if constexpr (KIND == Q8_0) {
+  if constexpr (KIND == Q8_16F) {
+    const float d = float_at(gb + (k < 16 ? 0 : 4 * G) + 4 * i);
     return static_cast<float>(reinterpret_cast<const int8_t*>(v)[k * G + i]) * d;
-  } else {
-    const float m = KIND == Q4_1 ? half_to_float(gb + 2 * G + 2 * i) : -8.0f * d;
+  } else if constexpr (f32_scales(KIND)) {
+    const float d = float_at(gb + 4 * i), m = float_at(gb + 4 * G + 4 * i);
+    if constexpr (KIND == Q8_1F) return std::fma(static_cast<float>(reinterpret_cast<const int8_t*>(v)[k * G + i]), d, m);
     const uint8_t byte = v[(k & 15) * G + i];
     return std::fma(static_cast<float>(k < 16 ? byte & 0x0F : byte >> 4), d, m);
+  } else {
+    const float d = half_to_float(gb + 2 * i);
+    if constexpr (KIND == Q8_0) {
+      return static_cast<float>(reinterpret_cast<const int8_t*>(v)[k * G + i]) * d;
+    } else {
+      const float m = KIND == Q4_1 ? half_to_float(gb + 2 * G + 2 * i) : -8.0f * d;
+      const uint8_t byte = v[(k & 15) * G + i];
+      return std::fma(static_cast<float>(k < 16 ? byte & 0x0F : byte >> 4), d, m);
+    }
   }
 }
 
@@ -88,8 +120,14 @@ static void decode_group_portable(const uint8_t* g, int64_t nb, float* out) {
 }
 
 #if defined(__AVX512F__)
+// The 16 rows' d and m of a block (Q8_16F: m is d1, the last 16 values' scale).
 template <int64_t KIND>
 static inline void group_scales(const uint8_t* gb, __m512& d, __m512& m) {
+  if constexpr (f32_scales(KIND)) {
+    d = _mm512_loadu_ps(reinterpret_cast<const float*>(gb));
+    m = _mm512_loadu_ps(reinterpret_cast<const float*>(gb + 4 * G));
+    return;
+  }
   d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb)));
   if constexpr (KIND == Q4_1) m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 2 * G)));
   else if constexpr (KIND == Q4_0) m = _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
@@ -110,9 +148,13 @@ static void decode_group(const uint8_t* g, int64_t nb, float* out) {
     const uint8_t* v = gb + values_at(KIND);
     __m512 d, m;
     group_scales<KIND>(gb, d, m);
-    if constexpr (KIND == Q8_0) {
+    if constexpr (KIND == Q8_0 || KIND == Q8_16F) {
       for (int k = 0; k < 32; ++k)
-        _mm512_storeu_ps(out + k * G, _mm512_mul_ps(_mm512_cvtepi32_ps(load_bytes(v + k * G, true)), d));
+        _mm512_storeu_ps(out + k * G, _mm512_mul_ps(_mm512_cvtepi32_ps(load_bytes(v + k * G, true)),
+                                                    KIND == Q8_16F && k >= 16 ? m : d));
+    } else if constexpr (KIND == Q8_1F) {
+      for (int k = 0; k < 32; ++k)
+        _mm512_storeu_ps(out + k * G, _mm512_fmadd_ps(_mm512_cvtepi32_ps(load_bytes(v + k * G, true)), d, m));
     } else {
       for (int j = 0; j < 16; ++j) {
         const __m512i z = load_bytes(v + j * G, false);
@@ -203,7 +245,16 @@ static void gemv(const float* x, const float* S, const uint8_t* w, int64_t gstri
         __m512 d, m;
         group_scales<KIND>(gb, d, m);
         __m512 t0 = _mm512_setzero_ps(), t1 = t0, t2 = t0, t3 = t0;
-        if constexpr (KIND == Q8_0) {
+        if constexpr (KIND == Q8_16F) {  // t0, t1: the first 16 values (scale d); t2, t3: the last 16 (d1, in m)
+          for (int k = 0; k < 16; k += 2) {
+            t0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(load_bytes(v + k * G, true)), _mm512_set1_ps(xb[k]), t0);
+            t1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(load_bytes(v + (k + 1) * G, true)), _mm512_set1_ps(xb[k + 1]), t1);
+            t2 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(load_bytes(v + (k + 16) * G, true)), _mm512_set1_ps(xb[k + 16]),
+                                 t2);
+            t3 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(load_bytes(v + (k + 17) * G, true)), _mm512_set1_ps(xb[k + 17]),
+                                 t3);
+          }
+        } else if constexpr (!nibbles(KIND)) {
           for (int k = 0; k < 32; k += 4) {
             t0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(load_bytes(v + k * G, true)), _mm512_set1_ps(xb[k]), t0);
             t1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(load_bytes(v + (k + 1) * G, true)), _mm512_set1_ps(xb[k + 1]), t1);
@@ -220,9 +271,14 @@ static void gemv(const float* x, const float* S, const uint8_t* w, int64_t gstri
             t3 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(z1, 4)), _mm512_set1_ps(xb[k + 17]), t3);
           }
         }
-        const __m512 t = _mm512_add_ps(_mm512_add_ps(t0, t1), _mm512_add_ps(t2, t3));
-        acc[j] = _mm512_fmadd_ps(t, d, acc[j]);
-        if constexpr (KIND != Q8_0) acc[j] = _mm512_fmadd_ps(m, _mm512_set1_ps(S[b]), acc[j]);
+        if constexpr (KIND == Q8_16F) {
+          acc[j] = _mm512_fmadd_ps(_mm512_add_ps(t0, t1), d, acc[j]);
+          acc[j] = _mm512_fmadd_ps(_mm512_add_ps(t2, t3), m, acc[j]);
+        } else {
+          const __m512 t = _mm512_add_ps(_mm512_add_ps(t0, t1), _mm512_add_ps(t2, t3));
+          acc[j] = _mm512_fmadd_ps(t, d, acc[j]);
+          if constexpr (has_min(KIND)) acc[j] = _mm512_fmadd_ps(m, _mm512_set1_ps(S[b]), acc[j]);
+        }
       }
     }
     for (int j = 0; j < ng; ++j) {
@@ -251,7 +307,16 @@ static void gemv_rows(const float* x, int64_t ldx, const float* S, const uint8_t
       __m512 t0[RT], t1[RT];
       for (int r = 0; r < RT; ++r) t0[r] = t1[r] = _mm512_setzero_ps();
       const float* xb = x + 32 * b;
-      if constexpr (KIND == Q8_0) {
+      if constexpr (KIND == Q8_16F) {  // t0: the first 16 values (scale d), t1: the last 16 (d1, in m)
+        for (int k = 0; k < 16; ++k) {
+          const __m512 q0 = _mm512_cvtepi32_ps(load_bytes(v + k * G, true));
+          const __m512 q1 = _mm512_cvtepi32_ps(load_bytes(v + (k + 16) * G, true));
+          for (int r = 0; r < RT; ++r) {
+            t0[r] = _mm512_fmadd_ps(q0, _mm512_set1_ps(xb[r * ldx + k]), t0[r]);
+            t1[r] = _mm512_fmadd_ps(q1, _mm512_set1_ps(xb[r * ldx + k + 16]), t1[r]);
+          }
+        }
+      } else if constexpr (!nibbles(KIND)) {
         for (int k = 0; k < 32; k += 2) {
           const __m512 q0 = _mm512_cvtepi32_ps(load_bytes(v + k * G, true));
           const __m512 q1 = _mm512_cvtepi32_ps(load_bytes(v + (k + 1) * G, true));
@@ -272,8 +337,13 @@ static void gemv_rows(const float* x, int64_t ldx, const float* S, const uint8_t
         }
       }
       for (int r = 0; r < RT; ++r) {
-        acc[r] = _mm512_fmadd_ps(_mm512_add_ps(t0[r], t1[r]), d, acc[r]);
-        if constexpr (KIND != Q8_0) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(S[r * nb + b]), acc[r]);
+        if constexpr (KIND == Q8_16F) {
+          acc[r] = _mm512_fmadd_ps(t0[r], d, acc[r]);
+          acc[r] = _mm512_fmadd_ps(t1[r], m, acc[r]);
+        } else {
+          acc[r] = _mm512_fmadd_ps(_mm512_add_ps(t0[r], t1[r]), d, acc[r]);
+          if constexpr (has_min(KIND)) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(S[r * nb + b]), acc[r]);
+        }
       }
     }
     const int64_t n0 = g * G, live = std::min<int64_t>(G, N - n0);
@@ -364,7 +434,7 @@ static void linear_impl(const float* x, int64_t M, int64_t K, const uint8_t* w, 
 }
 
 static void check_packed(const torch::Tensor& w, int64_t kind, int64_t K, int64_t N) {
-  TORCH_CHECK(kind == Q4_0 || kind == Q4_1 || kind == Q8_0, "unknown quantization kind ", kind);
+  TORCH_CHECK(kind >= 0 && kind < KINDS, "unknown quantization kind ", kind);
   TORCH_CHECK(K > 0 && K % 32 == 0, "the input width must be a positive multiple of 32, not ", K);
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(),
               "packed weights: a contiguous uint8 [groups, bytes] tensor");
@@ -374,13 +444,13 @@ static void check_packed(const torch::Tensor& w, int64_t kind, int64_t K, int64_
 
 // GGUF's rows of blocks [N, K / 32 * block bytes] -> groups of 16 rows [ceil(N / 16), 16 * that] (see the top).
 torch::Tensor pack(const torch::Tensor& w, int64_t kind, int64_t K) {
-  TORCH_CHECK(kind == Q4_0 || kind == Q4_1 || kind == Q8_0, "unknown quantization kind ", kind);
+  TORCH_CHECK(kind >= 0 && kind < KINDS, "unknown quantization kind ", kind);
   TORCH_CHECK(K > 0 && K % 32 == 0, "the input width must be a positive multiple of 32, not ", K);
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.size(1) == K / 32 * block_bytes(kind),
               "weights: uint8 rows of ", K / 32 * block_bytes(kind), " bytes for width ", K);
   const torch::Tensor src_t = w.contiguous();
   const int64_t N = w.size(0), nb = K / 32, bb = block_bytes(kind), groups = (N + G - 1) / G, gbb = G * bb;
-  const int64_t scales = kind == Q4_1 ? 2 : 1, vb = kind == Q8_0 ? 32 : 16;  // value bytes per block
+  const int64_t ss = scale_size(kind), scales = scale_bytes(kind) / ss, vb = nibbles(kind) ? 16 : 32;
   torch::Tensor out = torch::zeros({groups, nb * gbb}, w.options());
   const uint8_t* src = src_t.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
@@ -390,8 +460,8 @@ torch::Tensor pack(const torch::Tensor& w, int64_t kind, int64_t K) {
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* blk = src + n * nb * bb + b * bb;
         uint8_t* gb = dst + g * nb * gbb + b * gbb;
-        for (int64_t s = 0; s < scales; ++s) std::memcpy(gb + s * 2 * G + 2 * i, blk + 2 * s, 2);
-        const uint8_t* vals = blk + 2 * scales;
+        for (int64_t s = 0; s < scales; ++s) std::memcpy(gb + s * ss * G + ss * i, blk + ss * s, ss);
+        const uint8_t* vals = blk + ss * scales;
         for (int64_t j = 0; j < vb; ++j) gb[values_at(kind) + j * G + i] = vals[j];
       }
     }
@@ -403,7 +473,7 @@ torch::Tensor pack(const torch::Tensor& w, int64_t kind, int64_t K) {
 torch::Tensor unpack(const torch::Tensor& w, int64_t kind, int64_t K, int64_t N) {
   check_packed(w, kind, K, N);
   const int64_t nb = K / 32, bb = block_bytes(kind), gbb = G * bb;
-  const int64_t scales = kind == Q4_1 ? 2 : 1, vb = kind == Q8_0 ? 32 : 16;
+  const int64_t ss = scale_size(kind), scales = scale_bytes(kind) / ss, vb = nibbles(kind) ? 16 : 32;
   torch::Tensor out = torch::empty({N, nb * bb}, w.options());
   const uint8_t* src = w.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
@@ -412,8 +482,8 @@ torch::Tensor unpack(const torch::Tensor& w, int64_t kind, int64_t K, int64_t N)
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* gb = src + g * nb * gbb + b * gbb;
       uint8_t* blk = dst + n * nb * bb + b * bb;
-      for (int64_t s = 0; s < scales; ++s) std::memcpy(blk + 2 * s, gb + s * 2 * G + 2 * i, 2);
-      for (int64_t j = 0; j < vb; ++j) blk[2 * scales + j] = gb[values_at(kind) + j * G + i];
+      for (int64_t s = 0; s < scales; ++s) std::memcpy(blk + ss * s, gb + s * ss * G + ss * i, ss);
+      for (int64_t j = 0; j < vb; ++j) blk[ss * scales + j] = gb[values_at(kind) + j * G + i];
     }
   }
   return out;
@@ -442,6 +512,9 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, int64_t kin
   switch (kind) {
     case Q4_0: linear_impl<Q4_0>(xp, M, K, wp, w.size(0), w.size(1), N, yp, bp); break;
     case Q4_1: linear_impl<Q4_1>(xp, M, K, wp, w.size(0), w.size(1), N, yp, bp); break;
+    case Q4_1F: linear_impl<Q4_1F>(xp, M, K, wp, w.size(0), w.size(1), N, yp, bp); break;
+    case Q8_1F: linear_impl<Q8_1F>(xp, M, K, wp, w.size(0), w.size(1), N, yp, bp); break;
+    case Q8_16F: linear_impl<Q8_16F>(xp, M, K, wp, w.size(0), w.size(1), N, yp, bp); break;
     default: linear_impl<Q8_0>(xp, M, K, wp, w.size(0), w.size(1), N, yp, bp); break;
   }
   return y;
@@ -465,9 +538,15 @@ torch::Tensor rows(const torch::Tensor& w, int64_t kind, int64_t K, int64_t N, c
       for (int64_t b = 0; b < nb; ++b)
         for (int64_t k = 0; k < 32; ++k) {
           float v;
-          if (kind == Q4_0) v = weight_at<Q4_0>(g + b * gbb, i, k);
-          else if (kind == Q4_1) v = weight_at<Q4_1>(g + b * gbb, i, k);
-          else v = weight_at<Q8_0>(g + b * gbb, i, k);
+          const uint8_t* gb = g + b * gbb;
+          switch (kind) {
+            case Q4_0: v = weight_at<Q4_0>(gb, i, k); break;
+            case Q4_1: v = weight_at<Q4_1>(gb, i, k); break;
+            case Q4_1F: v = weight_at<Q4_1F>(gb, i, k); break;
+            case Q8_1F: v = weight_at<Q8_1F>(gb, i, k); break;
+            case Q8_16F: v = weight_at<Q8_16F>(gb, i, k); break;
+            default: v = weight_at<Q8_0>(gb, i, k); break;
+          }
           op[t * K + b * 32 + k] = v;
         }
     }
