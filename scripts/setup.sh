@@ -12,4 +12,7 @@ fi
 .venv/bin/python -m pip install -q --disable-pip-version-check -e ".${extras:+[$extras]}"
 # The C++ kernels, built now for this CPU, so that no start compiles (services/engine/layers/kernels.py).
 .venv/bin/python -m services.engine.layers.kernels
+if [ "$extras" = test ]; then  # the kernel tests run every level this CPU can: build them now, not in the tests
+  .venv/bin/python -m services.engine.layers.kernels --runnable-levels
+fi
 echo "meshserve installed in .venv"

@@ -316,17 +316,19 @@ def build_every_level(levels: tuple | list = ISA_LEVELS) -> dict[str, bool]:
 
 
 def main() -> int:
-    """python -m services.engine.layers.kernels [--strict] [--all-levels | --level LEVEL]: build every kernel now, for
-    this CPU (scripts/setup.sh runs it), for every level (the container image: it runs on any CPU it is pulled onto)
-    or for one. --strict: a kernel that does not build fails (the image) instead of running PyTorch's path."""
+    """python -m services.engine.layers.kernels [--strict] [--all-levels | --runnable-levels | --level LEVEL]: build
+    every kernel now, for this CPU (scripts/setup.sh runs it), for every level (the container image: it runs on any
+    CPU it is pulled onto), for every level this CPU runs (`setup.sh test`: the kernel tests run each of them) or for
+    one. --strict: a kernel that does not build fails (the image) instead of running PyTorch's path."""
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     args = sys.argv[1:]
     if envs.KERNELS.is_off():
         print("MESHSERVE_KERNELS=0: the kernels are off; nothing to build")
         return 0
-    if "--all-levels" in args:
-        done = build_every_level()
-        print("kernels built for every level: " + ", ".join(f"{lv} {'ready' if ok else 'FAILED'}"
+    if "--all-levels" in args or "--runnable-levels" in args:
+        runnable = [lv for lv in ISA_LEVELS[ISA_LEVELS.index(host_isa()):] if lv in supported_isas(cpu_flags())]
+        done = build_every_level(ISA_LEVELS if "--all-levels" in args else runnable)
+        print("kernels built for each level: " + ", ".join(f"{lv} {'ready' if ok else 'FAILED'}"
                                                               for lv, ok in done.items()))
         return 1 if "--strict" in args and not all(done.values()) else 0
     isa = args[args.index("--level") + 1] if "--level" in args[:-1] else host_isa()
