@@ -15,6 +15,7 @@ from tokenizers import Tokenizer
 from services.common.errors import ModelLoadError
 from services.engine.tools.gguf_import import import_gguf
 from tests.support.gguf_files import write_gguf
+from tests.support.kernel_checks import K_SCALES
 from tests.support.reference import assert_matches, greedy, hf_greedy, make_engine, random_prompts, run_all
 
 STRINGS = ["Kalo mine tevo.", "  two  spaces\tand a tab\n\nnewlines", "def f(x1): return 42", "héllo wörld ✓ 🤖",
@@ -85,8 +86,7 @@ def test_k_quant_tensors_are_read_with_their_block_layout(tmp_path, bench_model,
     block, size = gguf.GGML_QUANT_SIZES[kind]
     rows, cols = 688, 256  # layer 0's gate_proj
     raw = np.random.default_rng(0).integers(0, 256, (rows, cols // block * size), dtype=np.uint8)
-    scale_at = {"Q4_K": (0, 2), "Q6_K": (208,)}[qtype]  # the f16 scales of each block
-    for at in scale_at:
+    for at in K_SCALES[qtype]:  # the f16 scales of each block
         raw[:, at:at + 2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
     path = write_gguf(model, tmp_path / "m.gguf", "F32", raw_tensors={"blk.0.ffn_gate.weight": (raw, kind)})
     got = weights(import_gguf(path, tmp_path / "out", progress=False))["model.layers.0.mlp.gate_proj.weight"]

@@ -245,16 +245,7 @@ class TorchAttention:
         return f"decode {decode}; prompts {prompts}"
 
     def build_metadata(self, seqs: list[SeqLayout]) -> AttentionMetadata:
-        meta = self._metadata(seqs)
-        if self.window and any(s.num_computed + s.num_new > self.window for s in seqs):
-            meta.local = self._metadata(seqs, self.window)
-        return meta
-
-    def _metadata(self, seqs: list[SeqLayout], window: int = 0) -> AttentionMetadata:
-        """The step's metadata for layers with this window (0: global): sequences longer than it take the grouped
-        path with the window in their mask."""
         bs = self.block_size
-        short = [not window or s.num_computed + s.num_new <= window for s in seqs]
         offsets, slots, starts = [], [], 0
         for s in seqs:
             offsets.append(starts)
@@ -263,6 +254,17 @@ class TorchAttention:
                 slots.append(s.block_table[s.num_computed // bs] * bs + s.num_computed % bs)
             else:
                 slots.extend(self._slots(s))
+        slot_mapping = torch.tensor(slots)
+        meta = self._metadata(seqs, offsets, slot_mapping, starts)
+        if self.window and any(s.num_computed + s.num_new > self.window for s in seqs):
+            meta.local = self._metadata(seqs, offsets, slot_mapping, starts, self.window)
+        return meta
+
+    def _metadata(self, seqs: list[SeqLayout], offsets: list[int], slot_mapping: torch.Tensor, num_tokens: int,
+                  window: int = 0) -> AttentionMetadata:
+        """The step's metadata for layers with this window (0: global), over the step's token offsets and slots
+        (shared by both): sequences longer than the window take the grouped path with the window in their mask."""
+        short = [not window or s.num_computed + s.num_new <= window for s in seqs]
         decodes = [i for i in range(len(seqs)) if seqs[i].num_new == 1 and short[i]]
         windowed = [i for i in range(len(seqs)) if seqs[i].num_new == 1 and not short[i]]
         prefills = [[i] for i, s in enumerate(seqs) if s.num_new > 1 and not short[i]]
@@ -282,7 +284,7 @@ class TorchAttention:
         decodes = sorted(decodes + windowed, key=lambda i: seqs[i].num_computed)
         cuts = [decodes[i:i + self.group_size] for i in range(0, len(decodes), self.group_size)] + prefills
         groups = [self._group([seqs[i] for i in idx], [offsets[i] for i in idx], window) for idx in cuts]
-        return AttentionMetadata(slot_mapping=torch.tensor(slots), groups=groups, decode=decode, num_tokens=starts,
+        return AttentionMetadata(slot_mapping=slot_mapping, groups=groups, decode=decode, num_tokens=num_tokens,
                                  fresh=fresh, prompts=prompts)
 
     def _slots(self, s: SeqLayout) -> list[int]:

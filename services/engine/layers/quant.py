@@ -35,8 +35,7 @@ KERNEL_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q4_1F": 24, "Q8_1F": 
 # exact in float32, and w = fma(q, d, m) rounds once, as gguf's dequantize does (its d * q is exact).
 KINDS = {"Q4_0": "Q4_0", "Q4_1": "Q4_1", "Q8_0": "Q8_0", "Q5_0": "Q8_0", "Q4_K": "Q4_1F", "Q5_K": "Q8_1F",
          "Q6_K": "Q8_16F"}
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q5_0": 22, "Q4_K": 18, "Q5_K": 22, "Q6_K": 26.25}  # file, per 32
-SUPER_BLOCK = {"Q4_K": 256, "Q5_K": 256, "Q6_K": 256}  # weights per block where more than 32
+
 QUANTIZATIONS = ("auto", "none", "gguf")
 
 
@@ -135,7 +134,7 @@ def repack(blocks: torch.Tensor, kind: str) -> torch.Tensor:
     import numpy as np
 
     rows = blocks.shape[0]
-    b = blocks.contiguous().numpy().reshape(-1, {"Q5_0": 22, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}[kind])
+    b = blocks.contiguous().numpy().reshape(-1, file_block(kind)[1])
     n = b.shape[0]
     if kind == "Q5_0":  # d, 32 high bits, 16 bytes of low nibbles -> d, int8 (q - 16)
         high = (b[:, 2:6].copy().view(np.uint32) >> np.arange(32, dtype=np.uint32)) & 1
@@ -186,10 +185,18 @@ def _blocks_f32(rows: int, first, second, values) -> torch.Tensor:
 def _check(blocks: torch.Tensor, kind: str, in_features: int) -> None:
     if kind not in KINDS:
         raise ModelLoadError(f"quantized weights: type {kind} is not kept quantized (kept: {', '.join(KINDS)})")
-    if in_features % SUPER_BLOCK.get(kind, 32) or blocks.dim() != 2 or blocks.dtype != torch.uint8 or \
-            blocks.shape[1] != in_features // 32 * BLOCK_BYTES[kind]:
+    weights, size = file_block(kind)
+    if in_features % weights or blocks.dim() != 2 or blocks.dtype != torch.uint8 or \
+            blocks.shape[1] != in_features // weights * size:
         raise ModelLoadError(f"quantized weights: a {kind} tensor of shape {tuple(blocks.shape)} does not hold rows of "
                              f"{in_features} weights")
+
+
+def file_block(kind: str) -> tuple[int, int]:
+    """A GGUF type's block: (weights, bytes), from the gguf package's own table."""
+    import gguf
+
+    return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
 
 
 def _kernel():

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from services.config.engine import ModelConfig
 from services.engine.layers.rope import RotaryEmbedding
-from services.engine.models.llama import LayerWeights, LlamaModel, _fuse, _linear, _pack, _proj
+from services.engine.models.llama import LayerWeights, LlamaModel, _linear, _proj
 
 
 class Gemma3Model(LlamaModel):
@@ -29,18 +29,14 @@ class Gemma3Model(LlamaModel):
         p = f"model.layers.{i}."
 
         def norm(name: str) -> torch.Tensor:  # (1 + weight), as Gemma3RMSNorm multiplies, in the weight's dtype
-            return get(p + name + ".weight").float().add(1).to(get(p + name + ".weight").dtype)
+            w = get(p + name + ".weight")
+            return w.float().add(1).to(w.dtype)
 
-        attn = [f"{p}self_attn.{n}_proj" for n in ("q", "k", "v")]
-        mlp = [f"{p}mlp.{n}_proj" for n in ("gate", "up")]
         return LayerWeights(
+            **self._projections(get, p),  # Gemma 3 has no projection biases (the config says none)
             input_norm=norm("input_layernorm"), post_norm=norm("pre_feedforward_layernorm"),
             attn_out_norm=norm("post_attention_layernorm"), mlp_out_norm=norm("post_feedforward_layernorm"),
-            q_norm=norm("self_attn.q_norm"), k_norm=norm("self_attn.k_norm"),
-            qkv=_pack(_fuse([get(n + ".weight") for n in attn])), qkv_bias=None,
-            o=_pack(get(p + "self_attn.o_proj.weight")), o_bias=None,
-            gate_up=_pack(_fuse([get(n + ".weight") for n in mlp])), gate_up_bias=None,
-            down=_pack(get(p + "mlp.down_proj.weight")), down_bias=None)
+            q_norm=norm("self_attn.q_norm"), k_norm=norm("self_attn.k_norm"))
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention, meta, kv_cache,

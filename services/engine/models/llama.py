@@ -169,18 +169,21 @@ class LlamaModel:
 
     def _layer(self, get, i: int) -> LayerWeights:
         p, c = f"model.layers.{i}.", self.config
-        attn = [f"{p}self_attn.{n}_proj" for n in ("q", "k", "v")]
-        mlp = [f"{p}mlp.{n}_proj" for n in ("gate", "up")]
         norms = ({"q_norm": get(p + "self_attn.q_norm.weight"), "k_norm": get(p + "self_attn.k_norm.weight")}
                  if c.qk_norm else {})
-        return LayerWeights(
-            **norms,
-            input_norm=get(p + "input_layernorm.weight"),
+        return LayerWeights(**self._projections(get, p), **norms, input_norm=get(p + "input_layernorm.weight"),
+                            post_norm=get(p + "post_attention_layernorm.weight"))
+
+    def _projections(self, get, p: str) -> dict:
+        """A layer's projections (prefix p), q/k/v and gate/up fused, with their biases where the config has them."""
+        c = self.config
+        attn = [f"{p}self_attn.{n}_proj" for n in ("q", "k", "v")]
+        mlp = [f"{p}mlp.{n}_proj" for n in ("gate", "up")]
+        return dict(
             qkv=_pack(_fuse([get(n + ".weight") for n in attn])),
             qkv_bias=torch.cat([get(n + ".bias") for n in attn]) if c.qkv_bias else None,
             o=_pack(get(p + "self_attn.o_proj.weight")),
             o_bias=get(p + "self_attn.o_proj.bias") if c.o_bias else None,
-            post_norm=get(p + "post_attention_layernorm.weight"),
             gate_up=_pack(_fuse([get(n + ".weight") for n in mlp])),
             gate_up_bias=torch.cat([get(n + ".bias") for n in mlp]) if c.mlp_bias else None,
             down=_pack(get(p + "mlp.down_proj.weight")),
